@@ -1,0 +1,73 @@
+"""``python -m maspo_verl.main <hydra overrides>``: verl's ``main_ppo`` on our config directory.
+
+Composes ``hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
+runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry.
+
+- ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then.
+- ``maspo.dry_run=true`` stops after verl's own config validation and prints the resolved
+  policy-loss section: no Ray, no GPU.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from maspo_verl.verl_glue import startup_checks
+
+CONFIG_PATH = "pkg://maspo_verl.hydra_configs"
+
+LOSS_KEYS = (
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "loss_agg_mode",
+    "policy_loss",
+)
+
+
+def loss_section(config: DictConfig) -> dict:
+    """The resolved actor keys that define the loss, plus the bypass flag."""
+    actor = config.actor_rollout_ref.actor
+    section = {key: OmegaConf.to_container(actor, resolve=True)[key] for key in LOSS_KEYS if key in actor}
+    rollout_correction = config.get("algorithm", {}).get("rollout_correction", {}) or {}
+    section["bypass_mode"] = bool(rollout_correction.get("bypass_mode", False))
+    return section
+
+
+def dry_run(config: DictConfig) -> dict:
+    """verl's own validation (which builds the actor dataclass, ours included) without starting Ray."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    section = loss_section(config)
+    print("maspo_verl dry run: config valid; loss section:")
+    print(OmegaConf.to_yaml(OmegaConf.create(section)))
+    return section
+
+
+def run(config: DictConfig) -> None:
+    """Start-up checks, optional local mode, then verl's main_ppo body (or the dry run)."""
+    maspo = config.get("maspo", {}) or {}
+    startup_checks(config)
+    if maspo.get("local"):
+        from maspo_verl.local import prepare
+
+        prepare(config)
+    if maspo.get("dry_run"):
+        dry_run(config)
+        return
+    from verl.trainer.main_ppo import main as verl_main
+
+    verl_main.__wrapped__(config)  # the function under verl's @hydra.main
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="maspo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    run(config)
+
+
+if __name__ == "__main__":
+    main()

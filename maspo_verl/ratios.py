@@ -1,0 +1,58 @@
+"""Shared log-ratios: l_t = (sum_{u in S(t)} delta_u) / |S(t)|^alpha (SPEC §1).
+
+Three token sets cover every method: segments (MASPO; a single segment per row is GSPO / P-GSPO,
+one token per segment is GRPO) and prefixes {1..t} (CTPO). The ratio keeps the stop-gradient form
+r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, seed 003): value exp(l_t), gradient
+r_t * grad log pi_t. Sums run in float32 or wider, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# verl clamps token log-ratios to this range (core_algos.compute_policy_loss_vanilla); the same
+# bound is applied to each token's delta and to the shared log-ratio, so exp() never overflows.
+LOG_RATIO_CLAMP = 20.0
+
+
+def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """delta_t = clamp(log pi - log pi_old, +-20), detached, zero on padding, at least float32.
+
+    Non-finite log-probs (-inf old log-prob on a masked-in token) clamp instead of producing NaN.
+    """
+    dtype = torch.promote_types(log_prob.dtype, torch.float32)
+    delta = log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)
+    delta = torch.nan_to_num(delta, nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
+    return torch.where(mask.bool(), delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(delta))
+
+
+def segment_sums(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (sum of delta over its segment, size of its segment)."""
+    w = mask.to(delta.dtype)
+    sums = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta * w)
+    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, w)
+    return torch.gather(sums, -1, seg_ids), torch.gather(counts, -1, seg_ids)
+
+
+def prefix_sums(delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (sum of delta over valid tokens up to t, number of valid tokens up to t)."""
+    w = mask.to(delta.dtype)
+    return torch.cumsum(delta * w, dim=-1), torch.cumsum(w, dim=-1)
+
+
+def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Tensor:
+    """l = sum / n^alpha, clamped to +-20; alpha = 1 is a mean, alpha = 0 the full product."""
+    n = sizes.clamp(min=1.0)
+    if alpha == 1.0:
+        shared = sums / n
+    elif alpha == 0.0:
+        shared = sums
+    else:
+        shared = sums / n.pow(alpha)
+    return shared.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def shared_ratio(log_prob: torch.Tensor, shared_log_ratio: torch.Tensor) -> torch.Tensor:
+    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l))."""
+    lp = log_prob.to(shared_log_ratio.dtype)
+    return torch.exp(shared_log_ratio.detach() + (lp - lp.detach()))

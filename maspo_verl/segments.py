@@ -1,0 +1,205 @@
+"""Who shares a ratio: contiguous segments of a response (SPEC §3; seeds 000, 001).
+
+Every rule turns [B, T] inputs into a boolean *boundary* tensor (True where a new segment starts)
+plus a boundary *score* used by ``min_len`` suppression; ``segment_ids`` turns boundaries into ids.
+All functions are vectorised over [B, T]: no Python loop over tokens or samples, no host sync.
+
+Masks may be right- or left-padded and may contain holes (multi-turn tool outputs); "previous
+token" always means the previous *valid* token, and positions count valid tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+# Per-sample logprob rule: sigma floor (nats) so a sample whose drops are all equal gets no boundaries.
+STD_FLOOR = 1e-3
+# Drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude.
+MAX_DROP = 1e4
+
+
+def valid_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each token among the valid tokens of its row (0-based; padding gets garbage >= -1)."""
+    return torch.cumsum(mask.long(), dim=-1) - 1
+
+
+def first_valid(mask: torch.Tensor) -> torch.Tensor:
+    """True on the first valid token of each row."""
+    mask = mask.bool()
+    return mask & (torch.cumsum(mask.long(), dim=-1) == 1)
+
+
+def previous_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """For each position, the index of the previous valid token in its row (-1 when there is none)."""
+    mask = mask.bool()
+    idx = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.cummax(torch.where(mask, idx, torch.full_like(idx, -1)), dim=-1).values
+    return torch.nn.functional.pad(last[..., :-1], (1, 0), value=-1)
+
+
+def _gather_previous(x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    return torch.gather(x, -1, prev.clamp(min=0))
+
+
+def fixed_boundaries(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Boundary where (index among valid tokens) mod W == 0 (seed 000: ``arange(T) // W``)."""
+    mask = mask.bool()
+    return mask & (valid_positions(mask) % window == 0)
+
+
+def logprob_drops(old_log_prob: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_t = lp_prev - lp_t over valid neighbours; returns (drops, has_previous)."""
+    mask = mask.bool()
+    lp = torch.nan_to_num(old_log_prob.float(), nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
+    prev = previous_valid_index(mask)
+    has_prev = mask & (prev >= 0)
+    drop = (_gather_previous(lp, prev) - lp).clamp(-MAX_DROP, MAX_DROP)
+    return torch.where(has_prev, drop, torch.zeros_like(drop)), has_prev
+
+
+def logprob_scores(old_log_prob: torch.Tensor, mask: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """Boundary score of the logprob rule: the drop, or its per-sample z-score (seed 000)."""
+    drop, has_prev = logprob_drops(old_log_prob, mask)
+    if not per_sample:
+        return drop
+    w = has_prev.to(drop.dtype)
+    n = w.sum(-1, keepdim=True).clamp(min=1.0)
+    mu = (drop * w).sum(-1, keepdim=True) / n
+    var = (((drop - mu) ** 2) * w).sum(-1, keepdim=True) / n
+    return (drop - mu) / var.sqrt().clamp(min=STD_FLOOR)
+
+
+def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
+    """Distance between FSQ codes a, b split into mixed-radix digits (digit 0 least significant).
+
+    ``fsq_l1``: sum_k |a_k - b_k|; ``fsq_hamming``: sum_k [a_k != b_k]. For XCodec2's [4]*8,
+    digit k is (c >> 2k) & 3 (SPEC §3). Loops over the K digits, never over tokens.
+    """
+    dist = torch.zeros(a.shape, dtype=torch.long, device=a.device)
+    radix = 1
+    for level in levels:
+        da = torch.div(a, radix, rounding_mode="floor") % level
+        db = torch.div(b, radix, rounding_mode="floor") % level
+        dist += (da - db).abs() if kind == "fsq_l1" else (da != db).long()
+        radix *= level
+    return dist
+
+
+def tokenval_scores(
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    codec_offset: int,
+    codec_size: int,
+    distance: str,
+    fsq_levels: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distance between neighbouring codec codes; returns (distance, outside_codec_boundary).
+
+    A token outside [codec_offset, codec_offset + codec_size) (text, special tokens), and the
+    token after it, start segments of their own: the second tensor marks them.
+    """
+    mask = mask.bool()
+    ids = token_ids.long()
+    code = ids - codec_offset
+    in_codec = (code >= 0) & (code < codec_size)
+    code = torch.where(in_codec, code, torch.zeros_like(code))
+    prev = previous_valid_index(mask)
+    prev_code = _gather_previous(code, prev)
+    prev_in = _gather_previous(in_codec.long(), prev).bool() & (prev >= 0)
+    if distance == "id":
+        dist = (code - prev_code).abs()
+    else:
+        dist = fsq_digits_distance(code, prev_code, fsq_levels, distance)
+    forced = mask & (prev >= 0) & ~(in_codec & prev_in)
+    return torch.where(mask & in_codec & prev_in, dist, torch.zeros_like(dist)), forced
+
+
+def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, min_len: int) -> torch.Tensor:
+    """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
+
+    Ties go to the earlier boundary; the first valid token is strongest. Strength is turned into a
+    unique per-row rank first, so no two surviving boundaries are closer than ``min_len``.
+    """
+    if min_len <= 1:
+        return boundaries
+    T = boundaries.shape[-1]
+    key = torch.where(boundaries, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
+    key = torch.where(first_valid(mask), torch.full_like(key, math.inf), key)
+    # stable ascending sort of the reversed row: among equal keys the earlier token ranks higher
+    order = torch.argsort(key.flip(-1), dim=-1, stable=True)
+    rank_rev = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=key.device).expand_as(order))
+    rank = torch.where(boundaries, rank_rev.flip(-1), torch.full_like(order, -1)).float()
+    pooled = torch.nn.functional.max_pool1d(rank.unsqueeze(1), 2 * min_len - 1, stride=1, padding=min_len - 1)
+    return boundaries & (rank == pooled.squeeze(1))
+
+
+def split_long(boundaries: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Add a boundary every ``max_len`` valid tokens inside each segment."""
+    if max_len <= 0:
+        return boundaries
+    pos = valid_positions(mask)
+    start = torch.cummax(torch.where(boundaries, pos, torch.full_like(pos, -1)), dim=-1).values
+    return boundaries | (mask.bool() & ((pos - start) % max_len == 0))
+
+
+def segment_ids(boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Segment id of each token: 0 on the first valid token, +1 at each boundary; 0 on padding."""
+    mask = mask.bool()
+    b = (boundaries | first_valid(mask)) & mask
+    ids = torch.cumsum(b.long(), dim=-1) - 1
+    return torch.where(mask, ids.clamp(min=0), torch.zeros_like(ids))
+
+
+def compute_boundaries(
+    mask: torch.Tensor,
+    rule: str,
+    *,
+    old_log_prob: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+    window: int = 1,
+    logprob_threshold: float = 1.0,
+    logprob_per_sample: bool = False,
+    tokenval_threshold: float = 0.0,
+    tokenval_distance: str = "fsq_l1",
+    codec_offset: int = 128264,
+    codec_size: int = 65536,
+    fsq_levels: Sequence[int] = (4,) * 8,
+    min_len: int = 0,
+    max_len: int = 0,
+) -> torch.Tensor:
+    """Boundaries of one rule (``fixed``, ``logprob`` or ``tokenval``), then min/max length."""
+    mask = mask.bool()
+    forced = first_valid(mask)
+    if rule == "fixed":
+        b = fixed_boundaries(mask, window)
+        scores = torch.ones(mask.shape, device=mask.device)
+    elif rule == "logprob":
+        if old_log_prob is None:
+            raise ValueError("segment_rule='logprob' needs old_log_prob")
+        scores = logprob_scores(old_log_prob, mask, logprob_per_sample)
+        b = mask & (scores > logprob_threshold)
+    elif rule == "tokenval":
+        if token_ids is None:
+            raise ValueError(
+                "segment_rule='tokenval' needs the response token ids; in verl they reach the loss "
+                "through maspo_verl.verl_glue's ppo_loss wrapper (see `python -m maspo_verl check`)"
+            )
+        dist, outside = tokenval_scores(
+            token_ids,
+            mask,
+            codec_offset=codec_offset,
+            codec_size=codec_size,
+            distance=tokenval_distance,
+            fsq_levels=fsq_levels,
+        )
+        scores = dist.float()
+        b = mask & (scores > tokenval_threshold)
+        forced = forced | outside
+    else:
+        raise ValueError(f"segment_rule={rule!r} is invalid: allowed fixed, logprob, tokenval")
+    b = suppress_close(b | forced, torch.where(forced, math.inf, scores), mask, min_len) | forced
+    return split_long(b, mask, max_len) & mask
