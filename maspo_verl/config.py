@@ -104,7 +104,7 @@ class GranularLossConfig(PolicyLossConfig):
             _fail(
                 "fsq_levels",
                 self.fsq_levels,
-                f"levels whose product equals codec_size={self.codec_size} "
+                f"levels whose product equals policy_loss.codec_size={self.codec_size} "
                 f"(tokenval_distance={self.tokenval_distance!r} splits codes into FSQ digits)",
             )
         object.__setattr__(self, "fsq_levels", levels)

@@ -101,7 +101,15 @@ def aggregate(
         num_segments = (seg_ids.max(dim=-1, keepdim=True).values + 1).to(loss_mat.dtype)
         loss_mat = loss_mat / (sizes.clamp(min=1.0) * num_segments)
         loss_agg_mode = "seq-mean-token-sum"
-    return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+    info = dict(global_batch_info)
+    if info.get("dp_size", 1) <= 1:
+        # verl divides by the micro-batch's own counts when no global ones are given: 0/0 on an
+        # all-padding micro-batch. At least one keeps that loss 0 instead of NaN.
+        if info.get("batch_num_tokens") is None:
+            info["batch_num_tokens"] = mask.sum().clamp(min=1)
+        if info.get("global_batch_size") is None:
+            info["global_batch_size"] = mask.any(dim=-1).sum().clamp(min=1)
+    return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
 
 
 def _fraction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -182,7 +190,7 @@ def granular_policy_loss(
     mask = response_mask.bool()
     delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
     sums, sizes, alpha, seg_ids = token_sets(loss_mode, pl, old_log_prob, mask, delta)
-    ratio = ratios.shared_ratio(log_prob, ratios.normalise(sums, sizes, alpha))
+    ratio = ratios.shared_ratio(log_prob, ratios.normalise(sums, sizes, alpha), mask)
     surrogate = clipping.clipped_surrogate(ratio, advantages, clip_bounds(pl, config, sizes))
     loss_mat = surrogate.loss
     if rollout_is_weights is not None:

@@ -52,7 +52,10 @@ def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Te
     return shared.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def shared_ratio(log_prob: torch.Tensor, shared_log_ratio: torch.Tensor) -> torch.Tensor:
-    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l))."""
-    lp = log_prob.to(shared_log_ratio.dtype)
+def shared_ratio(log_prob: torch.Tensor, shared_log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l)).
+
+    Padding log-probs may hold anything (even -inf); they are zeroed so r stays finite there.
+    """
+    lp = torch.where(mask.bool(), log_prob.to(shared_log_ratio.dtype), 0.0)
     return torch.exp(shared_log_ratio.detach() + (lp - lp.detach()))

@@ -121,8 +121,9 @@ def tokenval_scores(
 def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, min_len: int) -> torch.Tensor:
     """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
 
-    Ties go to the earlier boundary; the first valid token is strongest. Strength is turned into a
-    unique per-row rank first, so no two surviving boundaries are closer than ``min_len``.
+    Distances count valid tokens. Ties go to the earlier boundary; the first valid token is
+    strongest. Strength is turned into a unique per-row rank first, so no two surviving boundaries
+    are closer than ``min_len``.
     """
     if min_len <= 1:
         return boundaries
@@ -133,8 +134,11 @@ def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.T
     order = torch.argsort(key.flip(-1), dim=-1, stable=True)
     rank_rev = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=key.device).expand_as(order))
     rank = torch.where(boundaries, rank_rev.flip(-1), torch.full_like(order, -1)).float()
-    pooled = torch.nn.functional.max_pool1d(rank.unsqueeze(1), 2 * min_len - 1, stride=1, padding=min_len - 1)
-    return boundaries & (rank == pooled.squeeze(1))
+    # pool over positions among valid tokens: compact each row (padding goes to a spare last slot)
+    slot = torch.where(mask.bool(), valid_positions(mask), torch.full_like(order, T))
+    compact = torch.full((rank.shape[0], T + 1), -1.0, device=rank.device).scatter_(-1, slot, rank)
+    pooled = torch.nn.functional.max_pool1d(compact.unsqueeze(1), 2 * min_len - 1, stride=1, padding=min_len - 1)
+    return boundaries & (rank == torch.gather(pooled.squeeze(1), -1, slot))
 
 
 def split_long(boundaries: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""Hydra compose -> verl's omega_conf_to_dataclass -> GranularLossConfig; validation; start-up checks."""
+
+import warnings
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+from maspo_verl.config import GranularLossConfig
+from maspo_verl.main import dry_run
+from maspo_verl.verl_glue import startup_checks
+
+PRESETS = ["grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"]
+SMALL = [
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+]
+
+
+def compose_config(*overrides):
+    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
+        return compose(config_name="maspo_trainer", overrides=list(overrides))
+
+
+def actor_policy_loss(cfg):
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)
+
+
+def test_cli_overrides_reach_our_dataclass():
+    cfg = compose_config(
+        "loss=maspo_logprob",
+        "actor_rollout_ref.actor.policy_loss.logprob_threshold=2.5",
+        "actor_rollout_ref.actor.policy_loss.max_segment_len=40",
+        "actor_rollout_ref.actor.policy_loss.fsq_levels=[8,8,8,5,5,5]",
+        "actor_rollout_ref.actor.policy_loss.codec_size=64000",
+    )
+    pl = actor_policy_loss(cfg)
+    assert isinstance(pl, GranularLossConfig)
+    assert (pl.loss_mode, pl.segment_rule, pl.logprob_threshold, pl.max_segment_len) == ("maspo", "logprob", 2.5, 40)
+    assert pl.fsq_levels == [8, 8, 8, 5, 5, 5] and pl.codec_size == 64000
+    assert pl.logprob_per_sample is True and pl.min_segment_len == 3
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_passes_verls_validation(preset, capsys):
+    section = dry_run(compose_config(f"loss={preset}", *SMALL))
+    assert "config valid" in capsys.readouterr().out
+    expected_mode = {"grpo": "vanilla", "gspo": "gspo"}.get(preset, preset.split("_")[0])
+    assert section["policy_loss"]["loss_mode"] == expected_mode
+
+
+def test_preset_clip_ranges_follow_the_sources():
+    gspo = compose_config("loss=gspo").actor_rollout_ref.actor
+    assert (gspo.clip_ratio_low, gspo.clip_ratio_high, gspo.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    ctpo = compose_config("loss=ctpo").actor_rollout_ref.actor.policy_loss
+    assert (ctpo.log_clip_low, ctpo.log_clip_high, ctpo.log_clip_dual, ctpo.clip_exponent) == (0.025, 0.05, 0.05, 0.5)
+    assert ctpo.clip_schedule == "log_adaptive" and ctpo.ctpo_mode == "cumprod"
+
+
+def test_typo_in_field_is_rejected_at_compose():
+    with pytest.raises(ConfigCompositionException, match="segmnt_rule"):
+        compose_config("actor_rollout_ref.actor.policy_loss.segmnt_rule=fixed")
+
+
+def test_added_unknown_field_is_rejected_by_the_dataclass():
+    cfg = compose_config("+actor_rollout_ref.actor.policy_loss.segmnt_rule=fixed")
+    with pytest.raises(Exception, match="segmnt_rule"):
+        actor_policy_loss(cfg)
+
+
+BAD_VALUES = [
+    ("segment_rule", "window", "fixed, logprob, tokenval"),
+    ("segment_window", 0, "integer >= 1"),
+    ("tokenval_distance", "l2", "id, fsq_l1, fsq_hamming"),
+    ("tokenval_threshold", -1.0, ">= 0"),
+    ("codec_size", 1000, "product equals policy_loss.codec_size"),
+    ("fsq_levels", [4, 1], "integers >= 2"),
+    ("min_segment_len", -2, "integer >= 0"),
+    ("max_segment_len", 2, ">= min_segment_len"),
+    ("length_exponent", 1.5, "<= 1"),
+    ("ctpo_mode", "prod", "cumprod, geomean"),
+    ("clip_schedule", "log", "ratio, log_adaptive"),
+    ("log_clip_low", 0.0, "> 0"),
+    ("log_clip_high", float("nan"), "finite"),
+    ("agg_mode", "seg-mean", "actor, seg-mean-token-mean"),
+    ("position_buckets", 0, "integer >= 1"),
+    ("logprob_per_sample", "yes", "true or false"),
+]
+
+
+@pytest.mark.parametrize("field,value,allowed", BAD_VALUES)
+def test_out_of_range_values_name_the_field_and_the_allowed_values(field, value, allowed):
+    kwargs = {"min_segment_len": 3} if field == "max_segment_len" else {}
+    with pytest.raises(ValueError) as err:
+        GranularLossConfig(loss_mode="maspo", **kwargs, **{field: value})
+    assert f"policy_loss.{field}=" in str(err.value)
+    assert allowed in str(err.value)
+
+
+def test_bad_value_from_the_cli_fails_when_verl_builds_the_actor_config():
+    cfg = compose_config("loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.segment_window=0", *SMALL)
+    with pytest.raises(Exception, match="segment_window"):
+        dry_run(cfg)
+
+
+def test_ctpo_rejects_segment_aggregation():
+    with pytest.raises(ValueError, match="agg_mode"):
+        GranularLossConfig(loss_mode="ctpo", agg_mode="seg-mean-token-mean")
+
+
+def test_our_loss_without_our_dataclass_is_a_startup_error():
+    cfg = compose_config(
+        "loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"
+    )
+    with pytest.raises(ValueError, match="_target_=maspo_verl.config.GranularLossConfig"):
+        startup_checks(cfg)
+
+
+@pytest.mark.parametrize(
+    "preset,extra,warns",
+    [
+        ("grpo", [], True),
+        ("maspo_fixed", ["actor_rollout_ref.actor.policy_loss.segment_window=1"], True),
+        ("maspo_fixed", [], False),
+        ("gspo", [], False),
+        ("ctpo", [], False),
+    ],
+)
+def test_bypass_mode_with_token_level_loss_warns(preset, extra, warns):
+    cfg = compose_config(f"loss={preset}", "algorithm.rollout_correction.bypass_mode=true", *extra)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        issued = startup_checks(cfg)
+    assert bool(issued) == warns
+    assert not startup_checks(compose_config(f"loss={preset}", *extra))
+
+
+def test_yaml_lists_every_field_at_its_dataclass_default():
+    from dataclasses import fields
+
+    from verl.workers.config import PolicyLossConfig
+
+    ours = {f.name for f in fields(GranularLossConfig)} - {f.name for f in fields(PolicyLossConfig)}
+    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
+        cfg = compose(config_name="maspo_trainer", overrides=["~loss"])
+    section = OmegaConf.to_container(cfg.actor_rollout_ref.actor.policy_loss)
+    default = GranularLossConfig()
+    assert {name: section[name] for name in ours} == {name: getattr(default, name) for name in ours}
+
+
+def test_default_trainer_uses_grpo_advantages_and_our_target():
+    cfg = compose_config()
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.actor_rollout_ref.actor.policy_loss._target_ == "maspo_verl.config.GranularLossConfig"
+    assert OmegaConf.select(cfg, "maspo.local") is None

@@ -1,0 +1,179 @@
+"""SPEC §4 limits in float64 against verl's own losses and independent loop references."""
+
+import math
+
+import pytest
+import torch
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from tests.core.helpers import actor_config, random_batch
+
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
+
+
+def loss_and_grad(name, config, old, new, adv, mask, agg):
+    loss, metrics = get_policy_loss_fn(name)(old, new, adv, mask, agg, config)
+    (grad,) = torch.autograd.grad(loss, new)
+    return loss.detach(), grad, metrics
+
+
+def assert_close(a, b, tol=1e-6):
+    diff = (a - b).abs().max().item()
+    assert diff <= tol, f"max abs diff {diff:.3e} > {tol}"
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+def test_maspo_window_one_is_verl_vanilla(agg, scale):
+    old, new, adv, mask = random_batch(scale=scale, seed=1)
+    ours = loss_and_grad("maspo", actor_config(segment_rule="fixed", segment_window=1), old, new, adv, mask, agg)
+    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[1].abs().sum() > 0
+    # the large-scale case really exercises both clips and the dual clip
+    if scale > 0.5:
+        assert ours[2]["actor/pg_clipfrac"] > 0
+    assert ours[2]["actor/pg_clipfrac"] == pytest.approx(verl[2]["actor/pg_clipfrac"], abs=1e-6)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("window", [20, 1000])
+def test_maspo_window_at_least_length_is_verl_gspo(agg, window):
+    old, new, adv, mask = random_batch(scale=0.01, seed=2)
+    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="fixed", segment_window=window)
+    ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
+    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_pgspo_alpha_one_is_verl_gspo(agg):
+    old, new, adv, mask = random_batch(scale=0.02, seed=3)
+    ours = loss_and_grad("pgspo", actor_config(3e-4, 4e-4, loss_mode="pgspo"), old, new, adv, mask, agg)
+    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+
+
+def test_pgspo_alpha_zero_is_the_full_product():
+    old, new, adv, mask = random_batch(scale=0.05, seed=4)
+    config = actor_config(clip_low=10.0, clip_high=1e6, clip_c=1e9, loss_mode="pgspo", length_exponent=0.0)
+    loss, grad, _ = loss_and_grad("pgspo", config, old, new, adv, mask, "token-sum")
+    log_product = ((new.detach() - old) * mask).sum(-1, keepdim=True)
+    expected = (-adv * torch.exp(log_product) * mask).sum()
+    assert_close(loss, expected)
+    assert_close(grad, -adv * torch.exp(log_product) * mask)
+
+
+def test_gspo_worked_example():
+    """Seed 003: 512 tokens, two with ratios 1.9 and 0.4, the rest 1.0."""
+    old = torch.zeros(1, 512, dtype=torch.float64)
+    new = old.clone()
+    new[0, 10], new[0, 300] = math.log(1.9), math.log(0.4)
+    adv = torch.ones(1, 512, dtype=torch.float64)
+    mask = torch.ones(1, 512, dtype=torch.bool)
+    for name, kwargs in [("pgspo", {"loss_mode": "pgspo"}), ("maspo", {"segment_window": 512})]:
+        _, metrics = get_policy_loss_fn(name)(old, new, adv, mask, "seq-mean-token-mean", actor_config(**kwargs))
+        s = metrics["actor/ratio/mean"]
+        assert s == pytest.approx(math.exp((math.log(1.9) + math.log(0.4)) / 512), abs=1e-12)
+        assert round(s, 4) == 0.9995
+        assert metrics["actor/ratio/min"] == metrics["actor/ratio/max"] == pytest.approx(s)
+
+
+def reference_token_losses(old, new, adv, mask, sets, alpha, bounds):
+    """Position-wise float64 loop: sets(i, positions, k) -> indices sharing token k's ratio."""
+    losses = torch.zeros_like(new)
+    for i in range(new.shape[0]):
+        positions = [t for t in range(new.shape[1]) if mask[i, t]]
+        for k, t in enumerate(positions):
+            members = sets(positions, k)
+            total = sum(torch.clamp(new[i, u].detach() - old[i, u], -20, 20) for u in members)
+            shared = torch.clamp(total / len(members) ** alpha, -20, 20)
+            r = torch.exp(shared + new[i, t] - new[i, t].detach())
+            lo, hi, c = bounds(len(members))
+            a = adv[i, t]
+            pessimistic = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
+            losses[i, t] = torch.minimum(pessimistic, -a * c) if a < 0 else pessimistic
+    return losses
+
+
+def log_bounds(eps_low, eps_high, eps_c, p):
+    return lambda n: (math.exp(-eps_low * n**p), math.exp(eps_high * n**p), math.exp(eps_c * n**p))
+
+
+@pytest.mark.parametrize("mode,alpha,p", [("cumprod", 0.0, 0.5), ("geomean", 1.0, -0.5), ("cumprod", 0.0, 0.0)])
+def test_ctpo_matches_position_wise_reference(mode, alpha, p):
+    old, new, adv, mask = random_batch(B=4, T=12, scale=0.15, seed=5)
+    config = actor_config(loss_mode="ctpo", ctpo_mode=mode, clip_schedule="log_adaptive", clip_exponent=p)
+    loss, grad, _ = loss_and_grad("ctpo", config, old, new, adv, mask, "token-mean")
+    prefix = lambda positions, k: positions[: k + 1]  # noqa: E731
+    ref = reference_token_losses(old, new, adv, mask, prefix, alpha, log_bounds(0.025, 0.05, 0.05, p))
+    ref_loss = (ref * mask).sum() / mask.sum()
+    (ref_grad,) = torch.autograd.grad(ref_loss, new)
+    assert_close(loss, ref_loss)
+    assert_close(grad, ref_grad)
+
+
+def test_ctpo_constant_exponent_is_constant_log_clip():
+    """p = 0: bounds exp(-eps_low), exp(eps_high), exp(eps_c) at every position (ratio-space clip with those)."""
+    old, new, adv, mask = random_batch(scale=0.2, seed=6)
+    log_cfg = actor_config(loss_mode="ctpo", clip_schedule="log_adaptive", clip_exponent=0.0)
+    ratio_cfg = actor_config(
+        clip_low=1 - math.exp(-0.025), clip_high=math.exp(0.05) - 1, clip_c=math.exp(0.05), loss_mode="ctpo"
+    )
+    a = loss_and_grad("ctpo", log_cfg, old, new, adv, mask, "token-mean")
+    b = loss_and_grad("ctpo", ratio_cfg, old, new, adv, mask, "token-mean")
+    assert_close(a[0], b[0])
+    assert_close(a[1], b[1])
+
+
+@pytest.mark.parametrize("mode", ["cumprod", "geomean"])
+def test_ctpo_length_one_is_token_ratio(mode):
+    old, new, adv, mask = random_batch(B=8, T=1, scale=0.3, seed=7, lengths=[1] * 8)
+    ours = loss_and_grad("ctpo", actor_config(loss_mode="ctpo", ctpo_mode=mode), old, new, adv, mask, "token-mean")
+    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, "token-mean")
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+
+
+@pytest.mark.parametrize("window", [3, 5])
+def test_maspo_fixed_window_matches_reference_and_segment_aggregation(window):
+    old, new, adv, mask = random_batch(B=5, T=17, scale=0.2, seed=8)
+    config = actor_config(segment_window=window, agg_mode="seg-mean-token-mean")
+    loss, grad, metrics = loss_and_grad("maspo", config, old, new, adv, mask, "token-mean")
+    window_of = lambda positions, k: positions[(k // window) * window : (k // window + 1) * window]  # noqa: E731
+    ref = reference_token_losses(old, new, adv, mask, window_of, 1.0, lambda n: (0.8, 1.28, 3.0))
+    per_row = []
+    for i in range(ref.shape[0]):
+        positions = [t for t in range(ref.shape[1]) if mask[i, t]]
+        chunks = [positions[s : s + window] for s in range(0, len(positions), window)]
+        per_row.append(sum(ref[i, c].mean() for c in chunks) / len(chunks))
+    ref_loss = sum(per_row) / len(per_row)
+    (ref_grad,) = torch.autograd.grad(ref_loss, new)
+    assert_close(loss, ref_loss)
+    assert_close(grad, ref_grad)
+    lengths = mask.sum(-1)
+    assert metrics["actor/ratio/segments_per_seq"] == pytest.approx(torch.ceil(lengths / window).mean().item())
+
+
+@pytest.mark.parametrize("agg_mode,loss_agg", [("seg-mean-token-mean", "token-mean"), ("actor", "token-mean")])
+def test_aggregation_is_data_parallel_invariant(agg_mode, loss_agg):
+    """Two DP ranks with verl's global_batch_info give the single-rank loss and gradient (ranks are averaged)."""
+    old, new, adv, mask = random_batch(B=6, T=15, scale=0.2, seed=9)
+    fn = get_policy_loss_fn("maspo")
+    single = actor_config(segment_window=4, agg_mode=agg_mode)
+    full, _ = fn(old, new, adv, mask, loss_agg, single)
+    (full_grad,) = torch.autograd.grad(full, new)
+    info = {"dp_size": 2, "batch_num_tokens": int(mask.sum()), "global_batch_size": 6, "loss_scale_factor": None}
+    total = 0
+    for rows in (slice(0, 2), slice(2, 6)):
+        cfg = actor_config(segment_window=4, agg_mode=agg_mode)
+        cfg.global_batch_info.update(info)
+        part, _ = fn(old[rows], new[rows], adv[rows], mask[rows], loss_agg, cfg)
+        total = total + part / 2
+    (split_grad,) = torch.autograd.grad(total, new)
+    assert_close(full, total)
+    assert_close(full_grad, split_grad)

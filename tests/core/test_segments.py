@@ -1,0 +1,168 @@
+"""Segmentation properties over generated inputs (SPEC §3)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maspo_verl import segments
+
+settings.register_profile("ci", deadline=None, max_examples=60)
+settings.load_profile("ci")
+
+
+@st.composite
+def masks(draw, max_b=5, max_t=24):
+    """Right-, left-padded, holed, empty and length-1 rows."""
+    B = draw(st.integers(1, max_b))
+    T = draw(st.integers(1, max_t))
+    rows = []
+    for _ in range(B):
+        n = draw(st.integers(0, T))
+        kind = draw(st.sampled_from(["right", "left", "holes"]))
+        if kind == "right":
+            row = [1] * n + [0] * (T - n)
+        elif kind == "left":
+            row = [0] * (T - n) + [1] * n
+        else:
+            row = draw(st.lists(st.integers(0, 1), min_size=T, max_size=T))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def rule_kwargs(draw, mask):
+    B, T = mask.shape
+    rule = draw(st.sampled_from(["fixed", "logprob", "tokenval"]))
+    seed = draw(st.integers(0, 10_000))
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g) * 4
+    if draw(st.booleans()):
+        lp[torch.rand(B, T, generator=g) < 0.1] = float("-inf")
+    ids = 128264 + torch.randint(0, 65536, (B, T), generator=g)
+    ids[torch.rand(B, T, generator=g) < 0.1] = 5  # text tokens
+    min_len = draw(st.integers(0, 6))
+    max_len = draw(st.sampled_from([0, max(min_len, 1), min_len + 3]))
+    return dict(
+        rule=rule,
+        old_log_prob=lp,
+        token_ids=ids,
+        window=draw(st.integers(1, 8)),
+        logprob_threshold=draw(st.floats(-1.0, 3.0)),
+        logprob_per_sample=draw(st.booleans()),
+        tokenval_threshold=draw(st.floats(0.0, 20.0)),
+        tokenval_distance=draw(st.sampled_from(["id", "fsq_l1", "fsq_hamming"])),
+        min_len=min_len,
+        max_len=max_len,
+    )
+
+
+def valid_ids(ids, mask, i):
+    return ids[i][mask[i]].tolist()
+
+
+@given(st.data())
+def test_ids_contiguous_start_at_zero_and_ignore_padding(data):
+    mask = data.draw(masks())
+    kwargs = rule_kwargs(data.draw, mask)
+    boundaries = segments.compute_boundaries(mask, **kwargs)
+    ids = segments.segment_ids(boundaries, mask)
+    assert not (boundaries & ~mask).any(), "boundary on padding"
+    assert (ids[~mask] == 0).all()
+    for i in range(mask.shape[0]):
+        seq = valid_ids(ids, mask, i)
+        if not seq:
+            continue
+        assert seq[0] == 0
+        steps = [b - a for a, b in zip(seq, seq[1:], strict=False)]
+        assert set(steps) <= {0, 1}, f"ids not contiguous: {seq}"
+        # an id changes exactly at a boundary
+        bounds = boundaries[i][mask[i]].tolist()
+        assert [s == 1 for s in steps] == bounds[1:]
+
+
+@given(st.data())
+def test_max_len_always_and_min_len_between_rule_boundaries(data):
+    mask = data.draw(masks())
+    kwargs = rule_kwargs(data.draw, mask)
+    kwargs["rule"] = data.draw(st.sampled_from(["fixed", "logprob"]))  # tokenval forces extra boundaries
+    boundaries = segments.compute_boundaries(mask, **kwargs)
+    ids = segments.segment_ids(boundaries, mask)
+    for i in range(mask.shape[0]):
+        seq = valid_ids(ids, mask, i)
+        sizes = torch.bincount(torch.tensor(seq, dtype=torch.long)).tolist() if seq else []
+        if kwargs["max_len"]:
+            assert max(sizes, default=0) <= kwargs["max_len"]
+        elif kwargs["min_len"] > 1:
+            # every segment but the row's last is at least min_len long
+            assert all(s >= kwargs["min_len"] for s in sizes[:-1]), (sizes, kwargs["min_len"])
+
+
+@given(st.data())
+def test_window_extremes(data):
+    mask = data.draw(masks())
+    T = mask.shape[1]
+    one = segments.segment_ids(segments.compute_boundaries(mask, "fixed", window=1), mask)
+    whole = segments.segment_ids(
+        segments.compute_boundaries(mask, "fixed", window=T + data.draw(st.integers(0, 5))), mask
+    )
+    positions = segments.valid_positions(mask)
+    assert torch.equal(one[mask], positions[mask])
+    assert (whole == 0).all()
+
+
+@given(st.data())
+def test_logprob_threshold_extremes(data):
+    mask = data.draw(masks())
+    lp = -torch.rand(mask.shape) * 4
+    huge = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1e9)
+    tiny = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=-1e9)
+    assert torch.equal(huge, segments.first_valid(mask))  # GSPO-like: one segment
+    assert torch.equal(tiny, mask)  # GRPO-like: every token
+
+
+def test_logprob_rule_cuts_at_drops_and_per_sample_normalises():
+    lp = torch.tensor([[-0.1, -0.1, -3.0, -3.1, -0.2, -5.0]])
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    b = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0)
+    assert b.tolist() == [[True, False, True, False, False, True]]
+    # the same drops scaled by 10 give the same per-sample z-score boundaries
+    b10 = segments.compute_boundaries(
+        mask, "logprob", old_log_prob=lp * 10, logprob_threshold=1.0, logprob_per_sample=True
+    )
+    b1 = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, logprob_per_sample=True)
+    assert torch.equal(b1, b10)
+
+
+def test_fsq_digit_distances_on_known_pairs():
+    a = torch.tensor([16383, 0, 0, 65535, 5])
+    b = torch.tensor([16384, 3, 1 << 14, 0, 5])
+    levels = [4] * 8
+    # 16383 = digits 3,3,3,3,3,3,3,0 ; 16384 = 0,0,0,0,0,0,0,1
+    assert segments.fsq_digits_distance(a, b, levels, "fsq_hamming").tolist() == [8, 1, 1, 8, 0]
+    assert segments.fsq_digits_distance(a, b, levels, "fsq_l1").tolist() == [22, 3, 1, 24, 0]
+    # digit k is (c >> 2k) & 3
+    c = torch.randint(0, 65536, (200,))
+    d = torch.randint(0, 65536, (200,))
+    l1 = sum(((c >> (2 * k)) & 3).sub((d >> (2 * k)) & 3).abs() for k in range(8))
+    assert torch.equal(segments.fsq_digits_distance(c, d, levels, "fsq_l1"), l1)
+    # mixed radix levels
+    assert segments.fsq_digits_distance(torch.tensor([7]), torch.tensor([0]), [2, 3, 5], "fsq_l1").tolist() == [
+        1 + 0 + 1
+    ]
+
+
+def test_tokenval_text_tokens_are_their_own_segments():
+    off = 128264
+    ids = torch.tensor([[off + 10, off + 11, 500, off + 12, off + 4000, off + 4001, 128261]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    b = segments.compute_boundaries(mask, "tokenval", token_ids=ids, tokenval_threshold=2, tokenval_distance="id")
+    assert b.tolist() == [[True, False, True, True, True, False, True]]
+
+
+def test_min_len_keeps_the_stronger_boundary():
+    lp = torch.tensor([[0.0, -1.5, 0.0, -4.0, 0.0, 0.0, 0.0, -2.0]])
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    drops = segments.logprob_drops(lp, mask)[0]
+    assert drops.tolist()[0][1] == 1.5
+    b = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_len=3)
+    # drop 1.5 at t=1 is within 3 of the forced start; 4.0 at t=3 survives; 2.0 at t=7 is 4 away: kept
+    assert b.tolist() == [[True, False, False, True, False, False, False, True]]
