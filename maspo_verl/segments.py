@@ -121,15 +121,14 @@ def tokenval_scores(
 def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, min_len: int) -> torch.Tensor:
     """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
 
-    Distances count valid tokens. Ties go to the earlier boundary; the first valid token is
-    strongest. Strength is turned into a unique per-row rank first, so no two surviving boundaries
+    Distances count valid tokens. Ties go to the earlier boundary; boundaries that must stay
+    (the first valid token, tokens outside the codec) carry score +inf. Strength is turned into a unique per-row rank first, so no two surviving boundaries
     are closer than ``min_len``.
     """
     if min_len <= 1:
         return boundaries
     T = boundaries.shape[-1]
     key = torch.where(boundaries, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
-    key = torch.where(first_valid(mask), torch.full_like(key, math.inf), key)
     # stable ascending sort of the reversed row: among equal keys the earlier token ranks higher
     order = torch.argsort(key.flip(-1), dim=-1, stable=True)
     rank_rev = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=key.device).expand_as(order))
