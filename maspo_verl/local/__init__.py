@@ -1,0 +1,188 @@
+"""Local CPU mode: verl's real trainer (main_ppo, Ray, FSDP2, agent-loop rollout, ppo_loss) on the host.
+
+``python -m maspo_verl.main local=cpu loss=<preset>`` runs a few real training steps on an embedded
+tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_ref.model.path`` /
+``data.train_files`` / ``data.val_files``. Two entry points, both called by the package itself:
+
+- ``prepare(config)`` (driver, from ``maspo_verl.main.run`` when ``maspo.local`` is set): builds the
+  embedded assets, fills in paths and CPU overrides, sets the environment for the driver and for
+  every Ray worker, then ``activate()``.
+- ``activate()`` (driver and Ray workers, on plugin import when ``MASPO_VERL_LOCAL`` is set):
+  registers the ``cpu`` platform, the ``hf`` rollout (replica + adapter) and de-duplicates the
+  process-group backend string. These work around checks hard-coded in verl 0.9.1, so they are
+  refused with a clear error on any other verl version.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+
+logger = logging.getLogger("maspo_verl.local")
+
+SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+LOCAL_MODES = ("cpu",)
+
+# Environment of the local mode, for the driver (os.environ) and every Ray worker (runtime_env).
+LOCAL_ENV = {
+    "MASPO_VERL_LOCAL": "cpu",  # makes `import verl` (plugin) call activate() in each worker
+    "VERL_PLATFORM": "cpu",  # picks PlatformCPU in verl's platform registry
+    "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda/npu only
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+_activated = False
+
+
+def check_verl_version() -> str:
+    """The installed verl version; raises RuntimeError if the local mode was not written for it."""
+    import verl
+
+    version = getattr(verl, "__version__", "unknown")
+    if version not in SUPPORTED_VERL_VERSIONS:
+        raise RuntimeError(
+            f"maspo_verl local mode: installed verl {version} is not supported (supported: "
+            f"{', '.join(SUPPORTED_VERL_VERSIONS)}). The local mode patches checks hard-coded in verl "
+            "(platform, rollout registry, process-group backend); install a supported verl or run "
+            "without local=cpu."
+        )
+    return version
+
+
+def _dedup_backend(backend: str | None) -> str | None:
+    """'cpu:gloo,cpu:gloo' -> 'cpu:gloo' (torch rejects a device type listed twice)."""
+    if not backend or "," not in backend:
+        return backend
+    seen: dict[str, str] = {}
+    for part in backend.split(","):
+        device, _, name = part.partition(":")
+        seen.setdefault(device.strip(), part.strip())
+    return ",".join(seen.values())
+
+
+def _patch_process_group_backend() -> None:
+    import sys
+
+    from verl.utils import device, distributed
+
+    original = distributed.initialize_global_process_group_ray
+    if getattr(original, "__maspo_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        backend = backend or f"cpu:gloo,{device.get_device_name()}:{device.get_nccl_backend()}"
+        return original(timeout_second=timeout_second, backend=_dedup_backend(backend))
+
+    initialize_global_process_group_ray.__maspo_original__ = original
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+    for name, module in list(sys.modules.items()):
+        if name.startswith("verl.") and getattr(module, "initialize_global_process_group_ray", None) is original:
+            module.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+def activate() -> None:
+    """Register the cpu platform and the hf rollout in verl's registries (idempotent)."""
+    global _activated
+    if _activated:
+        return
+    check_verl_version()
+    from verl.plugin.platform import platform_manager
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from maspo_verl.local.platform import PlatformCPU
+
+    platform_manager.PlatformRegistry.register(platform="cpu")(PlatformCPU)
+    current = platform_manager._current_platform
+    if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu" and (
+        current is not None and not isinstance(current, PlatformCPU)
+    ):
+        platform_manager._current_platform = PlatformCPU()  # detected before we registered
+    rollout_base._ROLLOUT_REGISTRY[("hf", "async")] = "maspo_verl.local.hf_rollout.HFServerAdapter"
+
+    def _load_hf():
+        from maspo_verl.local.hf_rollout import HFReplica
+
+        return HFReplica
+
+    RolloutReplicaRegistry.register("hf", _load_hf)
+    _patch_process_group_backend()
+    _activated = True
+
+
+def _is_unset(value) -> bool:
+    return value is None or (isinstance(value, str) and value.strip() in ("", "null", "None"))
+
+
+def prepare(config) -> dict:
+    """Fill in the local mode's paths, environment and overrides on the composed (mutable) config."""
+    from omegaconf import open_dict
+
+    mode = str(config.maspo.local).lower()
+    if mode not in LOCAL_MODES:
+        raise ValueError(f"maspo.local={config.maspo.local!r}: supported local modes are {LOCAL_MODES}")
+    check_verl_version()
+    os.environ.update(LOCAL_ENV)
+    activate()
+
+    from maspo_verl.local import assets
+
+    arr = config.actor_rollout_ref
+    seed = int(config.maspo.get("local_seed", 0) or 0)
+    used = {}
+    with open_dict(config):
+        need_model = _is_unset(arr.model.path)
+        need_data = _is_unset(config.data.train_files) or _is_unset(config.data.val_files)
+        if need_model or need_data:
+            paths = assets.ensure_assets(seed=seed, cache_dir=config.maspo.get("local_cache_dir"))
+            if need_model:
+                arr.model.path = paths["model"]
+                used["model"] = "embedded"
+                _fit_tokenval_to_embedded(arr.actor.policy_loss)
+            if _is_unset(config.data.train_files):
+                config.data.train_files = paths["train"]
+                used["train"] = "embedded"
+            if _is_unset(config.data.val_files):
+                config.data.val_files = paths["val"]
+                used["val"] = "embedded"
+            if used.get("train") and _is_unset(config.reward.custom_reward_function.path):
+                from maspo_verl.local import reward
+
+                config.reward.custom_reward_function.path = reward.__file__
+                config.reward.custom_reward_function.name = "compute_score"
+        # Ray: a private local cluster in its own temp dir, the local env in every worker.
+        ray_init = config.ray_kwargs.ray_init
+        if _is_unset(ray_init.get("_temp_dir")) and not config.maspo.get("dry_run"):
+            ray_init._temp_dir = tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")
+        if ray_init.get("runtime_env") is None:
+            ray_init.runtime_env = {}
+        env_vars = ray_init.runtime_env.get("env_vars") or {}
+        ray_init.runtime_env.env_vars = {**LOCAL_ENV, **env_vars}
+    print(
+        f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
+        f"val={config.data.val_files} ray_temp_dir={config.ray_kwargs.ray_init.get('_temp_dir')}",
+        flush=True,
+    )
+    return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _fit_tokenval_to_embedded(policy_loss) -> None:
+    """The embedded tokenizer's ids 0..255 are bytes: use them as 4-digit FSQ "codes" ([4]*4 = 256)."""
+    from maspo_verl.local.assets import MODEL_VOCAB
+
+    if policy_loss.get("segment_rule") != "tokenval":
+        return
+    if int(policy_loss.get("codec_offset", 0)) + int(policy_loss.get("codec_size", 1)) <= MODEL_VOCAB:
+        return
+    policy_loss.codec_offset = 0
+    policy_loss.codec_size = 256
+    policy_loss.fsq_levels = [4, 4, 4, 4]
+    logger.warning(
+        "maspo_verl local: the embedded tokenizer has no codec range; tokenval uses byte ids 0..255 as "
+        "FSQ codes (codec_offset=0, codec_size=256, fsq_levels=[4,4,4,4])"
+    )
+    print("maspo_verl local: tokenval codec range set to the embedded byte ids (0..255, fsq [4,4,4,4])")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Submit a recipe to a running Ray cluster with `ray job submit`.
+#
+#   RAY_ADDRESS=http://HEAD:8265 RECIPE=recipes/math/run_gspo.sh bash recipes/cluster/ray_submit.sh [overrides]
+#
+# The recipe's environment knobs (MODEL_PATH, DATA_DIR, NNODES, N_GPUS_PER_NODE, LOSS, ...) are read
+# HERE, on the submitting machine, and baked into the entrypoint `python3 -m maspo_verl.main ...`;
+# paths (DATA_DIR, MODEL_PATH, CKPT_DIR) must therefore be valid on the cluster nodes.
+# The runtime env uploads WORKING_DIR (this checkout, minus EXCLUDES) and pip-installs it with the
+# extras in PIP_EXTRAS on every node, so verl's Ray workers import our losses and reward.
+# DRY_RUN=1 prints the command instead of running it.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+
+RAY_ADDRESS=${RAY_ADDRESS:-http://127.0.0.1:8265}
+RECIPE=${RECIPE:-recipes/math/run_gspo.sh}
+WORKING_DIR=${WORKING_DIR:-$REPO}
+PIP_EXTRAS=${PIP_EXTRAS:-math}
+# What each node pip-installs; the default is the uploaded working dir itself (Ray substitutes the
+# variable on the node). Use e.g. PIP_SPEC='maspo-verl[math]==0.1.0' to install from an index instead.
+# shellcheck disable=SC2016  # the variable is expanded by Ray on each node, not here
+PIP_SPEC=${PIP_SPEC:-'${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}'"[$PIP_EXTRAS]"}
+EXCLUDES=${EXCLUDES:-.git,.venv,data,checkpoints,outputs,wandb,dist,build,*.egg-info,__pycache__}
+SUBMISSION_ID=${SUBMISSION_ID:-}
+NO_WAIT=${NO_WAIT:-0}
+
+# The entrypoint: the recipe's own command line, with the cluster's python3.
+ENTRYPOINT=$(cd "$REPO" && PYTHON=python3 PRINT_CMD=1 bash "$RECIPE" "$@")
+
+RUNTIME_ENV=$(PIP_SPEC="$PIP_SPEC" EXCLUDES="$EXCLUDES" WORKING_DIR="$WORKING_DIR" python3 -c '
+import json, os
+env = {key: os.environ[key] for key in ("WANDB_MODE", "WANDB_ENTITY", "HF_HOME", "HF_HUB_OFFLINE") if key in os.environ}
+env.update({"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "HYDRA_FULL_ERROR": "1"})
+print(json.dumps({
+    "working_dir": os.environ["WORKING_DIR"],
+    "excludes": os.environ["EXCLUDES"].split(","),
+    "pip": [os.environ["PIP_SPEC"]],
+    "env_vars": env,
+}))')
+
+cmd=(ray job submit --address "$RAY_ADDRESS" --runtime-env-json "$RUNTIME_ENV")
+[ -n "$SUBMISSION_ID" ] && cmd+=(--submission-id "$SUBMISSION_ID")
+[ "$NO_WAIT" = 1 ] && cmd+=(--no-wait)
+# Ray joins the entrypoint words with spaces and runs them in a shell on the head node, so the
+# already shell-quoted command line goes in as one word.
+cmd+=(-- "$ENTRYPOINT")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "DRY_RUN=1: would run:"
+    printf "%q " "${cmd[@]}"; printf "\n"
+    echo "entrypoint: $ENTRYPOINT"
+    echo "runtime_env: $RUNTIME_ENV"
+    exit 0
+fi
+exec "${cmd[@]}"

@@ -1,0 +1,243 @@
+"""Unit tests of the local CPU mode's pieces (no Ray, no trainer): embedded assets, reward,
+version guard, backend de-duplication, platform, and prepare() on a composed config."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from maspo_verl import local
+from maspo_verl.local import assets, reward
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "a": assets.ensure_assets(seed=0, cache_dir=root / "a"),
+        "b": assets.ensure_assets(seed=0, cache_dir=root / "b"),
+        "c": assets.ensure_assets(seed=1, cache_dir=root / "c"),
+    }
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_assets_deterministic_given_seed(built):
+    import pandas as pd
+
+    a, b, c = built["a"], built["b"], built["c"]
+    wa, wb, wc = _weights(a["model"]), _weights(b["model"]), _weights(c["model"])
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        with open(os.path.join(a["model"], name)) as fa, open(os.path.join(b["model"], name)) as fb:
+            assert fa.read() == fb.read(), name
+    for split in ("train", "val"):
+        da, db, dc = (pd.read_parquet(x[split]) for x in (a, b, c))
+        assert da.to_json() == db.to_json()
+        assert da.to_json() != dc.to_json()
+
+
+def test_assets_cached(built):
+    cache = os.path.dirname(os.path.dirname(built["a"]["model"]))
+    mtime = os.path.getmtime(os.path.join(built["a"]["model"], "model.safetensors"))
+    assert assets.ensure_assets(seed=0, cache_dir=cache) == built["a"]
+    assert os.path.getmtime(os.path.join(built["a"]["model"], "model.safetensors")) == mtime
+
+
+def test_dataset_schema(built):
+    import pandas as pd
+
+    df = pd.read_parquet(built["a"]["train"])
+    assert {"data_source", "prompt", "ability", "reward_model", "extra_info"} <= set(df.columns)
+    row = df.iloc[0]
+    assert row["prompt"][0]["role"] == "user"
+    assert row["reward_model"]["ground_truth"]
+    assert row["extra_info"]["split"] == "train"
+
+
+def test_tokenizer_byte_level_with_chat_template(built):
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built["a"]["model"])
+    assert tok.encode("\n", add_special_tokens=False) == [10]  # verl's Qwen newline check
+    text = "Repeat: abc"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
+    config = AutoConfig.from_pretrained(built["a"]["model"])
+    assert config.model_type == "qwen2" and config.vocab_size >= len(tok)
+
+
+def test_reward_dense_and_exact():
+    assert reward.compute_score("x", "abcabc", "abc") == pytest.approx(2.0)
+    assert reward.compute_score("x", "zzzz", "abc") == 0.0
+    scores = {reward.compute_score("x", s, "abc") for s in ("a z z z", "ab zz", "xyz", "")}
+    assert len(scores) > 2  # varies inside a group: non-zero GRPO advantages on a random model
+
+
+def test_version_guard(monkeypatch):
+    import verl
+
+    assert local.check_verl_version() == verl.__version__
+    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    with pytest.raises(RuntimeError, match=r"verl 0\.9\.9 is not supported \(supported: 0\.9\.1\)"):
+        local.check_verl_version()
+
+
+def test_dedup_backend():
+    assert local._dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert local._dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert local._dedup_backend("gloo") == "gloo"
+    assert local._dedup_backend(None) is None
+
+
+def test_activate_registers(monkeypatch):
+    from verl.plugin.platform import platform_manager
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from maspo_verl.local.hf_rollout import HFReplica
+    from maspo_verl.local.platform import PlatformCPU
+
+    monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    local.activate()
+    assert platform_manager.PlatformRegistry.get("cpu") is PlatformCPU
+    assert _ROLLOUT_REGISTRY[("hf", "async")] == "maspo_verl.local.hf_rollout.HFServerAdapter"
+    assert RolloutReplicaRegistry.get("hf") is HFReplica
+    platform = PlatformCPU()
+    assert platform.communication_backend_name() == "gloo"
+    assert not platform.is_platform_available(use_smi_check=True)  # never auto-selected on a GPU box
+    x = torch.ones(2).to(platform.current_device())
+    assert x.device.type == "cpu"
+    dev = platform.device_module
+    free, total = dev.mem_get_info()
+    assert 0 < free <= total
+    state = dev.get_rng_state()
+    a = torch.rand(3)
+    dev.set_rng_state(state)
+    assert torch.equal(a, torch.rand(3))
+    assert dev.memory_allocated() == 0 and dev.max_memory_reserved() == 0
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
+        return compose(config_name="maspo_trainer", overrides=overrides)
+
+
+@pytest.fixture
+def local_env(monkeypatch):
+    from verl.plugin.platform import platform_manager
+
+    for key in local.LOCAL_ENV:
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
+
+
+def test_prepare_embedded_defaults(local_env, tmp_path):
+    config = _compose(["local=cpu", "loss=maspo_tokenval", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
+    used = local.prepare(config)
+    assert used["model"] == used["train"] == used["val"] == "embedded"
+    assert config.actor_rollout_ref.model.path.startswith(str(tmp_path))
+    assert config.reward.custom_reward_function.path == reward.__file__
+    pl = config.actor_rollout_ref.actor.policy_loss
+    assert (pl.codec_offset, pl.codec_size, list(pl.fsq_levels)) == (0, 256, [4, 4, 4, 4])
+    env = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.MASPO_VERL_LOCAL == "cpu" and env.VERL_PLATFORM == "cpu"
+    assert os.environ["MASPO_VERL_LOCAL"] == "cpu"
+    assert config.actor_rollout_ref.rollout.name == "hf"
+    assert config.trainer.n_gpus_per_node == 1 and config.ray_kwargs.ray_init.num_gpus == 1
+
+    from maspo_verl.main import dry_run
+
+    dry_run(config)  # verl's own validation accepts the local config
+
+
+def test_prepare_keeps_user_paths(local_env, tmp_path, built):
+    model = built["a"]["model"]
+    train = str(tmp_path / "mine_train.parquet")
+    val = str(tmp_path / "mine_val.parquet")
+    config = _compose(
+        [
+            "local=cpu",
+            "loss=maspo_tokenval",
+            "maspo.dry_run=true",
+            f"maspo.local_cache_dir={tmp_path / 'cache'}",
+            f"actor_rollout_ref.model.path={model}",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+        ]
+    )
+    used = local.prepare(config)
+    assert (used["model"], used["train"], used["val"]) == (model, train, val)
+    assert config.reward.custom_reward_function.path is None  # the user's data: verl's own reward routing
+    assert config.actor_rollout_ref.actor.policy_loss.codec_offset == 128264  # the user's model: untouched
+    assert not (tmp_path / "cache").exists()
+
+
+def test_local_yaml_overrides():
+    config = _compose(["local=cpu"])
+    assert config.maspo.local == "cpu"
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert config.data.dataloader_num_workers == 0
+    assert json.loads(json.dumps(list(config.trainer.logger))) == ["console"]
+
+
+def _server(model_path, response_length=8, seed=0):
+    from types import SimpleNamespace
+
+    from maspo_verl.local.hf_rollout import HFServer
+
+    config = SimpleNamespace(prompt_length=64, response_length=response_length, max_model_len=None, seed=seed)
+    return HFServer(config, SimpleNamespace(local_path=model_path, trust_remote_code=False))
+
+
+def test_hf_server_generate_logprobs_match_forward(built):
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    path = built["a"]["model"]
+    server = _server(path)
+    prompt = list(b"Repeat: abc")
+    out = asyncio.run(
+        server.generate(prompt, {"temperature": 1.0, "logprobs": True, "ignore_eos": True}, request_id="r0")
+    )
+    assert len(out.token_ids) == 8 and len(out.log_probs) == 8
+    # the log-probs the actor would compute for the same tokens (bypass mode relies on this)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(ref, torch.tensor(out.log_probs), atol=1e-4)
+    # same seed -> same sample; no logprobs requested -> none returned
+    again = asyncio.run(_server(path).generate(prompt, {"temperature": 1.0, "ignore_eos": True}, request_id="r1"))
+    assert again.token_ids == out.token_ids and again.log_probs is None
+
+
+def test_hf_server_load_weights(built):
+    import asyncio
+
+    server = _server(built["a"]["model"])
+    state = {k: torch.zeros_like(v) for k, v in server.model.state_dict().items() if k != "lm_head.weight"}
+    assert server.load_weights(state, global_steps=3) == len(state)
+    assert all(float(p.detach().abs().sum()) == 0.0 for p in server.model.parameters())
+    out = asyncio.run(server.generate([1, 2, 3], {"temperature": 0.0, "logprobs": True}, request_id="r"))
+    assert out.extra_fields["global_steps"] == 3
+    with pytest.raises(KeyError, match="unknown parameter"):
+        server.load_weights({"not.a.param": torch.zeros(1)})

@@ -1,0 +1,90 @@
+"""Shared helpers for the math recipe tests: fixture files, prepared data, running the shell scripts."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+LOCAL_SPECS = [
+    f"gsm8k:train={FIXTURES / 'gsm8k_train.jsonl'}",
+    f"gsm8k:test={FIXTURES / 'gsm8k_test.jsonl'}",
+    f"math={FIXTURES / 'math_train.jsonl'}",
+    f"math500={FIXTURES / 'math500_test.jsonl'}",
+    f"dapo17k={FIXTURES / 'dapo17k_train.jsonl'}",
+    f"aime24={FIXTURES / 'aime24_test.json'}",
+    f"aime25={FIXTURES / 'aime25_test.jsonl'}",
+]
+
+
+def require_math_verify() -> None:
+    """math-verify is a hard requirement of the math tests (installed by the `math` extra): fail, never skip."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        pytest.fail("math-verify is not installed: pip install 'maspo-verl[math]' (or 'math-verify[antlr4_9_3]')")
+
+
+@pytest.fixture(scope="session")
+def prepared_dir(tmp_path_factory) -> Path:
+    """Every dataset of the recipe, prepared from the local fixture files (no hub access)."""
+    from maspo_verl.math import prepare
+
+    out = tmp_path_factory.mktemp("maspo_math")
+    argv = ["--out-dir", str(out), "--only-local"]
+    for spec in LOCAL_SPECS:
+        argv += ["--local", spec]
+    assert prepare.main(argv) == 0
+    return out
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a recipe script: this interpreter as python3, nothing inherited that steers it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_CMD", "LOSS"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env["HOME"] = env.get("HOME", "/root")
+    env.update(extra)
+    return env
+
+
+def run_script(script: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / script), *args],
+        cwd=REPO,
+        env=script_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def loss_section(stdout: str) -> dict:
+    """The YAML that ``maspo.dry_run=true`` prints after 'loss section:'."""
+    marker = "loss section:"
+    assert marker in stdout, f"no loss section in output:\n{stdout[-3000:]}"
+    return yaml.safe_load(stdout.split(marker, 1)[1])
+
+
+def dry_run_command(stdout: str) -> tuple[str, list[str]]:
+    """(config name, overrides) of the ``command:`` line a recipe prints under DRY_RUN=1."""
+    line = next(line for line in stdout.splitlines() if line.startswith("command:"))
+    argv = shlex.split(line[len("command:") :])
+    assert argv[1:3] == ["-m", "maspo_verl.main"], argv[:3]
+    assert argv[3] == "--config-name"
+    return argv[4], [a for a in argv[5:] if a != "maspo.dry_run=true"]
+
+
+def compose(config_name: str, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
+        return hydra_compose(config_name, overrides=overrides)

