@@ -43,21 +43,51 @@ class Surrogate:
     clipped_dual: torch.Tensor
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, bounds: ClipBounds) -> Surrogate:
-    """loss = max(-A r, -A clip(r, lo, hi)); for A < 0 also min(., -A c) (dual clip)."""
-    adv = advantages.to(ratio.dtype)
-    low, high, dual = bounds.low, bounds.high, bounds.dual
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, low, high)
-    pessimistic = torch.maximum(unclipped, clipped)
-    dual_loss = -adv * dual
-    negative = adv < 0
-    loss = torch.where(negative, torch.minimum(pessimistic, dual_loss), pessimistic)
-    active = clipped > unclipped
-    detached = ratio.detach()
-    return Surrogate(
-        loss=loss,
-        clipped_low=active & (detached < low),
-        clipped_high=active & (detached > high),
-        clipped_dual=negative & (pessimistic > dual_loss),
+class _PessimisticSurrogate(torch.autograd.Function):
+    """loss_t = max(-A r, -A clip(r, lo, hi)), and min(., -A c) where A < 0, in closed form:
+
+        A > 0: -A min(r, hi)            A < 0: -A min(max(r, lo), c)            A = 0: 0
+
+    r is the shared ratio's value; its gradient with respect to log pi_t is r_t (stop-gradient form
+    r = exp(sg[l] + log pi - sg[log pi]), SPEC §1). Forward runs without autograd and saves one
+    tensor, d loss_t / d log pi_t = -A_t r_t where no clip is active, else 0.
+    """
+
+    @staticmethod
+    def forward(ctx, log_prob, ratio, advantages, low, high, dual, weights):
+        adv = advantages.to(ratio.dtype)
+        positive, negative = adv > 0, adv < 0
+        floored = torch.clamp(ratio, min=low)
+        effective = torch.where(positive, torch.clamp(ratio, max=high), torch.clamp(floored, max=dual))
+        clipped_low = negative & (ratio < low)
+        clipped_high = positive & (ratio > high)
+        clipped_dual = negative & (floored > dual)
+        coef = torch.where(effective == ratio, ratio, 0.0).mul_(adv).neg_()
+        loss = effective.mul_(adv).neg_()
+        if weights is not None:
+            loss.mul_(weights)
+            coef.mul_(weights)
+        ctx.save_for_backward(coef)
+        ctx.grad_dtype = log_prob.dtype
+        ctx.mark_non_differentiable(clipped_low, clipped_high, clipped_dual)
+        return loss, clipped_low, clipped_high, clipped_dual
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        (coef,) = ctx.saved_tensors
+        return (grad_loss * coef).to(ctx.grad_dtype), None, None, None, None, None, None
+
+
+def clipped_surrogate(
+    log_prob: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    bounds: ClipBounds,
+    weights: torch.Tensor | None = None,
+) -> Surrogate:
+    """Per-token pessimistic PPO loss with the shared ratio ``ratio`` (a value; no graph needed),
+    differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient."""
+    loss, low, high, dual = _PessimisticSurrogate.apply(
+        log_prob, ratio.detach(), advantages, bounds.low, bounds.high, bounds.dual, weights
     )
+    return Surrogate(loss=loss, clipped_low=low, clipped_high=high, clipped_dual=dual)

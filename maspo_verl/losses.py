@@ -12,6 +12,7 @@ has verl's ``PolicyLossFn`` signature and is called per micro-batch by verl's ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,24 +35,37 @@ def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
     return pl
 
 
+@dataclass
+class TokenSets:
+    """Sums of delta over each token's set S(t) and the set sizes |S(t)|.
+
+    For segments (``seg_ids`` given) both are per segment id, broadcast to tokens by ``per_token``;
+    for prefixes they are already per token.
+    """
+
+    sums: torch.Tensor
+    sizes: torch.Tensor
+    alpha: float
+    seg_ids: torch.Tensor | None
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.seg_ids is None else ratios.per_token(values, self.seg_ids)
+
+
 def token_sets(
-    loss_mode: str,
-    pl: GranularLossConfig,
-    old_log_prob: torch.Tensor,
-    mask: torch.Tensor,
-    delta: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]:
-    """Per token: (sum of delta over S(t), |S(t)|, alpha, segment ids or None for prefixes)."""
+    loss_mode: str, pl: GranularLossConfig, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor
+) -> TokenSets:
+    """Which tokens share a ratio: prefixes (ctpo), one segment per row (pgspo) or segments (maspo)."""
     if loss_mode == "ctpo":
         sums, sizes = ratios.prefix_sums(delta, mask)
-        return sums, sizes, (0.0 if pl.ctpo_mode == "cumprod" else 1.0), None
+        return TokenSets(sums, sizes, 0.0 if pl.ctpo_mode == "cumprod" else 1.0, None)
     if loss_mode == "pgspo":
         seg_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
     else:
         from maspo_verl.verl_glue import current_response_ids
 
         token_ids = current_response_ids(mask) if pl.segment_rule == "tokenval" else None
-        boundaries = segments.compute_boundaries(
+        seg_ids = segments.compute_segment_ids(
             mask,
             pl.segment_rule,
             old_log_prob=old_log_prob,
@@ -67,12 +81,12 @@ def token_sets(
             min_len=pl.min_segment_len,
             max_len=pl.max_segment_len,
         )
-        seg_ids = segments.segment_ids(boundaries, mask)
-    sums, sizes = ratios.segment_sums(delta, seg_ids, mask)
-    return sums, sizes, pl.length_exponent, seg_ids
+    sums, sizes = ratios.segment_totals(delta, seg_ids, mask)
+    return TokenSets(sums, sizes, pl.length_exponent, seg_ids)
 
 
-def clip_bounds(pl: GranularLossConfig, actor: Any, sizes: torch.Tensor) -> clipping.ClipBounds:
+def clip_bounds(pl: GranularLossConfig, actor: Any, sizes: torch.Tensor | None) -> clipping.ClipBounds:
+    """log_adaptive needs the per-token set sizes; ratio-space bounds are verl's actor scalars."""
     if pl.clip_schedule == "log_adaptive":
         return clipping.log_adaptive_bounds(
             sizes, pl.log_clip_low, pl.log_clip_high, pl.log_clip_dual, pl.clip_exponent
@@ -87,7 +101,7 @@ def aggregate(
     mask: torch.Tensor,
     loss_agg_mode: str,
     agg_mode: str,
-    sizes: torch.Tensor,
+    sizes: torch.Tensor | None,
     seg_ids: torch.Tensor | None,
     global_batch_info: dict,
 ) -> torch.Tensor:
@@ -112,10 +126,6 @@ def aggregate(
     return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
 
 
-def _fraction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (x * w).sum() / w.sum().clamp(min=1.0)
-
-
 def collect_metrics(
     mask: torch.Tensor,
     delta: torch.Tensor,
@@ -125,11 +135,10 @@ def collect_metrics(
     buckets: int,
 ) -> dict[str, float]:
     """All metrics of one call, moved to the host in a single transfer."""
-    w = mask.to(ratio.dtype)
-    r = ratio.detach()
-    low = surrogate.clipped_low.to(w.dtype)
-    high = surrogate.clipped_high.to(w.dtype)
-    dual = surrogate.clipped_dual.to(w.dtype)
+    clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
+    low_n, high_n, dual_n = clips.sum((1, 2)).to(torch.float64).unbind()
+    n = mask.sum().to(torch.float64).clamp(min=1.0)
+    any_valid = mask.any()
     names = [
         "actor/pg_clipfrac",
         "actor/pg_clipfrac_lower",
@@ -141,36 +150,37 @@ def collect_metrics(
         "actor/ratio/min",
         "actor/ratio/max",
     ]
-    inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
-    any_valid = mask.any()
     values = [
-        _fraction(low + high, w),
-        _fraction(dual, w),
-        _fraction(-delta.to(w.dtype), w),
-        _fraction(low, w),
-        _fraction(high, w),
-        _fraction(dual, w),
-        _fraction(r, w),
-        torch.where(any_valid, torch.where(mask, r, inf).min(), 1.0),
-        torch.where(any_valid, torch.where(mask, r, -inf).max(), 1.0),
+        (low_n + high_n) / n,
+        dual_n / n,
+        -delta.sum().to(torch.float64) / n,  # delta is zero on padding
+        low_n / n,
+        high_n / n,
+        dual_n / n,
+        torch.where(mask, ratio, 0.0).sum().to(torch.float64) / n,
+        torch.where(any_valid, torch.where(mask, ratio, float("inf")).amin(), 1.0).to(torch.float64),
+        torch.where(any_valid, torch.where(mask, ratio, float("-inf")).amax(), 1.0).to(torch.float64),
     ]
-    # clip fraction by position bucket (equal fractions of each response)
-    lengths = w.sum(-1, keepdim=True).clamp(min=1.0)
-    pos = segments.valid_positions(mask).clamp(min=0).to(w.dtype)
-    bucket = torch.clamp((pos * buckets / lengths).long(), max=buckets - 1)
-    clipped = ((low + high + dual) > 0).to(w.dtype) * w
-    per_bucket = torch.zeros(buckets, dtype=w.dtype, device=w.device).scatter_add_(
-        0, bucket.flatten(), clipped.flatten()
-    )
-    tokens = torch.zeros(buckets, dtype=w.dtype, device=w.device).scatter_add_(0, bucket.flatten(), w.flatten())
-    names += [f"actor/ratio/clipfrac_pos{k + 1}of{buckets}" for k in range(buckets)]
-    values += list(per_bucket / tokens.clamp(min=1.0))
+    # Clip fraction by position bucket: valid position p of a row of length L is in bucket
+    # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
+    # running sums at those starts, with no [B, T] bucket index.
+    lengths = mask.sum(-1, keepdim=True, dtype=torch.int32)
+    k = torch.arange(buckets + 1, device=mask.device, dtype=torch.int32)
+    starts = (k * lengths + buckets - 1) // buckets  # [B, K + 1]
+    seen = torch.cumsum(mask, -1, dtype=torch.int32)
+    clipped_seen = torch.cumsum(clips.any(0), -1, dtype=torch.int32)
+    first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
+    before = torch.where(first_at > 0, clipped_seen.gather(-1, (first_at - 1).clamp(min=0)), 0)
+    clipped_per_bucket = (before[:, 1:] - before[:, :-1]).sum(0).to(torch.float64)
+    tokens_per_bucket = (starts[:, 1:] - starts[:, :-1]).sum(0).to(torch.float64)
+    names += [f"actor/ratio/clipfrac_pos{b + 1}of{buckets}" for b in range(buckets)]
+    values += list(clipped_per_bucket / tokens_per_bucket.clamp(min=1.0))
     if seg_ids is not None:
-        rows = (w.sum(-1) > 0).to(w.dtype)
-        num_segments = (seg_ids.max(dim=-1).values + 1).to(w.dtype) * rows
+        rows = (lengths.squeeze(-1) > 0).to(torch.float64)
+        num_segments = (seg_ids.max(dim=-1).values + 1).to(torch.float64) * rows
         names += ["actor/ratio/segments_per_seq", "actor/ratio/segment_len_mean"]
-        values += [num_segments.sum() / rows.sum().clamp(min=1.0), w.sum() / num_segments.sum().clamp(min=1.0)]
-    host = torch.stack([v.to(torch.float64) for v in values]).tolist()
+        values += [num_segments.sum() / rows.sum().clamp(min=1.0), n / num_segments.sum().clamp(min=1.0)]
+    host = torch.stack(values).tolist()
     return dict(zip(names, host, strict=True))
 
 
@@ -188,15 +198,16 @@ def granular_policy_loss(
     """Clipped surrogate with the shared ratio of ``loss_mode``'s token set (SPEC §1-§2)."""
     pl = policy_loss_config(config, loss_mode)
     mask = response_mask.bool()
-    delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
-    sums, sizes, alpha, seg_ids = token_sets(loss_mode, pl, old_log_prob, mask, delta)
-    ratio = ratios.shared_ratio(log_prob, ratios.normalise(sums, sizes, alpha), mask)
-    surrogate = clipping.clipped_surrogate(ratio, advantages, clip_bounds(pl, config, sizes))
-    loss_mat = surrogate.loss
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights
-    pg_loss = aggregate(loss_mat, mask, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
-    metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets)
+    with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
+        delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
+        sets = token_sets(loss_mode, pl, old_log_prob, mask, delta)
+        ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp_()
+        # per-token set sizes only where a schedule or the aggregation needs them
+        sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
+        bounds = clip_bounds(pl, config, sizes)
+    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights)
+    pg_loss = aggregate(surrogate.loss, mask, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info)
+    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets)
     return pg_loss, metrics
 
 

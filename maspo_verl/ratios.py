@@ -26,18 +26,30 @@ def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: t
     return torch.where(mask.bool(), delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(delta))
 
 
+def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment id (indexed like the tokens, [B, T]): (sum of delta, number of valid tokens).
+
+    ``delta`` must be zero on padding (``token_log_ratios`` is).
+    """
+    sums = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta)
+    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, mask.to(delta.dtype))
+    return sums, counts
+
+
+def per_token(per_segment: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-segment value back to the segment's tokens."""
+    return torch.gather(per_segment, -1, seg_ids)
+
+
 def segment_sums(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (sum of delta over its segment, size of its segment)."""
-    w = mask.to(delta.dtype)
-    sums = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta * w)
-    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, w)
-    return torch.gather(sums, -1, seg_ids), torch.gather(counts, -1, seg_ids)
+    sums, counts = segment_totals(delta, seg_ids, mask)
+    return per_token(sums, seg_ids), per_token(counts, seg_ids)
 
 
 def prefix_sums(delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (sum of delta over valid tokens up to t, number of valid tokens up to t)."""
-    w = mask.to(delta.dtype)
-    return torch.cumsum(delta * w, dim=-1), torch.cumsum(w, dim=-1)
+    """Per-token (sum of delta over valid tokens up to t, number of valid tokens up to t); delta zero on padding."""
+    return torch.cumsum(delta, dim=-1), torch.cumsum(mask.to(delta.dtype), dim=-1)
 
 
 def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -53,7 +65,10 @@ def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Te
 
 
 def shared_ratio(log_prob: torch.Tensor, shared_log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l)).
+    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l)), through autograd.
+
+    The definition the losses implement; ``clipping.clipped_surrogate`` applies its gradient
+    (r * grad log pi) in closed form instead, and the lab uses this form as the reference.
 
     Padding log-probs may hold anything (even -inf); they are zeroed so r stays finite there.
     """

@@ -122,8 +122,8 @@ def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.T
     """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
 
     Distances count valid tokens. Ties go to the earlier boundary; boundaries that must stay
-    (the first valid token, tokens outside the codec) carry score +inf. Strength is turned into a unique per-row rank first, so no two surviving boundaries
-    are closer than ``min_len``.
+    (the first valid token, tokens outside the codec) carry score +inf. Strength is turned into a
+    unique per-row rank first, so no two surviving boundaries are closer than ``min_len``.
     """
     if min_len <= 1:
         return boundaries
@@ -153,8 +153,21 @@ def segment_ids(boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Segment id of each token: 0 on the first valid token, +1 at each boundary; 0 on padding."""
     mask = mask.bool()
     b = (boundaries | first_valid(mask)) & mask
-    ids = torch.cumsum(b.long(), dim=-1) - 1
-    return torch.where(mask, ids.clamp(min=0), torch.zeros_like(ids))
+    return torch.where(mask, torch.cumsum(b.long(), dim=-1) - 1, 0)
+
+
+def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Segment ids of the fixed rule without min/max length effects: (valid position) // W (seed 000)."""
+    return torch.where(mask.bool(), torch.div(valid_positions(mask), window, rounding_mode="floor"), 0)
+
+
+def compute_segment_ids(mask: torch.Tensor, rule: str, **kwargs) -> torch.Tensor:
+    """Segment ids of ``compute_boundaries(mask, rule, **kwargs)``, by the direct formula for fixed
+    windows whose min/max lengths cannot change them (min_len <= W, max_len 0 or >= W)."""
+    window, min_len, max_len = kwargs.get("window", 1), kwargs.get("min_len", 0), kwargs.get("max_len", 0)
+    if rule == "fixed" and min_len <= window and (max_len == 0 or max_len >= window):
+        return fixed_window_ids(mask, window)
+    return segment_ids(compute_boundaries(mask, rule, **kwargs), mask)
 
 
 def compute_boundaries(

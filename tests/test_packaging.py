@@ -3,11 +3,11 @@
 import os
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,13 +50,13 @@ def test_wheel_holds_configs_and_entry_point(installed_wheel):
 def test_installed_copy_composes_without_the_checkout(installed_wheel, tmp_path):
     target, _ = installed_wheel
     probe = (
-        "import maspo_verl, json\n"
+        "import maspo_verl\n"
         "from hydra import compose, initialize_config_module\n"
-        "assert maspo_verl.__file__.startswith(%r), maspo_verl.__file__\n"
+        f"assert maspo_verl.__file__.startswith({str(target)!r}), maspo_verl.__file__\n"
         "with initialize_config_module(config_module='maspo_verl.hydra_configs', version_base=None):\n"
         "    cfg = compose(config_name='maspo_trainer', overrides=['loss=ctpo'])\n"
         "print(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)\n"
-    ) % str(target)
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(target)
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env)

@@ -166,3 +166,14 @@ def test_min_len_keeps_the_stronger_boundary():
     b = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_len=3)
     # drop 1.5 at t=1 is within 3 of the forced start; 4.0 at t=3 survives; 2.0 at t=7 is 4 away: kept
     assert b.tolist() == [[True, False, False, True, False, False, False, True]]
+
+
+@given(st.data())
+def test_fixed_window_shortcut_equals_boundary_path(data):
+    mask = data.draw(masks())
+    window = data.draw(st.integers(1, 8))
+    min_len = data.draw(st.integers(0, window))
+    max_len = data.draw(st.sampled_from([0, window, window + 3]))
+    kwargs = dict(window=window, min_len=min_len, max_len=max_len)
+    general = segments.segment_ids(segments.compute_boundaries(mask, "fixed", **kwargs), mask)
+    assert torch.equal(segments.compute_segment_ids(mask, "fixed", **kwargs), general)

@@ -1,0 +1,11 @@
+"""Estimator lab and benchmarks: ``python -m maspo_verl.lab {estimators,race,bench}``.
+
+- ``estimators``: exact bias/variance of every importance-ratio estimator by enumerating the whole
+  sequence space of tiny autoregressive policies (:mod:`maspo_verl.lab.estimators`).
+- ``race``: a CPU-sized GRPO race of verl's and our policy losses (:mod:`maspo_verl.lab.race`).
+- ``bench``: time, peak memory and host syncs of each loss against verl's ``vanilla`` and ``gspo``
+  (:mod:`maspo_verl.lab.bench`).
+
+Each command writes its tables and plots to ``docs/results/<command>/`` (``--out`` overrides) with
+a ``COMMAND.txt`` recording the exact command line that made them.
+"""

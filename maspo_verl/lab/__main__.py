@@ -1,0 +1,29 @@
+"""``python -m maspo_verl.lab {estimators,race,bench} [--out DIR] [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m maspo_verl.lab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from maspo_verl.lab import bench, estimators, race
+
+    for name, module, help_ in [
+        ("estimators", estimators, "exact bias/variance of each ratio estimator by enumeration"),
+        ("race", race, "toy GRPO race of verl's and our losses (speech-like vs text-like task)"),
+        ("bench", bench, "forward+backward time, peak memory and host syncs of each loss"),
+    ]:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--out", default=None, help=f"output folder (default docs/results/{name})")
+        module.add_arguments(p)
+        p.set_defaults(module=module)
+    args = parser.parse_args(argv)
+    args.module.run(args, argv)
+
+
+if __name__ == "__main__":
+    main()

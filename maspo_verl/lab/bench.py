@@ -1,0 +1,305 @@
+"""Loss benchmark: forward+backward time, peak memory and host syncs of each loss vs verl's.
+
+Every loss is fetched from verl's registry and called exactly as verl's ``ppo_loss`` calls it:
+``fn(old_log_prob, log_prob, advantages, response_mask, "token-mean", actor_config, None)``, then
+``loss.backward()``. The timed region is that call plus backward, metrics included.
+
+- time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
+  a shared machine (the median is also recorded); losses are interleaved within each repetition so
+  load hits them alike; torch runs ``--threads`` intra-op threads (default 1); on a GPU the clock is read after
+  ``torch.cuda.synchronize()``.
+- peak memory: on CPU, the allocator events of ``torch.profiler`` (``profile_memory=True``) during one
+  forward+backward, summed in time order; the peak of the running sum is the most memory the call
+  held at once beyond its inputs (the gradient of ``log_prob`` included). On a GPU,
+  ``torch.cuda.max_memory_allocated`` minus the allocation before the call. Reported in units of one
+  [B, T] float32 tensor (B*T*4 bytes).
+- host syncs: during one call, every Python-level way a tensor reaches the host is counted
+  (``Tensor.item / tolist / numpy / cpu / __bool__ / __float__ / __int__ / __index__``); on CPU these
+  are the calls that *would* be device syncs on a GPU. On a GPU ``torch.cuda.set_sync_debug_mode``
+  additionally warns on each real sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.config import ActorConfig
+
+import maspo_verl  # noqa: F401
+from maspo_verl.config import GranularLossConfig
+from maspo_verl.lab import common
+
+
+@dataclass(frozen=True)
+class Entry:
+    label: str
+    loss_mode: str
+    policy_loss: dict = field(default_factory=dict)
+
+
+ENTRIES = [
+    Entry("vanilla (verl)", "vanilla"),
+    Entry("gspo (verl)", "gspo"),
+    Entry("maspo fixed W=15", "maspo", {"segment_rule": "fixed", "segment_window": 15}),
+    Entry("maspo logprob", "maspo", {"segment_rule": "logprob", "logprob_threshold": 1.0, "logprob_per_sample": True}),
+    Entry(
+        "maspo logprob + min/max len", "maspo", {"segment_rule": "logprob", "min_segment_len": 5, "max_segment_len": 50}
+    ),
+    Entry("maspo seg-mean-token-mean", "maspo", {"segment_window": 15, "agg_mode": "seg-mean-token-mean"}),
+    Entry("ctpo cumprod (LA clip)", "ctpo", {"ctpo_mode": "cumprod", "clip_schedule": "log_adaptive"}),
+    Entry(
+        "ctpo geomean (LA clip)",
+        "ctpo",
+        {"ctpo_mode": "geomean", "clip_schedule": "log_adaptive", "clip_exponent": -0.5},
+    ),
+    Entry("pgspo alpha=0.5", "pgspo", {"length_exponent": 0.5}),
+]
+
+
+PROFILED = ("vanilla (verl)", "maspo fixed W=15", "ctpo cumprod (LA clip)")
+
+
+def loss_fn(e: Entry):
+    return get_policy_loss_fn(e.loss_mode)
+
+
+def actor_config(e: Entry) -> ActorConfig:
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        policy_loss=GranularLossConfig(loss_mode=e.loss_mode, **e.policy_loss),
+    )
+
+
+def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    new = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    to = dict(device=device, dtype=dtype)
+    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device)
+
+
+SYNC_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    counter = {"n": 0, "by": {}}
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+
+    def wrap(name, fn):
+        def inner(self, *a, **k):
+            counter["n"] += 1
+            counter["by"][name] = counter["by"].get(name, 0) + 1
+            return fn(self, *a, **k)
+
+        return inner
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def call(fn, cfg, inputs):
+    old, new, adv, mask = inputs
+    lp = new.detach().requires_grad_()
+    loss, metrics = fn(old, lp, adv, mask, "token-mean", cfg, None)
+    loss.backward()
+    return lp
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory(fn, cfg, inputs, device) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        call(fn, cfg, inputs)
+        torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated() - base), None
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            lp = call(fn, cfg, inputs)
+        del lp
+    all_events = list(prof.profiler.kineto_results.events())
+    events = sorted((e for e in all_events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return float(peak), sum(e.name().startswith("aten::") for e in all_events)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    torch.set_num_threads(args.threads)
+    out = common.prepare_out(args.out or common.default_out("bench"), argv)
+    t0 = time.time()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.cpu_only else [])
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    Ts = [int(x) for x in args.T.split(",")]
+    entries = [e for e in ENTRIES if not args.only or any(s in e.label for s in args.only.split(","))]
+    fns = {e.label: (loss_fn(e), actor_config(e)) for e in entries}
+    rows = []
+    for device in devices:
+        for T in Ts:
+            for dname, dtype in dtypes.items():
+                inputs = make_inputs(args.B, T, dtype, device)
+                unit = args.B * T * 4
+                times = {e.label: [] for e in entries}
+                for e in entries:  # warm-up
+                    for _ in range(args.warmup):
+                        call(*fns[e.label], inputs)
+                for _ in range(args.reps):
+                    for e in entries:
+                        fn, cfg = fns[e.label]
+                        sync(device)
+                        s = time.perf_counter()
+                        call(fn, cfg, inputs)
+                        sync(device)
+                        times[e.label].append(time.perf_counter() - s)
+                base = min(times[entries[0].label])
+                base_med = statistics.median(times[entries[0].label])
+                base_mem = None
+                for e in entries:
+                    fn, cfg = fns[e.label]
+                    with count_host_syncs() as counter:
+                        if device == "cuda":
+                            torch.cuda.set_sync_debug_mode("warn")
+                        try:
+                            call(fn, cfg, inputs)
+                        finally:
+                            if device == "cuda":
+                                torch.cuda.set_sync_debug_mode(0)
+                    mem, ops = peak_memory(fn, cfg, inputs, device)
+                    mem /= unit
+                    base_mem = mem if base_mem is None else base_mem
+                    best = min(times[e.label])
+                    med = statistics.median(times[e.label])
+                    rows.append(
+                        {
+                            "device": device,
+                            "T": T,
+                            "dtype": dname,
+                            "loss": e.label,
+                            "ms": best * 1e3,
+                            "x_vanilla": best / base,
+                            "ms_median": med * 1e3,
+                            "x_vanilla_median": med / base_med,
+                            "peak_BT": mem,
+                            "extra_BT_vs_vanilla": mem - base_mem,
+                            "aten_ops": ops,
+                            "host_syncs": counter["n"],
+                            "sync_calls": " ".join(f"{k}:{v}" for k, v in sorted(counter["by"].items())),
+                        }
+                    )
+                common.log(f"bench: {device} T={T} {dname} done ({time.time() - t0:.0f}s)")
+    common.write_csv(out / "bench.csv", rows)
+    prof_entries = [e for e in entries if e.label in PROFILED]
+    profile_text = profile_breakdown(fns, prof_entries, args) if args.profile else ""
+    if profile_text:
+        (out / "profile.txt").write_text(profile_text)
+    write_report(out, rows, args, time.time() - t0, bool(profile_text))
+    print((out / "README.md").read_text())
+
+
+def profile_breakdown(fns, entries, args) -> str:
+    """Where the time goes: torch.profiler op table of each loss at T=4096 fp32 on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(args.B, 4096, torch.float32, "cpu")
+    parts = []
+    for e in entries:
+        fn, cfg = fns[e.label]
+        call(fn, cfg, inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                call(fn, cfg, inputs)
+        parts.append(
+            f"===== {e.label} (3 calls, B={args.B}, T=4096, fp32, CPU)\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        )
+    return "\n".join(parts)
+
+
+def write_report(out, rows, args, seconds, profiled) -> None:
+    lines = [
+        "# Loss benchmark",
+        "",
+        f"Made by the command in `COMMAND.txt` ({seconds:.0f} s). B={args.B}, best of {args.reps} "
+        f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s); "
+        "forward + backward + metrics. "
+        "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
+        "",
+        "- `ms`, `x_vanilla`: best time, and its ratio to verl `vanilla`'s best time in the same setting (<= 1.0 is "
+        "the target); `x_vanilla_median`: the same with medians (noisier on a shared machine).",
+        "- `peak_BT`: peak memory held during the call beyond its inputs, in units of one [B,T] float32 tensor "
+        "(CPU: torch.profiler allocator events; GPU: max_memory_allocated). `extra_BT_vs_vanilla` is the "
+        "difference to vanilla (target <= 4).",
+        "- `aten_ops`: aten operator calls (nested ones included) in one forward+backward, from the same "
+        "profile: a load-independent proxy for CPU dispatch overhead and GPU kernel launches.",
+        "- `host_syncs`: Python-level device-to-host transfers per call (item/tolist/numpy/cpu/bool/float/int); "
+        "verl's `vanilla` and `gspo` do 3 `.item()` each, ours one `.tolist()` of all metrics.",
+        "",
+    ]
+    for device in sorted({r["device"] for r in rows}):
+        for dname in ("fp32", "bf16"):
+            sel = [r for r in rows if r["device"] == device and r["dtype"] == dname]
+            if not sel:
+                continue
+            lines += [
+                f"## {device}, {dname}",
+                "",
+                common.markdown_table(
+                    sel,
+                    [
+                        "T",
+                        "loss",
+                        "ms",
+                        "x_vanilla",
+                        "x_vanilla_median",
+                        "peak_BT",
+                        "extra_BT_vs_vanilla",
+                        "aten_ops",
+                        "host_syncs",
+                        "sync_calls",
+                    ],
+                ),
+                "",
+            ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--B", type=int, default=64)
+    p.add_argument("--T", default="1024,4096,8192", help="comma-separated response lengths")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared machine)")
+    p.add_argument("--only", default="", help="comma-separated substrings of loss labels to run (vanilla first)")
+    p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")

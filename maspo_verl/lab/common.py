@@ -1,0 +1,79 @@
+"""Output folders, tables and plotting helpers shared by the lab commands."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+def default_out(command: str) -> Path:
+    return Path("docs") / "results" / command
+
+
+def prepare_out(out: str | os.PathLike, argv: Sequence[str]) -> Path:
+    """Create the folder and record the exact command line and environment that made it."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    import verl
+
+    lines = [
+        "python -m maspo_verl.lab " + " ".join(shlex.quote(a) for a in argv),
+        "",
+        f"date (UTC): {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M:%S')}",
+        f"python {platform.python_version()}, torch {torch.__version__}, verl {verl.__version__}",
+        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
+        f"cuda {'yes: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}",
+    ]
+    (path / "COMMAND.txt").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def fmt(v, digits: int = 3) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if v != 0 and (abs(v) < 10 ** (-digits) or abs(v) >= 10**5):
+            return f"{v:.{digits - 1}e}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], keys: Sequence[str] | None = None, digits: int = 3) -> str:
+    if not rows:
+        return "(no rows)\n"
+    keys = list(keys or rows[0])
+    out = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(fmt(r.get(k, ""), digits) for k in keys) + " |")
+    return "\n".join(out) + "\n"
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

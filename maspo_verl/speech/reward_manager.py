@@ -1,0 +1,78 @@
+"""verl 0.9.1 reward-loop manager for TTS: scores response *token ids* in batches.
+
+Select it with (the recipe does)::
+
+    reward.reward_manager.source=importlib
+    reward.reward_manager.name=SpeechRewardManager
+    reward.reward_manager.module.path=pkg://maspo_verl.speech.reward_manager
+    +reward.custom_reward_function.reward_kwargs.<field>=...  # optional, or MASPO_SPEECH_<FIELD>
+
+Where it runs: verl's ``RewardLoopManager`` starts ``reward.num_workers`` Ray actors
+(``reward_loop_worker_<i>``, CPU-only scheduling, spread over nodes); each builds one manager. A
+chunk of the batch reaches a worker, which calls ``run_single`` once per sample as concurrent
+asyncio tasks; the manager maps ids -> codes without detokenising and awaits the process-wide
+``AsyncBatcher``, so the codec and Whisper see the whole chunk at once. The codec and ASR models
+load lazily on the first batch, once per worker process, on ``pick_device('auto')``: the worker's
+node GPU ``i mod n`` (Ray 2.5x leaves CUDA_VISIBLE_DEVICES unset for zero-GPU actors), else CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from verl import DataProto
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
+from maspo_verl.speech.tokens import LlasaTokenMap
+
+logger = logging.getLogger(__name__)
+
+
+def _settings_from_config(config: Any) -> dict[str, Any]:
+    """``reward.custom_reward_function.reward_kwargs`` (SpeechRewardConfig fields), if present.
+
+    That dict is where verl keeps free-form reward settings (it is not a typed dataclass field);
+    the manager reads it itself because no custom reward *function* is involved.
+    """
+    try:
+        speech = config.reward.custom_reward_function.get("reward_kwargs")
+    except Exception:
+        return {}
+    if speech is None:
+        return {}
+    try:
+        from omegaconf import OmegaConf
+
+        return dict(OmegaConf.to_container(speech, resolve=True))
+    except Exception:
+        return dict(speech)
+
+
+class SpeechRewardManager(RewardManagerBase):
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer, compute_score)
+        self.speech_config = SpeechRewardConfig.from_env(_settings_from_config(config))
+        try:
+            self.token_map = LlasaTokenMap.from_tokenizer(tokenizer)
+        except Exception as exc:
+            logger.warning("speech reward: %s; using the documented Llasa defaults", exc)
+            self.token_map = LlasaTokenMap()
+
+    async def run_single(self, data: DataProto) -> dict:
+        try:
+            item = data[-1:][0]
+            response_ids = item.batch["responses"]
+            n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
+            codes = self.token_map.codes_from_ids(response_ids[:n].tolist())
+            text = str(item.non_tensor_batch["reward_model"]["ground_truth"])
+            extra = item.non_tensor_batch.get("extra_info", None)
+            result = await get_batcher(self.speech_config).score(
+                codes, text, extra if isinstance(extra, dict) else None
+            )
+        except Exception:
+            logger.exception("speech reward manager: sample failed")
+            result = dict.fromkeys(METRIC_KEYS, 0.0)
+            result["error"] = 1.0
+        return {"reward_score": float(result["score"]), "reward_extra_info": dict(result)}
