@@ -62,45 +62,14 @@ PROJECT_NAME=${PROJECT_NAME:-maspo-speech-$MODEL_SLUG}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-$LOSS_TAG-$MODEL_SLUG-${NNODES}x$N_GPUS_PER_NODE}
 LOGGER=${LOGGER:-'["console","wandb"]'}
 CKPT_DIR=${CKPT_DIR:-checkpoints/$PROJECT_NAME/$EXPERIMENT_NAME}
-RESUME_MODE=${RESUME_MODE:-auto}
 
+# shellcheck source=recipes/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../launch.sh"
+recipe_overrides speech
 RK=+reward.custom_reward_function.reward_kwargs
 SPEECH_OVERRIDES=(
-    "loss=$LOSS"
-    algorithm.adv_estimator=grpo
-    algorithm.use_kl_in_reward=False
-    "algorithm.rollout_correction.bypass_mode=$BYPASS_MODE"
-    "data.train_files=$TRAIN_FILES"
-    "data.val_files=$VAL_FILES"
-    "data.train_batch_size=$TRAIN_BATCH_SIZE"
-    "data.max_prompt_length=$MAX_PROMPT_LENGTH"
-    "data.max_response_length=$MAX_RESPONSE_LENGTH"
-    data.filter_overlong_prompts=True
-    data.truncation=error
-    "actor_rollout_ref.model.path=$MODEL_PATH"
-    actor_rollout_ref.model.use_remove_padding=True
-    actor_rollout_ref.model.enable_gradient_checkpointing=True
-    "actor_rollout_ref.actor.optim.lr=$ACTOR_LR"
-    "actor_rollout_ref.actor.ppo_mini_batch_size=$PPO_MINI_BATCH_SIZE"
-    actor_rollout_ref.actor.use_dynamic_bsz=True
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$PPO_MAX_TOKEN_LEN_PER_GPU"
-    actor_rollout_ref.actor.use_kl_loss=False
-    actor_rollout_ref.actor.entropy_coeff=0
-    actor_rollout_ref.rollout.name=vllm
-    actor_rollout_ref.rollout.calculate_log_probs=True
-    "actor_rollout_ref.rollout.n=$ROLLOUT_N"
-    "actor_rollout_ref.rollout.temperature=$TEMPERATURE"
+    "${RECIPE_OVERRIDES[@]}"
     "actor_rollout_ref.rollout.top_p=$TOP_P"
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
-    "actor_rollout_ref.rollout.gpu_memory_utilization=$ROLLOUT_GPU_MEM_UTIL"
-    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$PPO_MAX_TOKEN_LEN_PER_GPU"
-    "actor_rollout_ref.rollout.val_kwargs.n=$VAL_N"
-    actor_rollout_ref.rollout.val_kwargs.do_sample=True
-    "actor_rollout_ref.rollout.val_kwargs.temperature=$VAL_TEMPERATURE"
-    reward.reward_manager.source=importlib
-    reward.reward_manager.name=SpeechRewardManager
-    reward.reward_manager.module.path=pkg://maspo_verl.speech.reward_manager
     "reward.num_workers=$REWARD_WORKERS"
     "$RK.codec=$CODEC"
     "$RK.codec_model=$CODEC_MODEL"
@@ -110,18 +79,6 @@ SPEECH_OVERRIDES=(
     "$RK.asr_compute_type=$ASR_COMPUTE_TYPE"
     "$RK.w_spk=$W_SPK"
     "$RK.w_dur=$W_DUR"
-    "trainer.logger=$LOGGER"
-    "trainer.project_name=$PROJECT_NAME"
-    "trainer.experiment_name=$EXPERIMENT_NAME"
-    "trainer.nnodes=$NNODES"
-    "trainer.n_gpus_per_node=$N_GPUS_PER_NODE"
-    "trainer.total_epochs=$TOTAL_EPOCHS"
-    "trainer.total_training_steps=$TOTAL_TRAINING_STEPS"
-    "trainer.test_freq=$TEST_FREQ"
-    "trainer.save_freq=$SAVE_FREQ"
-    trainer.val_before_train=True
-    "trainer.default_local_dir=$CKPT_DIR"
-    "trainer.resume_mode=$RESUME_MODE"
 )
 [ "$LOSS" = maspo_fixed ] && SPEECH_OVERRIDES+=("actor_rollout_ref.actor.policy_loss.segment_window=$SEGMENT_WINDOW")
 
@@ -147,24 +104,10 @@ print("+actor_rollout_ref.model.custom_chat_template='"'"'" + v + "'"'"'")' "$SP
     esac
 }
 
-# maspo_speech_launch [overrides...]: run python -m maspo_verl.main with everything above.
-#   DRY_RUN=1    compose, validate with verl's validate_config, print the loss section; no Ray, no GPU,
-#                MODEL_PATH, the data files and the reward models are not opened.
-#   PRINT_CMD=1  print the command (one shell-quoted line) and exit.
+# maspo_speech_launch [overrides...]: maspo_launch (recipes/launch.sh) with the overrides above and the
+# speech chat template.
 maspo_speech_launch() {
     local ct
     ct=$(speech_chat_template_override)
-    local cmd=("${PYTHON:-python3}" -m maspo_verl.main --config-name "$CONFIG_NAME" "${SPEECH_OVERRIDES[@]}")
-    [ -n "$ct" ] && cmd+=("$ct")
-    cmd+=("$@")
-    if [ "${PRINT_CMD:-0}" = 1 ]; then
-        printf '%q ' "${cmd[@]}"; printf '\n'
-        return 0
-    fi
-    if [ "${DRY_RUN:-0}" = 1 ]; then
-        cmd+=(maspo.dry_run=true)
-        echo "DRY_RUN=1: composing and validating only; MODEL_PATH, data files and reward models are not opened."
-        printf 'command:'; printf ' %q' "${cmd[@]}"; printf '\n'
-    fi
-    "${cmd[@]}"
+    maspo_launch "${SPEECH_OVERRIDES[@]}" ${ct:+"$ct"} "$@"
 }

@@ -38,8 +38,7 @@ def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_fact
         f"loss={loss}",
         "algorithm.rollout_correction.bypass_mode=true",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
-        "reward.custom_reward_function.path=pkg://maspo_verl.math.reward",
-        "reward.custom_reward_function.name=compute_score",
+        "recipe=math",  # the recipe's preset (math-verify reward); local=cpu overrides its GPU settings
         f"data.train_files=['{d / 'gsm8k_train.parquet'}','{d / 'math_train.parquet'}']",
         f"data.val_files=['{d / 'math500_test.parquet'}','{d / 'aime25_test.parquet'}']",
         "data.max_prompt_length=384",

@@ -55,7 +55,7 @@ def _ok(run: subprocess.CompletedProcess) -> str:
         f"rc={run.returncode}\n--- stdout ---\n{run.stdout[-4000:]}\n--- stderr ---\n{run.stderr[-4000:]}"
     )
     assert "[validate_config] All configuration checks passed successfully!" in run.stdout
-    assert "MODEL_PATH and data files are not opened" in run.stdout
+    assert "MODEL_PATH, data files and reward models are not opened" in run.stdout
     return run.stdout
 
 
@@ -177,7 +177,7 @@ def test_print_cmd_is_one_line_and_runs_nothing():
     out = run_script("recipes/math/run_gspo.sh", "trainer.save_freq=3", PRINT_CMD="1", PYTHON="python3")
     assert out.returncode == 0, out.stderr
     (line,) = out.stdout.strip().splitlines()
-    assert line.startswith("python3 -m maspo_verl.main --config-name maspo_trainer loss=gspo ")
+    assert line.startswith("python3 -m maspo_verl.main --config-name maspo_trainer recipe=math loss=gspo ")
     assert line.rstrip().endswith("trainer.save_freq=3")
 
 

@@ -1,0 +1,61 @@
+# shellcheck shell=bash
+# Shared by recipes/*/common.sh (sourced after they set their variables): the Hydra overrides that
+# every recipe derives from the same environment variables, and the launcher. Settings that are
+# not knobs live in the Hydra presets (hydra_configs/recipe/, hydra_configs/loss/).
+
+RESUME_MODE=${RESUME_MODE:-auto}                      # auto | disable | resume_path
+
+# recipe_overrides PRESET: the recipe preset plus the knobs shared by every recipe.
+recipe_overrides() {
+    RECIPE_OVERRIDES=(
+        "recipe=$1"
+        "loss=$LOSS"
+        "algorithm.rollout_correction.bypass_mode=$BYPASS_MODE"
+        "data.train_files=$TRAIN_FILES"
+        "data.val_files=$VAL_FILES"
+        "data.train_batch_size=$TRAIN_BATCH_SIZE"
+        "data.max_prompt_length=$MAX_PROMPT_LENGTH"
+        "data.max_response_length=$MAX_RESPONSE_LENGTH"
+        "actor_rollout_ref.model.path=$MODEL_PATH"
+        "actor_rollout_ref.actor.optim.lr=$ACTOR_LR"
+        "actor_rollout_ref.actor.ppo_mini_batch_size=$PPO_MINI_BATCH_SIZE"
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$PPO_MAX_TOKEN_LEN_PER_GPU"
+        "actor_rollout_ref.rollout.n=$ROLLOUT_N"
+        "actor_rollout_ref.rollout.temperature=$TEMPERATURE"
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
+        "actor_rollout_ref.rollout.gpu_memory_utilization=$ROLLOUT_GPU_MEM_UTIL"
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$PPO_MAX_TOKEN_LEN_PER_GPU"
+        "actor_rollout_ref.rollout.val_kwargs.n=$VAL_N"
+        "actor_rollout_ref.rollout.val_kwargs.temperature=$VAL_TEMPERATURE"
+        "trainer.logger=$LOGGER"
+        "trainer.project_name=$PROJECT_NAME"
+        "trainer.experiment_name=$EXPERIMENT_NAME"
+        "trainer.nnodes=$NNODES"
+        "trainer.n_gpus_per_node=$N_GPUS_PER_NODE"
+        "trainer.total_epochs=$TOTAL_EPOCHS"
+        "trainer.total_training_steps=$TOTAL_TRAINING_STEPS"
+        "trainer.test_freq=$TEST_FREQ"
+        "trainer.save_freq=$SAVE_FREQ"
+        "trainer.default_local_dir=$CKPT_DIR"
+        "trainer.resume_mode=$RESUME_MODE"
+    )
+}
+
+# maspo_launch [overrides...]: python -m maspo_verl.main --config-name $CONFIG_NAME with them.
+#   DRY_RUN=1    compose, validate with verl's validate_config, print the loss section; no Ray, no GPU;
+#                MODEL_PATH, the data files and any reward model are not opened.
+#   PRINT_CMD=1  print the command (one shell-quoted line) and exit; recipes/cluster/ray_submit.sh
+#                uses it as the job's entrypoint.
+maspo_launch() {
+    local cmd=("${PYTHON:-python3}" -m maspo_verl.main --config-name "$CONFIG_NAME" "$@")
+    if [ "${PRINT_CMD:-0}" = 1 ]; then
+        printf '%q' "${cmd[0]}"; printf ' %q' "${cmd[@]:1}"; printf '\n'
+        return 0
+    fi
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        cmd+=(maspo.dry_run=true)
+        echo "DRY_RUN=1: composing and validating only; MODEL_PATH, data files and reward models are not opened."
+        printf 'command:'; printf ' %q' "${cmd[@]}"; printf '\n'
+    fi
+    "${cmd[@]}"
+}
