@@ -148,13 +148,14 @@ def _load_object(spec: str):
     return getattr(importlib.import_module(mod), name)
 
 
-def _load_wave(path: str) -> np.ndarray:
+def load_wave(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """A sound file as mono float32 at ``sample_rate`` (linear resampling)."""
     import soundfile as sf
 
     wave, sr = sf.read(path, dtype="float32", always_2d=True)
     wave = wave.mean(1)
-    if sr != SAMPLE_RATE:
-        t = np.arange(int(len(wave) * SAMPLE_RATE / sr)) * sr / SAMPLE_RATE
+    if sr != sample_rate:
+        t = np.arange(int(len(wave) * sample_rate / sr)) * sr / sample_rate
         wave = np.interp(t, np.arange(len(wave)), wave).astype(np.float32)
     return wave
 
@@ -204,7 +205,7 @@ class SpeechScorer:
 
     def _speaker_sim(self, wave: np.ndarray, ref_path: str) -> float:
         if ref_path not in self._ref_cache:
-            self._ref_cache[ref_path] = self._embed(_load_wave(ref_path))
+            self._ref_cache[ref_path] = self._embed(load_wave(ref_path))
         a, b = self._embed(wave), self._ref_cache[ref_path]
         cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
         return max(0.0, cos)

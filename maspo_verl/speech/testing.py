@@ -34,18 +34,13 @@ def require_espeak() -> str:
 
 def espeak(text: str, voice: str = "en-us", rate: int = 160, sample_rate: int = 16000) -> np.ndarray:
     """Synthesise ``text`` with espeak-ng; returns mono float32 at ``sample_rate``."""
-    import soundfile as sf
+    from maspo_verl.speech.reward import load_wave
 
     exe = require_espeak()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "out.wav")
         subprocess.run([exe, "-v", voice, "-s", str(rate), "-w", path, text], check=True, capture_output=True)
-        wave, sr = sf.read(path, dtype="float32", always_2d=True)
-    wave = wave.mean(1)
-    if sr != sample_rate:
-        t = np.arange(int(len(wave) * sample_rate / sr)) * sr / sample_rate
-        wave = np.interp(t, np.arange(len(wave)), wave).astype(np.float32)
-    return wave
+        return load_wave(path, sample_rate)
 
 
 def build_llasa_tokenizer(path: str, base_size: int = 128256, codec_size: int = 65536):
