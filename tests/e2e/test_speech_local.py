@@ -46,10 +46,12 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
         assert math.isfinite(metrics["actor/pg_loss"]), context
         assert metrics["response_length/mean"] == pytest.approx(RESPONSE_LEN), context
         seg_len, per_seq = metrics["actor/ratio/segment_len_mean"], metrics["actor/ratio/segments_per_seq"]
-        assert seg_len * per_seq == pytest.approx(RESPONSE_LEN, rel=1e-3), context
         if preset == "maspo_fixed":
             assert per_seq == pytest.approx(math.ceil(RESPONSE_LEN / 5)), context
+            assert seg_len == pytest.approx(RESPONSE_LEN / math.ceil(RESPONSE_LEN / 5)), context
         else:
-            # max_segment_len=50 > 30 tokens: any split came from the rule itself
+            # verl averages both over micro-batches; with per-batch counts p_k, mean(30 / p_k) * mean(p_k)
+            # is at least 30 (AM-HM) and equals it when every micro-batch has the same count
             assert 1.0 <= per_seq <= RESPONSE_LEN, context
+            assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
     assert "SpeechRewardManager" in run.log or "tiny.en" in run.log, context

