@@ -1,9 +1,10 @@
 """Shared log-ratios: l_t = (sum_{u in S(t)} delta_u) / |S(t)|^alpha (SPEC §1).
 
 Three token sets cover every method: segments (MASPO; a single segment per row is GSPO / P-GSPO,
-one token per segment is GRPO) and prefixes {1..t} (CTPO). The ratio keeps the stop-gradient form
+one token per segment is GRPO) and prefixes {1..t} (CTPO). The ratio has the stop-gradient form
 r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, seed 003): value exp(l_t), gradient
-r_t * grad log pi_t. Sums run in float32 or wider, whatever the input dtype.
+r_t * grad log pi_t, applied in closed form by ``clipping.clipped_surrogate``. Sums run in float32
+or wider, whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -41,12 +42,6 @@ def per_token(per_segment: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:
     return torch.gather(per_segment, -1, seg_ids)
 
 
-def segment_sums(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (sum of delta over its segment, size of its segment)."""
-    sums, counts = segment_totals(delta, seg_ids, mask)
-    return per_token(sums, seg_ids), per_token(counts, seg_ids)
-
-
 def prefix_sums(delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (sum of delta over valid tokens up to t, number of valid tokens up to t); delta zero on padding."""
     return torch.cumsum(delta, dim=-1), torch.cumsum(mask.to(delta.dtype), dim=-1)
@@ -62,15 +57,3 @@ def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Te
     else:
         shared = sums / n.pow(alpha)
     return shared.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def shared_ratio(log_prob: torch.Tensor, shared_log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """r = exp(sg[l] + log pi - sg[log pi]) in the log-ratio's dtype (value exp(l)), through autograd.
-
-    The definition the losses implement; ``clipping.clipped_surrogate`` applies its gradient
-    (r * grad log pi) in closed form instead, and the lab uses this form as the reference.
-
-    Padding log-probs may hold anything (even -inf); they are zeroed so r stays finite there.
-    """
-    lp = torch.where(mask.bool(), log_prob.to(shared_log_ratio.dtype), 0.0)
-    return torch.exp(shared_log_ratio.detach() + (lp - lp.detach()))

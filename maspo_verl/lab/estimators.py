@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from maspo_verl import ratios, segments
+from maspo_verl import losses, ratios
+from maspo_verl.config import GranularLossConfig
 from maspo_verl.lab import common
 from maspo_verl.lab.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
 
@@ -109,24 +110,31 @@ ESTIMATORS = [
 ]
 
 
+def loss_config(est: Estimator) -> tuple[str, GranularLossConfig]:
+    """The registered loss and its config whose token set and normalisation ``est`` uses."""
+    if est.token_set == "prefix":
+        return "ctpo", GranularLossConfig(loss_mode="ctpo", ctpo_mode="cumprod" if est.alpha == 0.0 else "geomean")
+    if est.token_set == "sequence":
+        return "pgspo", GranularLossConfig(loss_mode="pgspo", length_exponent=est.alpha)
+    config = GranularLossConfig(
+        loss_mode="maspo",
+        segment_rule=est.rule,
+        segment_window=est.window,
+        logprob_threshold=est.threshold,
+        length_exponent=est.alpha,
+    )
+    return "maspo", config
+
+
 def estimator_weights(est: Estimator, lp_new: torch.Tensor, lp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """w_t = value of the shared ratio r_t = exp(l_t), computed with maspo_verl's own code."""
+    """w_t = value of the shared ratio r_t = exp(l_t), computed by the losses' own token-set code."""
     if est.token_set == "none":
         return mask.to(DTYPE)
+    loss_mode, config = loss_config(est)
     delta = ratios.token_log_ratios(lp_new, lp_old, mask)
-    if est.token_set == "prefix":
-        sums, sizes = ratios.prefix_sums(delta, mask)
-    else:
-        if est.token_set == "sequence":
-            seg = torch.zeros(mask.shape, dtype=torch.long)
-        else:
-            b = segments.compute_boundaries(
-                mask, est.rule, old_log_prob=lp_old, window=est.window, logprob_threshold=est.threshold
-            )
-            seg = segments.segment_ids(b, mask)
-        sums, sizes = ratios.segment_sums(delta, seg, mask)
-    ratio = ratios.shared_ratio(lp_new, ratios.normalise(sums, sizes, est.alpha), mask)
-    return torch.where(mask, ratio.detach(), torch.zeros_like(ratio))
+    sets = losses.token_sets(loss_mode, config, lp_old, mask, delta)
+    ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp()
+    return torch.where(mask, ratio, torch.zeros_like(ratio))
 
 
 # ---------------------------------------------------------------- one exact case
