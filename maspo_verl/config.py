@@ -1,4 +1,5 @@
-"""Hyperparameters of the granular losses, as a verl ``PolicyLossConfig`` subclass.
+"""Hyperparameters of the granular losses, as a verl ``PolicyLossConfig`` subclass, and of the span
+credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Selected with ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig``
 (our ``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``,
@@ -26,7 +27,8 @@ OUR_LOSS_MODES = ("maspo", "ctpo", "pgspo")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"policy_loss.{name}={value!r} is invalid: allowed {allowed}")
+    section = "" if "." in name else "policy_loss."
+    raise ValueError(f"{section}{name}={value!r} is invalid: allowed {allowed}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -127,3 +129,31 @@ class GranularLossConfig(PolicyLossConfig):
         if self.agg_mode != "actor" and self.loss_mode == "ctpo":
             _fail("agg_mode", self.agg_mode, "'actor' with loss_mode='ctpo' (prefixes are not a partition)")
         _check_int("position_buckets", self.position_buckets, 1)
+
+
+@dataclass(frozen=True)
+class SpanCreditConfig:
+    """``algorithm.span_credit`` of the ``maspo_span_grpo`` advantage estimator (maspo_verl.advantages).
+
+    ``lam``: weight of the local (per-token) term added to GRPO's utterance advantage; 0 gives verl's
+    ``grpo`` advantages exactly.
+    """
+
+    lam: float = 0.5
+
+    def __post_init__(self):
+        _check_float("algorithm.span_credit.lam", self.lam, 0.0)
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Any) -> SpanCreditConfig:
+        """From verl's ``algorithm`` config (DictConfig, dict or None); unknown keys are errors."""
+        section = algorithm.get("span_credit", None) if algorithm is not None else None
+        if section is None:
+            return cls()
+        if isinstance(section, SpanCreditConfig):
+            return section
+        values = {k: v for k, v in dict(section).items() if k != "_target_"}
+        unknown = sorted(set(values) - {"lam"})
+        if unknown:
+            raise ValueError(f"algorithm.span_credit has unknown keys {unknown}: allowed lam")
+        return cls(**values)

@@ -5,6 +5,11 @@
   so the micro-batch is visible (through a context variable) for the duration of the call. The
   wrapper is installed at plugin import, before ``verl.workers.engine_workers`` binds the name; it
   refuses (and says why) on a verl version or ``ppo_loss`` signature it does not know.
+- ``install_token_scores_hook``: verl's agent loop turns a reward into ``rm_scores`` with the
+  scalar score on the last token. A reward that also returns per-token scores (in
+  ``reward_extra_info[TOKEN_SCORES_KEY]``, one per response token, summing to the score) gets them
+  as its ``rm_scores`` row instead: we wrap ``AgentLoopOutput.as_dict``, where the v1 trainer builds
+  that row, and drop the list from the extra info so nothing downstream tries to average it.
 - ``startup_checks``: config errors that verl would only report at the first actor update.
 """
 
@@ -29,8 +34,11 @@ PPO_LOSS_IMPORTERS = ("verl.workers.engine_workers", "verl.trainer.distillation.
 # verl losses whose ratio is per token (hurt most by an engine/trainer precision mismatch)
 SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "ctpo", "pgspo", "bypass_mode")
 
+TOKEN_SCORES_KEY = "maspo_token_scores"
+
 _micro_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_micro_batch", default=None)
 _hook_error: str | None = "not installed yet"
+_token_scores_error: str | None = "not installed yet"
 
 
 def verl_version_problem() -> str | None:
@@ -88,6 +96,52 @@ def install_ppo_loss_hook() -> str | None:
 
 def hook_problem() -> str | None:
     return _hook_error
+
+
+def _with_token_scores(original):
+    @functools.wraps(original)
+    def as_dict(self):
+        out = original(self)
+        info = (out.get("extra_fields") or {}).get("reward_extra_info")
+        if not isinstance(info, dict) or TOKEN_SCORES_KEY not in info:
+            return out
+        info = dict(info)  # the info dict is shared by a session's outputs: never mutate it
+        scores = info.pop(TOKEN_SCORES_KEY)
+        out["extra_fields"] = {**out["extra_fields"], "reward_extra_info": info}
+        row = out.get("rm_scores")
+        if row is not None and scores is not None and len(scores) == row.shape[0]:
+            out["rm_scores"] = torch.tensor(scores, dtype=torch.float32)
+        elif row is not None:
+            logger.debug("per-token scores: %d values for %d response tokens", len(scores or []), row.shape[0])
+            _warn_once(
+                "per-token reward scores do not match the response length: using the scalar score on the "
+                "last token for such samples"
+            )
+        return out
+
+    as_dict.__maspo_original__ = original
+    return as_dict
+
+
+def install_token_scores_hook() -> str | None:
+    """Wrap ``AgentLoopOutput.as_dict``; returns None on success, else why it was refused."""
+    global _token_scores_error
+    problem = verl_version_problem()
+    if problem is None:
+        try:
+            from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+        except ImportError as exc:
+            problem = f"verl.experimental.agent_loop is unavailable ({exc})"
+        else:
+            current = AgentLoopOutput.as_dict
+            if not hasattr(current, "__maspo_original__"):
+                AgentLoopOutput.as_dict = _with_token_scores(current)
+    _token_scores_error = problem
+    return problem
+
+
+def token_scores_problem() -> str | None:
+    return _token_scores_error
 
 
 @functools.cache
@@ -156,7 +210,7 @@ def startup_checks(config) -> list[str]:
             )
         if loss_mode == "maspo" and policy_loss.get("segment_rule") == "tokenval" and hook_problem():
             raise RuntimeError(f"segment_rule='tokenval' is unavailable: {hook_problem()}")
-    issued = []
+    issued = _span_credit_checks(config)
     rollout_correction = config.get("algorithm", {}).get("rollout_correction", {}) or {}
     if rollout_correction.get("bypass_mode", False) and _is_token_level(loss_mode, policy_loss):
         message = (
@@ -167,6 +221,54 @@ def startup_checks(config) -> list[str]:
         _warn_once(message)
         issued.append(message)
     return issued
+
+
+def _speech_reward_settings(config):
+    """The speech reward's settings (validated) when the run uses SpeechRewardManager, else None."""
+    reward = config.get("reward", {}) or {}
+    if (reward.get("reward_manager", {}) or {}).get("name") != "SpeechRewardManager":
+        return None
+    from maspo_verl.speech.reward import SpeechRewardConfig
+    from maspo_verl.speech.reward_manager import settings_from_config
+
+    return SpeechRewardConfig.from_env(settings_from_config(config))
+
+
+def _span_credit_checks(config) -> list[str]:
+    from maspo_verl.advantages import SPAN_GRPO
+    from maspo_verl.config import SpanCreditConfig
+
+    algorithm = config.get("algorithm", {}) or {}
+    span_credit = algorithm.get("adv_estimator") == SPAN_GRPO
+    if span_credit:
+        SpanCreditConfig.from_algorithm(algorithm)
+    speech = _speech_reward_settings(config)
+    token_scores = speech is not None and speech.token_scores
+    if token_scores:
+        where = "reward.custom_reward_function.reward_kwargs.token_scores=true"
+        if not config.get("trainer", {}).get("use_v1", True):
+            raise ValueError(
+                f"{where} needs trainer.use_v1=true: per-token reward scores reach rm_scores "
+                "through the v1 trainer's agent loop (the legacy trainer cannot carry them)"
+            )
+        rm = (config.get("reward", {}) or {}).get("reward_model", {}) or {}
+        if rm.get("enable", False) and not rm.get("enable_resource_pool", False):
+            raise ValueError(
+                f"{where} needs the reward computed in the agent loop: with a colocated reward model "
+                "(reward.reward_model.enable=true, enable_resource_pool=false) verl scores after "
+                "the rollout and keeps only the scalar score"
+            )
+        if token_scores_problem():
+            raise RuntimeError(f"{where} is unavailable: {token_scores_problem()}")
+    if span_credit and not token_scores:
+        message = (
+            f"algorithm.adv_estimator={SPAN_GRPO} without per-token reward scores: with an outcome reward "
+            "(score on the last token) it gives verl's grpo advantages; for the speech reward set "
+            "reward.custom_reward_function.reward_kwargs.token_scores=true (preset credit=span)"
+        )
+        _warn_once(message)
+        return [message]
+    return []
 
 
 def _is_token_level(loss_mode: str, policy_loss) -> bool:

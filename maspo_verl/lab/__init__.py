@@ -1,8 +1,10 @@
-"""Estimator lab and benchmarks: ``python -m maspo_verl.lab {estimators,race,bench}``.
+"""Estimator lab and benchmarks: ``python -m maspo_verl.lab {estimators,race,credit,bench}``.
 
 - ``estimators``: exact bias/variance of every importance-ratio estimator by enumerating the whole
   sequence space of tiny autoregressive policies (:mod:`maspo_verl.lab.estimators`).
 - ``race``: a CPU-sized GRPO race of verl's and our policy losses (:mod:`maspo_verl.lab.race`).
+- ``credit``: span credit (``maspo_span_grpo``) vs GRPO advantages on per-span-error tasks: gradient
+  variance against the exact gradient, and the race (:mod:`maspo_verl.lab.credit`).
 - ``bench``: time, peak memory and host syncs of each loss against verl's ``vanilla`` and ``gspo``
   (:mod:`maspo_verl.lab.bench`).
 

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn, get_policy_loss_fn
 from verl.workers.config import ActorConfig
 
 import maspo_verl  # noqa: F401  (registers maspo, ctpo, pgspo)
+from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.lab import common
+from maspo_verl.speech.spans import ErrorSpan, token_penalties, token_scores
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Contender:
     clip_low: float = 0.2
     clip_high: float = 0.28
     policy_loss: dict = field(default_factory=dict)
+    credit: float | None = None  # None: verl's grpo advantage; else maspo_span_grpo with this lam
 
 
 CONTENDERS = [
@@ -76,9 +79,25 @@ class Task:
     persistence: float  # initial self-transition logit
     noise: float  # initial random logit scale
 
+    def unit_errors(self, y: torch.Tensor) -> torch.Tensor:
+        """Bool [B, T / unit]: which reward units (runs, or tokens) are wrong."""
+        return ~(y == self.target).reshape(y.shape[0], -1, self.unit).all(-1)
+
     def reward(self, y: torch.Tensor) -> torch.Tensor:
-        ok = (y == self.target).reshape(y.shape[0], -1, self.unit).all(-1)
-        return ok.float().mean(-1)
+        return 1.0 - self.unit_errors(y).float().mean(-1)
+
+    def token_scores(self, y: torch.Tensor, penalty: float = 1.0) -> torch.Tensor:
+        """Per-token scores [B, T] as the speech reward builds them: each wrong unit is an error span
+        (``maspo_verl.speech.spans``), its penalty spread over the unit and centred, plus the reward
+        on the last token. Sums to ``reward(y)`` per row."""
+        r, wrong = self.reward(y).tolist(), self.unit_errors(y).tolist()
+        rows = []
+        for score, errs in zip(r, wrong, strict=True):
+            found = [
+                ErrorSpan("substitute", k * self.unit, (k + 1) * self.unit, "", "") for k, e in enumerate(errs) if e
+            ]
+            rows.append(token_scores(score, token_penalties(found, y.shape[1], penalty)))
+        return torch.tensor(rows)
 
 
 def make_task(name: str, length: int) -> Task:
@@ -123,7 +142,8 @@ def sample(theta: torch.Tensor, batch: int, gen: torch.Generator) -> tuple[torch
     return torch.stack(ys, 1), torch.stack(ent, 1).mean()
 
 
-def train(task: Task, c: Contender, seed: int, args) -> dict:
+def train(task: Task, c: Contender, seed: int, args, return_policy: bool = False):
+    """One training run: its curves, or with ``return_policy`` the final policy table."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(10_000 + seed)
     theta = init_policy(task, args.length, seed)
@@ -137,11 +157,9 @@ def train(task: Task, c: Contender, seed: int, args) -> dict:
         y, ent = sample(theta, B, gen)
         r = task.reward(y)
         mask = torch.ones(y.shape, dtype=torch.bool)
-        token_rewards = torch.zeros(y.shape)
-        token_rewards[:, -1] = r
-        adv, _ = compute_grpo_outcome_advantage(token_rewards, mask.float(), index)
         with torch.no_grad():
             old = log_probs(theta, y)
+        adv = advantages(task, c, y, r, mask, index)
         rewards.append(float(r.mean()))
         entropies.append(float(ent))
         mb = B // args.minibatches
@@ -159,7 +177,20 @@ def train(task: Task, c: Contender, seed: int, args) -> dict:
                 step_clip.append(metrics["actor/pg_clipfrac"])
         kls.append(float(np.mean(step_kl)))
         clipfracs.append(float(np.mean(step_clip)))
+    if return_policy:
+        return theta.detach()
     return {"reward": rewards, "entropy": entropies, "ppo_kl": kls, "clipfrac": clipfracs}
+
+
+def advantages(task: Task, c: Contender, y, r, mask, index) -> torch.Tensor:
+    """verl's GRPO advantage (reward on the last token), or span credit through verl's registry."""
+    if c.credit is None:
+        token_rewards = torch.zeros(y.shape)
+        token_rewards[:, -1] = r
+        return compute_grpo_outcome_advantage(token_rewards, mask.float(), index)[0]
+    fn = get_adv_estimator_fn(SPAN_GRPO)
+    config = {"norm_adv_by_std_in_grpo": True, "span_credit": {"lam": c.credit}}
+    return fn(token_level_rewards=task.token_scores(y), response_mask=mask.float(), config=config, index=index)[0]
 
 
 def summarise(curve: dict, target: float, entropy0: float) -> dict:
@@ -187,10 +218,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     t0 = time.time()
     torch.set_num_threads(1)
     tasks = [make_task(n, args.length) for n in ("speech", "text")]
+    curves, rows, summary = race(tasks, CONTENDERS, args, t0)
+    write_tables(out, curves, rows, summary)
+    plot(curves, tasks, CONTENDERS, args, out / "race_reward.png")
+    write_report(out, summary, args, time.time() - t0)
+    print((out / "README.md").read_text())
+
+
+def race(tasks: list[Task], contenders: list[Contender], args, t0: float):
+    """Train every contender on every task for ``args.seeds`` seeds: (curves, per-run rows, summary)."""
     seeds = list(range(args.seeds))
     curves, rows = {}, []
     for task in tasks:
-        for c in CONTENDERS:
+        for c in contenders:
             per_seed = []
             for s in seeds:
                 curve = train(task, c, s, args)
@@ -201,26 +241,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 f"race: {task.name} / {c.label}: final {np.mean([p['final_reward'] for p in per_seed]):.3f} "
                 f"({time.time() - t0:.0f}s)"
             )
-    common.write_csv(out / "race_runs.csv", rows)
-    long_rows = []
-    for (tn, lab, s), cv in curves.items():
-        for i in range(len(cv["reward"])):
-            long_rows.append(
-                {
-                    "task": tn,
-                    "loss": lab,
-                    "seed": s,
-                    "step": i,
-                    "reward": cv["reward"][i],
-                    "entropy": cv["entropy"][i],
-                    "ppo_kl": cv["ppo_kl"][i],
-                    "clipfrac": cv["clipfrac"][i],
-                }
-            )
-    common.write_csv(out / "race_curves.csv", long_rows)
     summary = []
     for task in tasks:
-        for c in CONTENDERS:
+        for c in contenders:
             sel = [r for r in rows if r["task"] == task.name and r["loss"] == c.label]
             hits = [r["steps_to_target"] for r in sel if r["steps_to_target"] is not None]
             fin = np.array([r["final_reward"] for r in sel])
@@ -238,17 +261,36 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                     "mean_clipfrac": float(np.mean([r["mean_clipfrac"] for r in sel])),
                 }
             )
-    common.write_csv(out / "race_summary.csv", summary)
-    plot(curves, tasks, seeds, args, out)
-    write_report(out, summary, args, time.time() - t0)
-    print((out / "README.md").read_text())
+    return curves, rows, summary
 
 
-def plot(curves, tasks, seeds, args, out) -> None:
+def write_tables(out, curves, rows, summary, prefix: str = "race") -> None:
+    common.write_csv(out / f"{prefix}_runs.csv", rows)
+    long_rows = []
+    for (tn, lab, s), cv in curves.items():
+        for i in range(len(cv["reward"])):
+            long_rows.append(
+                {
+                    "task": tn,
+                    "loss": lab,
+                    "seed": s,
+                    "step": i,
+                    "reward": cv["reward"][i],
+                    "entropy": cv["entropy"][i],
+                    "ppo_kl": cv["ppo_kl"][i],
+                    "clipfrac": cv["clipfrac"][i],
+                }
+            )
+    common.write_csv(out / f"{prefix}_curves.csv", long_rows)
+    common.write_csv(out / f"{prefix}_summary.csv", summary)
+
+
+def plot(curves, tasks, contenders, args, path) -> None:
     plt = common.pyplot()
+    seeds = list(range(args.seeds))
     fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 7), squeeze=False)
     for j, task in enumerate(tasks):
-        for c in CONTENDERS:
+        for c in contenders:
             for i, key in enumerate(("reward", "entropy")):
                 arr = np.array([curves[(task.name, c.label, s)][key] for s in seeds])
                 m, sd = arr.mean(0), arr.std(0)
@@ -263,7 +305,7 @@ def plot(curves, tasks, seeds, args, out) -> None:
             axes[i][j].grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "race_reward.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

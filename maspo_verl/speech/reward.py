@@ -13,6 +13,12 @@ with weights (1, 0, 0) by default, i.e. verl's CosyVoice2 recipe's 1 - tanh(3 WE
 - duration (optional, ``w_dur > 0``): exp(-max(0, |ln(duration / expected)| - ln(tolerance)))
   with expected = characters / ``chars_per_second`` (English read speech: ~14 chars/s).
 
+Span credit (``token_scores=True``): the ASR also returns word times, ``maspo_verl.speech.spans``
+turns the word errors into codec-token spans, and each result gets ``code_penalties`` (one value per
+code, each error's ``span_penalty`` spread over its span) for the reward manager to turn into
+per-token scores. Transcripts without word times (an ASR that gives none) get no penalties and count in
+``untimed``; ``error_spans`` counts the located errors.
+
 Failures never raise and score 0, each counted in a metric (``invalid_empty``: no codec codes;
 ``invalid_decode``: the codec failed; ``invalid_nonspeech``: silent audio, Whisper's no-speech
 probability above ``no_speech_threshold`` or an empty transcript; ``error``: anything else).
@@ -34,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
+from maspo_verl.speech.spans import error_spans, token_penalties
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap
 
@@ -48,6 +55,8 @@ METRIC_KEYS = (
     "duration_s",
     "n_codes",
     "no_speech_prob",
+    "error_spans",
+    "untimed",
     "invalid_empty",
     "invalid_decode",
     "invalid_nonspeech",
@@ -78,6 +87,9 @@ class SpeechRewardConfig:
     ref_audio: str = ""
     chars_per_second: float = 14.0
     duration_tolerance: float = 1.5
+    # span credit: per-code penalties located by the ASR's word times (maspo_verl.speech.spans)
+    token_scores: bool = False
+    span_penalty: float = 1.0
     # non-speech detection
     min_rms: float = 1e-3
     no_speech_threshold: float = 0.6
@@ -93,7 +105,12 @@ class SpeechRewardConfig:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown speech reward settings {sorted(unknown)}; allowed: {sorted(names)}")
-        return cls(**d)
+        config = cls(**d)
+        if not (math.isfinite(config.span_penalty) and config.span_penalty >= 0):
+            raise ValueError(
+                f"speech reward span_penalty={config.span_penalty!r} is invalid: allowed a finite number >= 0"
+            )
+        return config
 
     @classmethod
     def from_env(cls, overrides: dict[str, Any] | None = None) -> SpeechRewardConfig:
@@ -102,9 +119,17 @@ class SpeechRewardConfig:
         for f in fields(cls):
             raw = os.environ.get("MASPO_SPEECH_" + f.name.upper())
             if raw is not None:
-                vals[f.name] = type(f.default)(raw) if not isinstance(f.default, str) else raw
+                vals[f.name] = _parse_env(raw, f.default)
         vals.update(overrides or {})
         return cls.from_dict(vals)
+
+
+def _parse_env(raw: str, default):
+    if isinstance(default, bool):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"boolean speech reward setting got {raw!r}: allowed true/false/1/0/yes/no")
+        return raw.lower() in ("1", "true", "yes")
+    return raw if isinstance(default, str) else type(default)(raw)
 
 
 def wer_reward(wer: float, scale: float = 3.0) -> float:
@@ -213,13 +238,16 @@ class SpeechScorer:
     def score_codes(
         self, codes: Sequence[Sequence[int]], texts: Sequence[str], extra_infos: Sequence[dict | None] | None = None
     ) -> list[dict[str, float]]:
-        """One metrics dict (``METRIC_KEYS``) per sample; never raises."""
+        """One metrics dict (``METRIC_KEYS``, plus ``code_penalties`` with span credit) per sample;
+        never raises."""
         n = len(codes)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         res = [dict.fromkeys(METRIC_KEYS, 0.0) for _ in range(n)]
         for r, c in zip(res, codes, strict=True):
             r["n_codes"] = float(len(c))
             r["wer"] = 1.0
+            if self.config.token_scores:
+                r["code_penalties"] = [0.0] * len(c)
         try:
             with self.lock:
                 self._score_into(res, codes, texts, extra_infos)
@@ -262,7 +290,10 @@ class SpeechScorer:
                 speech.append(i)
         if not speech:
             return
-        transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
+        if c.token_scores:
+            transcripts = self.asr.transcribe_batch([waves[i] for i in speech], word_timestamps=True)
+        else:
+            transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
         for i, tr in zip(speech, transcripts, strict=True):
             r = res[i]
             r["no_speech_prob"] = tr.no_speech_prob
@@ -281,10 +312,20 @@ class SpeechScorer:
                     r["spk_sim"] = self._speaker_sim(waves[i], ref) if ref else 0.0
                     score += c.w_spk * r["spk_sim"]
                 r["score"] = float(score) if math.isfinite(score) else 0.0
+                if c.token_scores:
+                    self._locate_errors(r, texts[i], tr.words, len(codes[i]))
             except Exception:
                 logger.warning("speech reward: scoring sample failed", exc_info=True)
                 r["error"] = 1.0
                 r["score"] = 0.0
+
+    def _locate_errors(self, r: dict, text: str, words, n_codes: int) -> None:
+        if words is None:
+            r["untimed"] = 1.0
+            return
+        spans = error_spans(text, words, n_codes)
+        r["error_spans"] = float(len(spans))
+        r["code_penalties"] = token_penalties(spans, n_codes, self.config.span_penalty)
 
 
 class AsyncBatcher:
@@ -389,7 +430,9 @@ async def compute_score(
         settings = {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
         config = SpeechRewardConfig.from_env(settings)
         codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
-        return await get_batcher(config).score(codes, str(ground_truth), extra_info)
+        result = await get_batcher(config).score(codes, str(ground_truth), extra_info)
+        result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
+        return result
     except Exception:
         logger.exception("speech reward: compute_score failed")
         return _zero("error")

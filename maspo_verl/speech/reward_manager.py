@@ -14,6 +14,11 @@ asyncio tasks; the manager maps ids -> codes without detokenising and awaits the
 ``AsyncBatcher``, so the codec and Whisper see the whole chunk at once. The codec and ASR models
 load lazily on the first batch, once per worker process, on ``pick_device('auto')``: the worker's
 node GPU ``i mod n`` (Ray 2.5x leaves CUDA_VISIBLE_DEVICES unset for zero-GPU actors), else CPU.
+
+With ``token_scores=true`` (span credit, ``credit=span``) each sample's per-code penalties are placed
+at the codes' positions in the response and returned as per-token scores under
+``reward_extra_info[TOKEN_SCORES_KEY]``; maspo_verl's hook on verl's agent-loop output turns them into
+the sample's ``rm_scores`` row (``maspo_verl.verl_glue.install_token_scores_hook``).
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
+from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
+from maspo_verl.verl_glue import TOKEN_SCORES_KEY
 
 logger = logging.getLogger(__name__)
 
 
-def _settings_from_config(config: Any) -> dict[str, Any]:
+def settings_from_config(config: Any) -> dict[str, Any]:
     """``reward.custom_reward_function.reward_kwargs`` (SpeechRewardConfig fields), if present.
 
     That dict is where verl keeps free-form reward settings (it is not a typed dataclass field);
@@ -53,7 +60,7 @@ def _settings_from_config(config: Any) -> dict[str, Any]:
 class SpeechRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
-        self.speech_config = SpeechRewardConfig.from_env(_settings_from_config(config))
+        self.speech_config = SpeechRewardConfig.from_env(settings_from_config(config))
         try:
             self.token_map = LlasaTokenMap.from_tokenizer(tokenizer)
         except Exception as exc:
@@ -65,14 +72,21 @@ class SpeechRewardManager(RewardManagerBase):
             item = data[-1:][0]
             response_ids = item.batch["responses"]
             n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
-            codes = self.token_map.codes_from_ids(response_ids[:n].tolist())
+            codes, positions = self.token_map.codes_and_positions(response_ids[:n].tolist())
             text = str(item.non_tensor_batch["reward_model"]["ground_truth"])
             extra = item.non_tensor_batch.get("extra_info", None)
-            result = await get_batcher(self.speech_config).score(
-                codes, text, extra if isinstance(extra, dict) else None
+            result = dict(
+                await get_batcher(self.speech_config).score(codes, text, extra if isinstance(extra, dict) else None)
             )
+            code_penalties = result.pop("code_penalties", None)
         except Exception:
             logger.exception("speech reward manager: sample failed")
             result = dict.fromkeys(METRIC_KEYS, 0.0)
             result["error"] = 1.0
-        return {"reward_score": float(result["score"]), "reward_extra_info": dict(result)}
+            n, positions, code_penalties = 0, [], None
+        if self.speech_config.token_scores:
+            penalties = [0.0] * n
+            for pos, p in zip(positions, code_penalties or [0.0] * len(positions), strict=True):
+                penalties[pos] = p
+            result[TOKEN_SCORES_KEY] = token_scores(float(result["score"]), penalties)
+        return {"reward_score": float(result["score"]), "reward_extra_info": result}

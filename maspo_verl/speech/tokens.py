@@ -143,15 +143,21 @@ class LlasaTokenMap:
         Generation ends at ``<|SPEECH_GENERATION_END|>``: with ``stop_at_end`` anything after the
         first END id is dropped (vLLM stops there anyway; this guards against over-long samples).
         """
-        out: list[int] = []
+        return self.codes_and_positions(ids, stop_at_end)[0]
+
+    def codes_and_positions(self, ids: Iterable[int], stop_at_end: bool = True) -> tuple[list[int], list[int]]:
+        """``codes_from_ids`` and, for each code, the index of its id in ``ids``."""
+        codes: list[int] = []
+        positions: list[int] = []
         lo, hi = self.codec_offset, self.codec_offset + self.codec_size
-        for i in ids:
+        for k, i in enumerate(ids):
             i = int(i)
             if stop_at_end and i == self.speech_end_id:
                 break
             if lo <= i < hi:
-                out.append(i - lo)
-        return out
+                codes.append(i - lo)
+                positions.append(k)
+        return codes, positions
 
     def codes_from_ids_tensor(self, ids, mask=None):
         """Vectorised variant for a [B, T] tensor: (codes [B, T] with -1 outside, in_codec [B, T])."""

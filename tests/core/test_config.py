@@ -157,3 +157,37 @@ def test_default_trainer_uses_grpo_advantages_and_our_target():
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.policy_loss._target_ == "maspo_verl.config.GranularLossConfig"
     assert OmegaConf.select(cfg, "maspo.local") is None
+
+
+def test_span_credit_preset_with_the_speech_recipe_passes_start_up():
+    cfg = compose_config("recipe=speech", "credit=span")
+    assert cfg.algorithm.adv_estimator == "maspo_span_grpo" and cfg.algorithm.span_credit.lam == 0.5
+    assert cfg.reward.custom_reward_function.reward_kwargs.token_scores is True
+    assert startup_checks(cfg) == []
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (["trainer.use_v1=false"], "token_scores=true needs trainer.use_v1=true"),
+        (["reward.reward_model.enable=true"], "needs the reward computed in the agent loop"),
+        (["algorithm.span_credit.lam=nan"], r"algorithm.span_credit.lam=nan is invalid: allowed a finite number"),
+        (["+reward.custom_reward_function.reward_kwargs.span_penalty=-1"], "span_penalty=-1 is invalid"),
+        (
+            ["+reward.custom_reward_function.reward_kwargs.span_weight=1"],
+            r"unknown speech reward settings \['span_weight'\]",
+        ),
+    ],
+)
+def test_span_credit_config_errors_surface_at_start_up(overrides, error):
+    cfg = compose_config("recipe=speech", "credit=span", *overrides)
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        startup_checks(cfg)
+
+
+def test_span_credit_without_per_token_scores_warns_that_it_is_grpo():
+    cfg = compose_config("algorithm.adv_estimator=maspo_span_grpo")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        issued = startup_checks(cfg)
+    assert len(issued) == 1 and "gives verl's grpo advantages" in issued[0]

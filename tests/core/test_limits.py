@@ -24,8 +24,9 @@ def assert_close(a, b, tol=1e-6):
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("scale", [0.05, 0.6])
-def test_maspo_window_one_is_verl_vanilla(agg, scale):
-    old, new, adv, mask = random_batch(scale=scale, seed=1)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_window_one_is_verl_vanilla(agg, scale, per_token):
+    old, new, adv, mask = random_batch(scale=scale, seed=1, per_token=per_token)
     ours = loss_and_grad("maspo", actor_config(segment_rule="fixed", segment_window=1), old, new, adv, mask, agg)
     verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
     assert_close(ours[0], verl[0])
@@ -39,8 +40,10 @@ def test_maspo_window_one_is_verl_vanilla(agg, scale):
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("window", [20, 1000])
-def test_maspo_window_at_least_length_is_verl_gspo(agg, window):
-    old, new, adv, mask = random_batch(scale=0.01, seed=2)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_window_at_least_length_is_verl_gspo(agg, window, per_token):
+    """Per-token advantages (span credit) with one shared ratio: verl's GSPO-token (SPEC §1)."""
+    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
     config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="fixed", segment_window=window)
     ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
     verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
@@ -105,8 +108,9 @@ def log_bounds(eps_low, eps_high, eps_c, p):
 
 
 @pytest.mark.parametrize("mode,alpha,p", [("cumprod", 0.0, 0.5), ("geomean", 1.0, -0.5), ("cumprod", 0.0, 0.0)])
-def test_ctpo_matches_position_wise_reference(mode, alpha, p):
-    old, new, adv, mask = random_batch(B=4, T=12, scale=0.15, seed=5)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_ctpo_matches_position_wise_reference(mode, alpha, p, per_token):
+    old, new, adv, mask = random_batch(B=4, T=12, scale=0.15, seed=5, per_token=per_token)
     config = actor_config(loss_mode="ctpo", ctpo_mode=mode, clip_schedule="log_adaptive", clip_exponent=p)
     loss, grad, _ = loss_and_grad("ctpo", config, old, new, adv, mask, "token-mean")
     prefix = lambda positions, k: positions[: k + 1]  # noqa: E731
@@ -140,8 +144,9 @@ def test_ctpo_length_one_is_token_ratio(mode):
 
 
 @pytest.mark.parametrize("window", [3, 5])
-def test_maspo_fixed_window_matches_reference_and_segment_aggregation(window):
-    old, new, adv, mask = random_batch(B=5, T=17, scale=0.2, seed=8)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_fixed_window_matches_reference_and_segment_aggregation(window, per_token):
+    old, new, adv, mask = random_batch(B=5, T=17, scale=0.2, seed=8, per_token=per_token)
     config = actor_config(segment_window=window, agg_mode="seg-mean-token-mean")
     loss, grad, metrics = loss_and_grad("maspo", config, old, new, adv, mask, "token-mean")
     window_of = lambda positions, k: positions[(k // window) * window : (k // window + 1) * window]  # noqa: E731

@@ -55,3 +55,24 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
             assert 1.0 <= per_seq <= RESPONSE_LEN, context
             assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
     assert "SpeechRewardManager" in run.log or "tiny.en" in run.log, context
+
+
+def test_span_credit_two_steps(speech_assets, local_run):
+    """`credit=span`: the reward returns per-token scores (token_scores=true), verl's agent loop carries
+    them into rm_scores through our hook, and maspo_span_grpo computes the advantages."""
+    overrides = [f"{k}={v}" for k, v in speech_assets.items()] + [
+        "loss=maspo_fixed",
+        "credit=span",
+        "trainer.total_training_steps=2",
+        f"data.max_response_length={RESPONSE_LEN}",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+    ]
+    run = local_run(overrides)
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
+    assert sorted(run.steps) == [1, 2], context
+    for metrics in run.steps.values():
+        assert math.isfinite(metrics["actor/pg_loss"]), context
+        assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
+    assert "do not match the response length" not in run.log, context
+    assert "adv_estimator': 'maspo_span_grpo'" in run.log or "maspo_span_grpo" in run.log, context

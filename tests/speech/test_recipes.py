@@ -88,10 +88,10 @@ def test_script_composes_and_validates(loss, template_file, llasa_tokenizer):
     # reward: our manager, loadable the way verl loads it, with the reward settings it will read
     from verl.trainer.ppo.reward import resolve_reward_manager_cls
 
-    from maspo_verl.speech.reward_manager import SpeechRewardManager, _settings_from_config
+    from maspo_verl.speech.reward_manager import SpeechRewardManager, settings_from_config
 
     assert resolve_reward_manager_cls(cfg) is SpeechRewardManager
-    kw = _settings_from_config(cfg)
+    kw = settings_from_config(cfg)
     assert kw["asr_model"] == "large-v3" and kw["codec"] == "xcodec2" and kw["asr_device"] == "auto"
     # the prompt verl renders ends with <|SPEECH_GENERATION_START|>
     tmpl = cfg.actor_rollout_ref.model.custom_chat_template
