@@ -260,7 +260,9 @@ def _span_credit_checks(config) -> list[str]:
             )
         if token_scores_problem():
             raise RuntimeError(f"{where} is unavailable: {token_scores_problem()}")
-    if span_credit and not token_scores:
+    # verl's own managers never return per-token scores; a custom one may
+    builtin = ((config.get("reward", {}) or {}).get("reward_manager", {}) or {}).get("source", "register") == "register"
+    if span_credit and not token_scores and (speech is not None or builtin):
         message = (
             f"algorithm.adv_estimator={SPAN_GRPO} without per-token reward scores: with an outcome reward "
             "(score on the last token) it gives verl's grpo advantages; for the speech reward set "

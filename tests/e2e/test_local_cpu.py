@@ -8,6 +8,7 @@ and toy data, and checks verl's logged step metrics (not just the exit code). ~1
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,28 @@ def test_ctpo_legacy_trainer(local_run):
     _check_common(run)
     for step, metrics in run.steps.items():
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.4])
+def test_per_token_scores_reach_the_span_credit_estimator(lam, local_run):
+    """A reward manager returning per-token scores (equal utterance scores, so GRPO gives 0): the agent
+    loop's rm_scores carry them (our hook, in the Ray agent-loop workers) and maspo_span_grpo turns them
+    into advantages of exactly +-lam; with lam=0 they are verl's GRPO zeros."""
+    manager = Path(__file__).with_name("span_reward_manager.py")
+    run = local_run(
+        [
+            "algorithm.adv_estimator=maspo_span_grpo",
+            f"algorithm.span_credit.lam={lam}",
+            "reward.reward_manager.source=importlib",
+            "reward.reward_manager.name=HalfSpanRewardManager",
+            f"reward.reward_manager.module.path={manager}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            "trainer.total_training_steps=1",
+        ]
+    )
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
+    metrics = run.steps[1]
+    assert metrics["critic/score/mean"] == pytest.approx(0.5, abs=1e-5), context  # sum of the token scores
+    assert metrics["critic/advantages/max"] == pytest.approx(lam, abs=1e-5), context
+    assert metrics["critic/advantages/min"] == pytest.approx(-lam, abs=1e-5), context

@@ -246,3 +246,15 @@ def test_agent_loop_output_carries_token_scores_into_rm_scores():
     with pytest.warns(UserWarning, match="do not match the response length"):
         short = output(3).as_dict()
     assert torch.equal(short["rm_scores"], torch.tensor([0.0, 0.0, 0.65]))
+
+
+def test_span_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MASPO_SPEECH_TOKEN_SCORES", "false")
+    assert SpeechRewardConfig.from_env().token_scores is False  # not bool("false")
+    monkeypatch.setenv("MASPO_SPEECH_TOKEN_SCORES", "1")
+    monkeypatch.setenv("MASPO_SPEECH_SPAN_PENALTY", "0.25")
+    config = SpeechRewardConfig.from_env()
+    assert config.token_scores is True and config.span_penalty == 0.25
+    monkeypatch.setenv("MASPO_SPEECH_TOKEN_SCORES", "maybe")
+    with pytest.raises(ValueError, match="allowed true/false"):
+        SpeechRewardConfig.from_env()
