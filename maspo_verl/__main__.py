@@ -11,7 +11,7 @@ import sys
 
 
 def check() -> int:
-    """Report whether verl auto-loads the plugin, what is registered, and the token-id hook."""
+    """Report whether verl auto-loads the plugin, what is registered, and the two hooks."""
     report: dict = {"python": sys.executable}
     try:
         import verl
@@ -25,29 +25,33 @@ def check() -> int:
     report["plugins_policy"] = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto")
     # Would a fresh `import verl` (as in a Ray worker) register our losses by itself?
     probe = (
-        "import verl, json; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
-        "print(json.dumps([n for n in ('maspo', 'ctpo', 'pgspo') if n in R]))"
+        "import verl, json; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, "
+        "ADV_ESTIMATOR_REGISTRY as A; "
+        "print(json.dumps([n for n in ('maspo', 'ctpo', 'pgspo') if n in R] + "
+        "[n for n in ('maspo_span_grpo',) if n in A]))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     report["autoload_registers"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
     try:
         import maspo_verl
-        from maspo_verl.verl_glue import hook_problem, verl_version_problem
+        from maspo_verl.verl_glue import hook_problem, token_scores_problem, verl_version_problem
 
         report["registered"] = list(maspo_verl.REGISTERED_LOSSES)
         report["verl_version_ok"] = verl_version_problem() is None
         report["token_id_hook"] = hook_problem() or "installed"
+        report["token_scores_hook"] = token_scores_problem() or "installed"
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report["error"] = f"import maspo_verl failed: {exc!r}"
     report["ok"] = (
         "error" not in report
-        and report.get("autoload_registers") == ["maspo", "ctpo", "pgspo"]
+        and report.get("autoload_registers") == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
         and report.get("token_id_hook") == "installed"
+        and report.get("token_scores_hook") == "installed"
     )
     print(json.dumps(report, indent=2))
     if not report["ok"]:
         print(
-            "maspo_verl check FAILED: verl will not find our losses (or tokenval cannot see token ids) "
+            "maspo_verl check FAILED: verl will not find our losses or estimator (or a hook is missing) "
             "in a run started with plain `import verl`.",
             file=sys.stderr,
         )

@@ -58,8 +58,8 @@ def test_check_command_reports_ok():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
-    assert report["autoload_registers"] == ["maspo", "ctpo", "pgspo"]
-    assert report["token_id_hook"] == "installed"
+    assert report["autoload_registers"] == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
+    assert report["token_id_hook"] == "installed" and report["token_scores_hook"] == "installed"
 
 
 def test_check_command_fails_when_autoload_is_disabled():
