@@ -11,7 +11,7 @@ update.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verl.workers.config import PolicyLossConfig
@@ -153,7 +153,8 @@ class SpanCreditConfig:
         if isinstance(section, SpanCreditConfig):
             return section
         values = {k: v for k, v in dict(section).items() if k != "_target_"}
-        unknown = sorted(set(values) - {"lam"})
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
         if unknown:
-            raise ValueError(f"algorithm.span_credit has unknown keys {unknown}: allowed lam")
+            raise ValueError(f"algorithm.span_credit has unknown keys {unknown}: allowed {', '.join(names)}")
         return cls(**values)

@@ -224,10 +224,7 @@ def startup_checks(config) -> list[str]:
 
 
 def _speech_reward_settings(config):
-    """The speech reward's settings (validated) when the run uses SpeechRewardManager, else None."""
-    reward = config.get("reward", {}) or {}
-    if (reward.get("reward_manager", {}) or {}).get("name") != "SpeechRewardManager":
-        return None
+    """The speech reward's settings (validated) from the run's config."""
     from maspo_verl.speech.reward import SpeechRewardConfig
     from maspo_verl.speech.reward_manager import settings_from_config
 
@@ -242,7 +239,9 @@ def _span_credit_checks(config) -> list[str]:
     span_credit = algorithm.get("adv_estimator") == SPAN_GRPO
     if span_credit:
         SpanCreditConfig.from_algorithm(algorithm)
-    speech = _speech_reward_settings(config)
+    reward = config.get("reward", {}) or {}
+    manager = reward.get("reward_manager", {}) or {}
+    speech = _speech_reward_settings(config) if manager.get("name") == "SpeechRewardManager" else None
     token_scores = speech is not None and speech.token_scores
     if token_scores:
         where = "reward.custom_reward_function.reward_kwargs.token_scores=true"
@@ -251,7 +250,7 @@ def _span_credit_checks(config) -> list[str]:
                 f"{where} needs trainer.use_v1=true: per-token reward scores reach rm_scores "
                 "through the v1 trainer's agent loop (the legacy trainer cannot carry them)"
             )
-        rm = (config.get("reward", {}) or {}).get("reward_model", {}) or {}
+        rm = reward.get("reward_model", {}) or {}
         if rm.get("enable", False) and not rm.get("enable_resource_pool", False):
             raise ValueError(
                 f"{where} needs the reward computed in the agent loop: with a colocated reward model "
@@ -261,7 +260,7 @@ def _span_credit_checks(config) -> list[str]:
         if token_scores_problem():
             raise RuntimeError(f"{where} is unavailable: {token_scores_problem()}")
     # verl's own managers never return per-token scores; a custom one may
-    builtin = ((config.get("reward", {}) or {}).get("reward_manager", {}) or {}).get("source", "register") == "register"
+    builtin = manager.get("source", "register") == "register"
     if span_credit and not token_scores and (speech is not None or builtin):
         message = (
             f"algorithm.adv_estimator={SPAN_GRPO} without per-token reward scores: with an outcome reward "

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from maspo_verl.config import _check_float
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
 from maspo_verl.speech.spans import error_spans, token_penalties
 from maspo_verl.speech.text import normalize_text, word_error_rate
@@ -106,10 +107,7 @@ class SpeechRewardConfig:
         if unknown:
             raise ValueError(f"unknown speech reward settings {sorted(unknown)}; allowed: {sorted(names)}")
         config = cls(**d)
-        if not (math.isfinite(config.span_penalty) and config.span_penalty >= 0):
-            raise ValueError(
-                f"speech reward span_penalty={config.span_penalty!r} is invalid: allowed a finite number >= 0"
-            )
+        _check_float("reward.custom_reward_function.reward_kwargs.span_penalty", config.span_penalty, 0.0)
         return config
 
     @classmethod

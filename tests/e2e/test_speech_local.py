@@ -29,21 +29,29 @@ def speech_assets(tmp_path_factory):
     return build(str(tmp_path_factory.mktemp("speech_local")))
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_speech_preset_two_steps(preset, speech_assets, local_run):
-    overrides = [f"{k}={v}" for k, v in speech_assets.items()] + [
-        f"loss={preset}",
-        "trainer.total_training_steps=2",
-        f"data.max_response_length={RESPONSE_LEN}",
-        "actor_rollout_ref.rollout.ignore_eos=true",
-        *PRESETS[preset],
-    ]
-    run = local_run(overrides)
+def two_steps(speech_assets, local_run, *overrides):
+    """Run the speech assets for 2 steps; checks the run finished both with a finite loss."""
+    run = local_run(
+        [f"{k}={v}" for k, v in speech_assets.items()]
+        + [
+            "trainer.total_training_steps=2",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            *overrides,
+        ]
+    )
     context = f"\n--- trainer log tail ---\n{run.tail()}"
     assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
     assert sorted(run.steps) == [1, 2], context
     for metrics in run.steps.values():
         assert math.isfinite(metrics["actor/pg_loss"]), context
+    return run, context
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_speech_preset_two_steps(preset, speech_assets, local_run):
+    run, context = two_steps(speech_assets, local_run, f"loss={preset}", *PRESETS[preset])
+    for metrics in run.steps.values():
         assert metrics["response_length/mean"] == pytest.approx(RESPONSE_LEN), context
         seg_len, per_seq = metrics["actor/ratio/segment_len_mean"], metrics["actor/ratio/segments_per_seq"]
         if preset == "maspo_fixed":
@@ -60,19 +68,8 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
 def test_span_credit_two_steps(speech_assets, local_run):
     """`credit=span`: the reward returns per-token scores (token_scores=true), verl's agent loop carries
     them into rm_scores through our hook, and maspo_span_grpo computes the advantages."""
-    overrides = [f"{k}={v}" for k, v in speech_assets.items()] + [
-        "loss=maspo_fixed",
-        "credit=span",
-        "trainer.total_training_steps=2",
-        f"data.max_response_length={RESPONSE_LEN}",
-        "actor_rollout_ref.rollout.ignore_eos=true",
-    ]
-    run = local_run(overrides)
-    context = f"\n--- trainer log tail ---\n{run.tail()}"
-    assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
-    assert sorted(run.steps) == [1, 2], context
+    run, context = two_steps(speech_assets, local_run, "loss=maspo_fixed", "credit=span")
     for metrics in run.steps.values():
-        assert math.isfinite(metrics["actor/pg_loss"]), context
         assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
     assert "do not match the response length" not in run.log, context
-    assert "adv_estimator': 'maspo_span_grpo'" in run.log or "maspo_span_grpo" in run.log, context
+    assert "maspo_span_grpo" in run.log, context
