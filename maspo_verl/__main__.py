@@ -1,58 +1,78 @@
-"""``python -m maspo_verl check``: import, register and report, without relying on verl's plugin loader."""
+"""``python -m maspo_verl check``: does ``import verl`` load the plugin here, and what does it register?
+
+Each finding is reported on its own, never as a raw traceback: verl importable, our entry points,
+whether a fresh ``import verl`` (as in a Ray worker) registers our losses and estimator, whether the
+plugin module imports (the exception and the file where it failed, if not), and the two hooks.
+This module imports only the standard library at the top, so it runs even when the package is broken.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
+import logging
 import os
 import subprocess
 import sys
+import traceback
+
+PROBE = (
+    "import verl, json\n"
+    "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, ADV_ESTIMATOR_REGISTRY as A\n"
+    "from maspo_verl.token_sets import TOKEN_SETS\n"
+    "print(json.dumps([n for n in TOKEN_SETS if n in R] + [n for n in ('maspo_span_grpo',) if n in A]))\n"
+)
+
+
+def _failure(exc: BaseException) -> dict:
+    """The exception and the innermost frame it came from."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    where = getattr(exc, "filename", None) and f"{exc.filename}:{getattr(exc, 'lineno', '?')}"
+    if not where and frames:
+        where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return {"exception": f"{type(exc).__name__}: {exc}", "file": where}
 
 
 def check() -> int:
-    """Report whether verl auto-loads the plugin, what is registered, and the two hooks."""
+    """Print a JSON report; 0 when the plugin is fully usable through plain ``import verl``."""
     report: dict = {"python": sys.executable}
+    # the plugin logs its own load failure with a traceback; here it is reported as a finding instead
+    logging.getLogger("maspo_verl").addFilter(lambda record: False)
     try:
         import verl
 
         report["verl"] = verl.__version__
     except Exception as exc:  # noqa: BLE001 - reported to the user
-        print(json.dumps({**report, "ok": False, "error": f"import verl failed: {exc!r}"}, indent=2))
+        report.update(ok=False, import_verl=_failure(exc))
+        print(json.dumps(report, indent=2))
         return 1
     eps = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.value.startswith("maspo_verl")]
-    report["entry_point"] = [f"{ep.name} = {ep.value}" for ep in eps] or None
+    report["entry_points"] = [f"{ep.name} = {ep.value}" for ep in eps] or None
     report["plugins_policy"] = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto")
-    # Would a fresh `import verl` (as in a Ray worker) register our losses by itself?
-    probe = (
-        "import verl, json; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, "
-        "ADV_ESTIMATOR_REGISTRY as A; "
-        "print(json.dumps([n for n in ('maspo', 'ctpo', 'pgspo') if n in R] + "
-        "[n for n in ('maspo_span_grpo',) if n in A]))"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    report["autoload_registers"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    report["autoload_registers"] = json.loads(lines[-1]) if out.returncode == 0 and lines else None
+    expected = None
     try:
-        import maspo_verl
-        from maspo_verl.verl_glue import hook_problem, token_scores_problem, verl_version_problem
+        from maspo_verl import plugin
 
-        report["registered"] = list(maspo_verl.REGISTERED_LOSSES)
-        report["verl_version_ok"] = verl_version_problem() is None
-        report["token_id_hook"] = hook_problem() or "installed"
-        report["token_scores_hook"] = token_scores_problem() or "installed"
+        expected = plugin.registered()
+        report["registered"] = expected
+        report["hooks"] = {name: problem or "installed" for name, problem in plugin.PATCHES.items()}
     except Exception as exc:  # noqa: BLE001 - reported to the user
-        report["error"] = f"import maspo_verl failed: {exc!r}"
-    report["ok"] = (
-        "error" not in report
-        and report.get("autoload_registers") == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
-        and report.get("token_id_hook") == "installed"
-        and report.get("token_scores_hook") == "installed"
+        report["import_plugin"] = _failure(exc)
+    want = expected and expected["policy_losses"] + expected["advantage_estimators"]
+    report["ok"] = bool(
+        want
+        and report["autoload_registers"] == want
+        and all(v == "installed" for v in report.get("hooks", {}).values())
     )
     print(json.dumps(report, indent=2))
     if not report["ok"]:
         print(
-            "maspo_verl check FAILED: verl will not find our losses or estimator (or a hook is missing) "
-            "in a run started with plain `import verl`.",
+            "maspo_verl check FAILED: in a run started with plain `import verl`, verl will not find our losses or "
+            "estimator, or a hook is missing (see the report above: import_plugin, autoload_registers, hooks).",
             file=sys.stderr,
         )
     return 0 if report["ok"] else 1

@@ -1,9 +1,10 @@
-"""Span credit: GRPO's utterance advantage plus a local per-token term (seed 001: a mispronounced
-segment and a well-pronounced one "should get different treatment", while GRPO gives every token of
-an utterance the same advantage).
+"""Span credit: GRPO's utterance advantage plus a local per-token term, so that a mispronounced
+segment and a well-pronounced one get different advantages, while GRPO gives every token of an
+utterance the same one (docs/algorithms.md, "Span credit").
 
-Registered in verl as ``maspo_span_grpo`` (``algorithm.adv_estimator=maspo_span_grpo``; preset
-``credit=span``). Input: verl's ``token_level_rewards`` [B, T]. Each row splits uniquely into
+The plugin registers ``compute_span_grpo_advantage`` in verl as ``maspo_span_grpo``
+(``algorithm.adv_estimator=maspo_span_grpo``; preset ``credit=span``). Input: verl's
+``token_level_rewards`` [B, T]. Each row splits uniquely into
 
     R_i   = sum_t s_it                     the utterance score (what verl's GRPO uses)
     d_it  = s_it - R_i [t = last valid t]  the local part; sum_t d_it = 0 by construction
@@ -24,9 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, register_adv_est
-
-from maspo_verl.config import SpanCreditConfig
 
 SPAN_GRPO = "maspo_span_grpo"
 
@@ -45,9 +43,10 @@ def local_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor)
 
 
 def group_ids(index: np.ndarray, device: torch.device) -> tuple[torch.Tensor, int]:
-    _, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    ids = torch.as_tensor(inverse.reshape(-1), device=device)
-    return ids, int(inverse.max()) + 1 if len(inverse) else 0
+    """Group number of each sample, grouping ``index`` by value (equality and hash) as verl's grpo does."""
+    groups: dict = {}
+    ids = [groups.setdefault(key, len(groups)) for key in np.asarray(index, dtype=object).reshape(-1).tolist()]
+    return torch.as_tensor(ids, dtype=torch.long, device=device), len(groups)
 
 
 def normalised_local(local: torch.Tensor, index: np.ndarray) -> torch.Tensor:
@@ -59,7 +58,6 @@ def normalised_local(local: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     return torch.where(scale > 0, local / scale.clamp_min(torch.finfo(local.dtype).tiny), 0.0)
 
 
-@register_adv_est(SPAN_GRPO)
 def compute_span_grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -69,6 +67,11 @@ def compute_span_grpo_advantage(
     **_: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl advantage estimator ``maspo_span_grpo`` (see the module docstring); returns (A, A)."""
+    # imported here: ``import verl`` loads the plugin, which imports this module
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from maspo_verl.config import SpanCreditConfig
+
     span = SpanCreditConfig.from_algorithm(config)
     norm = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
     utterance, _ = compute_grpo_outcome_advantage(

@@ -1,7 +1,8 @@
-"""Clip schedules and PPO's pessimistic surrogate with dual clip (SPEC §2).
+"""Clip schedules and PPO's pessimistic surrogate with dual clip (docs/algorithms.md, "Clip schedules").
 
 - ratio-space (verl-compatible): lo = 1 - eps_low, hi = 1 + eps_high, c = clip_ratio_c.
-- log-space, length-adaptive (CTPO-LA, seeds 002/004, generalised to any token set):
+- log-space, length-adaptive (CTPO-LA of "Rethinking Importance Sampling in LLM Policy
+  Optimization: A Cumulative Token Perspective", generalised to any token set):
   lo_t = exp(-eps_low * n_t^p), hi_t = exp(eps_high * n_t^p), c_t = exp(eps_c * n_t^p),
   n_t = |S(t)| (segment size, prefix length or response length).
 """
@@ -49,7 +50,7 @@ class _PessimisticSurrogate(torch.autograd.Function):
         A > 0: -A min(r, hi)            A < 0: -A min(max(r, lo), c)            A = 0: 0
 
     r is the shared ratio's value; its gradient with respect to log pi_t is r_t (stop-gradient form
-    r = exp(sg[l] + log pi - sg[log pi]), SPEC §1). Forward runs without autograd and saves one
+    r = exp(sg[l] + log pi - sg[log pi]), maspo_verl.ratios). Forward runs without autograd and saves one
     tensor, d loss_t / d log pi_t = -A_t r_t where no clip is active, else 0.
     """
 

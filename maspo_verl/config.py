@@ -1,11 +1,14 @@
 """Hyperparameters of the granular losses, as a verl ``PolicyLossConfig`` subclass, and of the span
-credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
+credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``); the public validators
+(``check_*``) that recipes reuse for their own settings.
 
 Selected with ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig``
 (our ``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``,
 which does not type-check, so every field is checked in ``__post_init__``: a bad value fails when
 verl converts the actor config at start-up (``validate_config`` in the driver), not at the first
-update.
+update. The allowed segment rules and loss modes come from their registries
+(``maspo_verl.segments.SEGMENT_RULES``, ``maspo_verl.token_sets.TOKEN_SETS``). Importing this module
+registers nothing.
 """
 
 from __future__ import annotations
@@ -14,51 +17,96 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from verl.workers.config import PolicyLossConfig
+from verl.workers.config import ActorConfig, PolicyLossConfig
 
-SEGMENT_RULES = ("fixed", "logprob", "tokenval")
-TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
+from maspo_verl.segments import SEGMENT_RULES, TOKENVAL_DISTANCES
+from maspo_verl.token_sets import TOKEN_SETS
+
 CTPO_MODES = ("cumprod", "geomean")
 CLIP_SCHEDULES = ("ratio", "log_adaptive")
 AGG_MODES = ("actor", "seg-mean-token-mean")
-
-# Loss names this package registers in verl's POLICY_LOSS_REGISTRY (see maspo_verl.losses).
-OUR_LOSS_MODES = ("maspo", "ctpo", "pgspo")
+MAX_POSITION_BUCKETS = 64
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
+def fail(name: str, value: Any, allowed: str) -> None:
+    """Raise the project's field error: the field's path, its value and what is allowed."""
     section = "" if "." in name else "policy_loss."
     raise ValueError(f"{section}{name}={value!r} is invalid: allowed {allowed}")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
     if value not in choices:
-        _fail(name, value, "one of " + ", ".join(choices))
+        fail(name, value, "one of " + ", ".join(choices))
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(name, value, f"an integer >= {minimum}")
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        fail(name, value, f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
 
 
-def _check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
     if not ok:
         bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi != math.inf else "")
-        _fail(name, value, f"a finite number {bound}")
+        fail(name, value, f"a finite number {bound}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        fail(name, value, "true or false")
+
+
+def check_loss_mode(loss_mode: Any) -> None:
+    """``loss_mode`` must be in verl's policy-loss registry; for ours, say why the plugin is missing."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    if loss_mode in POLICY_LOSS_REGISTRY:
+        return
+    if loss_mode in TOKEN_SETS:
+        problem = load_plugin()
+        if loss_mode in POLICY_LOSS_REGISTRY:
+            return
+        raise RuntimeError(
+            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl: the maspo_verl plugin did not "
+            f"load ({problem or 'loaded, but registered nothing'}). "
+            "Run `python -m maspo_verl check` in the same environment."
+        )
+    fail("loss_mode", loss_mode, "a loss registered in verl: one of " + ", ".join(sorted(POLICY_LOSS_REGISTRY)))
+
+
+def load_plugin() -> str | None:
+    """Load our ``verl.plugins`` entry point as ``import verl`` does; None, or why it failed.
+
+    verl logs a failing plugin at debug level only; this is how the config finds the reason.
+    """
+    import traceback
+    from importlib.metadata import entry_points
+
+    ours = [ep for ep in entry_points(group="verl.plugins") if ep.value.split(".")[0] == "maspo_verl"]
+    if not ours:
+        return "no `verl.plugins` entry point of maspo_verl: is maspo-verl installed in this environment?"
+    for ep in ours:
+        try:
+            ep.load()
+        except Exception as exc:  # noqa: BLE001 - the reason is the message
+            where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+            at = f" at {where.filename}:{where.lineno}" if where else ""
+            return f"entry point {ep.name} = {ep.value} raised {type(exc).__name__}: {exc}{at}"
+    return None
 
 
 @dataclass
 class GranularLossConfig(PolicyLossConfig):
-    """Token set x normalisation x clip schedule (SPEC §1-§3).
+    """Token set x normalisation x clip schedule (docs/algorithms.md).
 
-    ``loss_mode`` picks the token set: ``maspo`` (segments), ``ctpo`` (prefixes), ``pgspo``
-    (whole response). verl's own modes (``vanilla``, ``gspo``, ...) may also be selected with this
-    config; they ignore the fields below.
+    ``loss_mode`` picks the token set (``maspo_verl.token_sets``): ``maspo`` (segments), ``ctpo``
+    (prefixes), ``pgspo`` (whole response). verl's own modes (``vanilla``, ``gspo``, ...) may also be
+    selected with this config; they ignore the fields below.
     """
 
-    # MASPO segmentation (SPEC §3)
+    # MASPO segmentation (maspo_verl.segments)
     segment_rule: str = "fixed"
     segment_window: int = 15
     logprob_threshold: float = 1.0
@@ -73,62 +121,92 @@ class GranularLossConfig(PolicyLossConfig):
     # normalisation: l_t = sum_{S(t)} delta / |S(t)|^alpha (maspo, pgspo)
     length_exponent: float = 1.0
     ctpo_mode: str = "cumprod"
-    # clipping (SPEC §2)
+    # clipping (maspo_verl.clipping)
     clip_schedule: str = "ratio"
     log_clip_low: float = 0.025
     log_clip_high: float = 0.05
     log_clip_dual: float = 0.05
     clip_exponent: float = 0.5
-    # aggregation: "actor" uses actor.loss_agg_mode; "seg-mean-token-mean" is seed 001's
-    # token-mean inside each segment, then mean over segments, then mean over sequences.
+    # aggregation: "actor" uses actor.loss_agg_mode; "seg-mean-token-mean" is the token-mean inside
+    # each segment, then the mean over segments, then the mean over sequences.
     agg_mode: str = "actor"
     # number of equal position buckets for the clip-fraction-by-position metrics
     position_buckets: int = 4
 
     def __post_init__(self):
-        if self.loss_mode in OUR_LOSS_MODES:
-            from maspo_verl.verl_glue import require_registered
-
-            require_registered(self.loss_mode)
-        _check_choice("segment_rule", self.segment_rule, SEGMENT_RULES)
-        _check_int("segment_window", self.segment_window, 1)
-        _check_float("logprob_threshold", self.logprob_threshold, -math.inf)
-        if not isinstance(self.logprob_per_sample, bool):
-            _fail("logprob_per_sample", self.logprob_per_sample, "true or false")
-        _check_float("tokenval_threshold", self.tokenval_threshold, 0.0)
-        _check_choice("tokenval_distance", self.tokenval_distance, TOKENVAL_DISTANCES)
-        _check_int("codec_offset", self.codec_offset, 0)
-        _check_int("codec_size", self.codec_size, 1)
-        levels = list(self.fsq_levels) if not isinstance(self.fsq_levels, str | bytes) else None
+        check_loss_mode(self.loss_mode)
+        check_choice("segment_rule", self.segment_rule, tuple(SEGMENT_RULES))
+        check_int("segment_window", self.segment_window, 1)
+        check_float("logprob_threshold", self.logprob_threshold, -math.inf)
+        check_bool("logprob_per_sample", self.logprob_per_sample)
+        check_float("tokenval_threshold", self.tokenval_threshold, 0.0)
+        check_choice("tokenval_distance", self.tokenval_distance, TOKENVAL_DISTANCES)
+        check_int("codec_offset", self.codec_offset, 0)
+        check_int("codec_size", self.codec_size, 1)
+        levels = list(self.fsq_levels) if isinstance(self.fsq_levels, list | tuple) else None
         if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in levels):
-            _fail("fsq_levels", self.fsq_levels, "a non-empty list of integers >= 2")
+            fail("fsq_levels", self.fsq_levels, "a non-empty list of integers >= 2")
         if self.tokenval_distance != "id" and math.prod(levels) != self.codec_size:
-            _fail(
+            fail(
                 "fsq_levels",
                 self.fsq_levels,
                 f"levels whose product equals policy_loss.codec_size={self.codec_size} "
                 f"(tokenval_distance={self.tokenval_distance!r} splits codes into FSQ digits)",
             )
         object.__setattr__(self, "fsq_levels", levels)
-        _check_int("min_segment_len", self.min_segment_len, 0)
-        _check_int("max_segment_len", self.max_segment_len, 0)
+        check_int("min_segment_len", self.min_segment_len, 0)
+        check_int("max_segment_len", self.max_segment_len, 0)
         if self.max_segment_len and self.max_segment_len < self.min_segment_len:
-            _fail(
+            fail(
                 "max_segment_len",
                 self.max_segment_len,
                 f"0 (none) or an integer >= min_segment_len={self.min_segment_len}",
             )
-        _check_float("length_exponent", self.length_exponent, 0.0, 1.0)
-        _check_choice("ctpo_mode", self.ctpo_mode, CTPO_MODES)
-        _check_choice("clip_schedule", self.clip_schedule, CLIP_SCHEDULES)
-        _check_float("log_clip_low", self.log_clip_low, 0.0, lo_open=True)
-        _check_float("log_clip_high", self.log_clip_high, 0.0, lo_open=True)
-        _check_float("log_clip_dual", self.log_clip_dual, 0.0, lo_open=True)
-        _check_float("clip_exponent", self.clip_exponent, -2.0, 2.0)
-        _check_choice("agg_mode", self.agg_mode, AGG_MODES)
-        if self.agg_mode != "actor" and self.loss_mode == "ctpo":
-            _fail("agg_mode", self.agg_mode, "'actor' with loss_mode='ctpo' (prefixes are not a partition)")
-        _check_int("position_buckets", self.position_buckets, 1)
+        check_float("length_exponent", self.length_exponent, 0.0, 1.0)
+        check_choice("ctpo_mode", self.ctpo_mode, CTPO_MODES)
+        check_choice("clip_schedule", self.clip_schedule, CLIP_SCHEDULES)
+        check_float("log_clip_low", self.log_clip_low, 0.0, lo_open=True)
+        check_float("log_clip_high", self.log_clip_high, 0.0, lo_open=True)
+        check_float("log_clip_dual", self.log_clip_dual, 0.0, lo_open=True)
+        check_float("clip_exponent", self.clip_exponent, -2.0, 2.0)
+        check_choice("agg_mode", self.agg_mode, AGG_MODES)
+        token_set = TOKEN_SETS.get(self.loss_mode)
+        if self.agg_mode != "actor" and token_set is not None and not token_set.partition:
+            fail("agg_mode", self.agg_mode, f"'actor' with loss_mode={self.loss_mode!r} (its sets are not a partition)")
+        check_int("position_buckets", self.position_buckets, 1, MAX_POSITION_BUCKETS)
+
+
+def _reject_unknown_fields(cls) -> None:
+    """Wrap the dataclass ``__init__`` so an unknown field names the allowed ones (``+policy_loss.x=``)."""
+    generated = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        allowed = [f.name for f in fields(cls) if f.init]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(f"policy_loss has unknown fields {unknown}: allowed {', '.join(allowed)}")
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_reject_unknown_fields(GranularLossConfig)
+
+
+def actor_config(clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_agg_mode="token-mean", **policy_loss) -> ActorConfig:
+    """A verl ``ActorConfig`` around our policy-loss dataclass, to call the losses outside the trainer
+    (``fn(old, new, adv, mask, loss_agg_mode, actor_config(...))``); ``loss_mode`` defaults to ``maspo``."""
+    policy_loss.setdefault("loss_mode", "maspo")
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=clip_low,
+        clip_ratio_high=clip_high,
+        clip_ratio_c=clip_c,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=GranularLossConfig(**policy_loss),
+    )
 
 
 @dataclass(frozen=True)
@@ -142,7 +220,7 @@ class SpanCreditConfig:
     lam: float = 0.5
 
     def __post_init__(self):
-        _check_float("algorithm.span_credit.lam", self.lam, 0.0)
+        check_float("algorithm.span_credit.lam", self.lam, 0.0)
 
     @classmethod
     def from_algorithm(cls, algorithm: Any) -> SpanCreditConfig:

@@ -1,30 +1,32 @@
-"""One policy loss, three registered names: token set x normalisation x clip schedule (SPEC §1-§5).
+"""One policy loss body for every token set: token set x normalisation x clip schedule
+(docs/algorithms.md).
 
-| name    | token set S(t)          | normalisation (alpha)                | source            |
-|---------|-------------------------|--------------------------------------|-------------------|
-| `maspo` | segment of t            | `length_exponent` (1 = segment mean) | seeds 000, 001    |
-| `ctpo`  | prefix {1..t}           | cumprod: 0, geomean: 1               | seeds 002, 004    |
-| `pgspo` | whole response          | `length_exponent` (1 = GSPO)         | seeds 001, 003    |
+``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.token_sets``) with
+verl's ``PolicyLossFn`` signature, called per micro-batch by verl's ``ppo_loss``; the plugin
+registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive).
 
-Any of them takes either clip schedule (``clip_schedule``: ratio | log_adaptive). The function
-has verl's ``PolicyLossFn`` signature and is called per micro-batch by verl's ``ppo_loss``.
+verl and ``maspo_verl.config`` (which imports verl) are imported inside the functions: ``import verl``
+loads the plugin, which imports this module, so importing this module must not import verl.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from maspo_verl import clipping, ratios, segments
-from maspo_verl.config import OUR_LOSS_MODES, GranularLossConfig
+from maspo_verl import clipping, ratios
+from maspo_verl.token_sets import TOKEN_SETS
+
+if TYPE_CHECKING:
+    from maspo_verl.config import GranularLossConfig
 
 
 def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
     """The actor config's ``policy_loss``, which must be our dataclass for our loss modes."""
+    from maspo_verl.config import GranularLossConfig
+
     pl = config.policy_loss if config is not None else None
     if not isinstance(pl, GranularLossConfig):
         raise TypeError(
@@ -33,56 +35,6 @@ def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
             "hydra_configs/maspo_trainer.yaml sets it"
         )
     return pl
-
-
-@dataclass
-class TokenSets:
-    """Sums of delta over each token's set S(t) and the set sizes |S(t)|.
-
-    For segments (``seg_ids`` given) both are per segment id, broadcast to tokens by ``per_token``;
-    for prefixes they are already per token.
-    """
-
-    sums: torch.Tensor
-    sizes: torch.Tensor
-    alpha: float
-    seg_ids: torch.Tensor | None
-
-    def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.seg_ids is None else ratios.per_token(values, self.seg_ids)
-
-
-def token_sets(
-    loss_mode: str, pl: GranularLossConfig, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor
-) -> TokenSets:
-    """Which tokens share a ratio: prefixes (ctpo), one segment per row (pgspo) or segments (maspo)."""
-    if loss_mode == "ctpo":
-        sums, sizes = ratios.prefix_sums(delta, mask)
-        return TokenSets(sums, sizes, 0.0 if pl.ctpo_mode == "cumprod" else 1.0, None)
-    if loss_mode == "pgspo":
-        seg_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
-    else:
-        from maspo_verl.verl_glue import current_response_ids
-
-        token_ids = current_response_ids(mask) if pl.segment_rule == "tokenval" else None
-        seg_ids = segments.compute_segment_ids(
-            mask,
-            pl.segment_rule,
-            old_log_prob=old_log_prob,
-            token_ids=token_ids,
-            window=pl.segment_window,
-            logprob_threshold=pl.logprob_threshold,
-            logprob_per_sample=pl.logprob_per_sample,
-            tokenval_threshold=pl.tokenval_threshold,
-            tokenval_distance=pl.tokenval_distance,
-            codec_offset=pl.codec_offset,
-            codec_size=pl.codec_size,
-            fsq_levels=pl.fsq_levels,
-            min_len=pl.min_segment_len,
-            max_len=pl.max_segment_len,
-        )
-    sums, sizes = ratios.segment_totals(delta, seg_ids, mask)
-    return TokenSets(sums, sizes, pl.length_exponent, seg_ids)
 
 
 def clip_bounds(pl: GranularLossConfig, actor: Any, sizes: torch.Tensor | None) -> clipping.ClipBounds:
@@ -109,7 +61,7 @@ def aggregate(
 
     With those weights each row sums to the mean over its K_i segments of the token-mean inside
     each segment; verl's ``seq-mean-token-sum`` then averages rows over the global batch, so the
-    mode stays invariant to data parallelism like verl's own modes (seed 001).
+    mode stays invariant to data parallelism like verl's own modes.
     """
     if agg_mode == "seg-mean-token-mean":
         num_segments = (seg_ids.max(dim=-1, keepdim=True).values + 1).to(loss_mat.dtype)
@@ -123,6 +75,8 @@ def aggregate(
             info["batch_num_tokens"] = mask.sum().clamp(min=1)
         if info.get("global_batch_size") is None:
             info["global_batch_size"] = mask.any(dim=-1).sum().clamp(min=1)
+    from verl.trainer.ppo.core_algos import agg_loss
+
     return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
 
 
@@ -195,12 +149,12 @@ def granular_policy_loss(
     *,
     loss_mode: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set (SPEC §1-§2)."""
+    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set."""
     pl = policy_loss_config(config, loss_mode)
     mask = response_mask.bool()
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
-        sets = token_sets(loss_mode, pl, old_log_prob, mask, delta)
+        sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
         ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp_()
         # per-token set sizes only where a schedule or the aggregation needs them
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
@@ -211,4 +165,8 @@ def granular_policy_loss(
     return pg_loss, metrics
 
 
-LOSSES = {name: register_policy_loss(name)(partial(granular_policy_loss, loss_mode=name)) for name in OUR_LOSS_MODES}
+def policy_loss_fn(loss_mode: str):
+    """verl ``PolicyLossFn`` of the token set ``loss_mode``."""
+    if loss_mode not in TOKEN_SETS:
+        raise ValueError(f"loss_mode={loss_mode!r} is not a maspo_verl token set: allowed {', '.join(TOKEN_SETS)}")
+    return partial(granular_policy_loss, loss_mode=loss_mode)

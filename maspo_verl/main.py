@@ -13,7 +13,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from maspo_verl.verl_glue import startup_checks
+from maspo_verl.plugin import run_startup_checks
 
 CONFIG_PATH = "pkg://maspo_verl.hydra_configs"
 
@@ -51,7 +51,7 @@ def dry_run(config: DictConfig) -> dict:
 def run(config: DictConfig) -> None:
     """Start-up checks, optional local mode, then verl's main_ppo body (or the dry run)."""
     maspo = config.get("maspo", {}) or {}
-    startup_checks(config)
+    run_startup_checks(config)
     if maspo.get("local"):
         from maspo_verl.local import prepare
 

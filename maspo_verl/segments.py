@@ -1,8 +1,11 @@
-"""Who shares a ratio: contiguous segments of a response (SPEC §3; seeds 000, 001).
+"""Who shares a ratio: contiguous segments of a response (docs/algorithms.md, "Segmentation rules").
 
-Every rule turns [B, T] inputs into a boolean *boundary* tensor (True where a new segment starts)
-plus a boundary *score* used by ``min_len`` suppression; ``segment_ids`` turns boundaries into ids.
-All functions are vectorised over [B, T]: no Python loop over tokens or samples, no host sync.
+A rule (a ``SegmentRule`` in ``SEGMENT_RULES``, selected by ``policy_loss.segment_rule``) turns
+[B, T] inputs into a boolean *boundary* tensor (True where a new segment starts), a boundary
+*score* used by ``min_segment_len`` suppression and the boundaries that must stay; ``segment_ids``
+turns boundaries into ids. Rules read their settings from the policy-loss config
+(``maspo_verl.config.GranularLossConfig``), the one source of defaults. All functions are vectorised
+over [B, T]: no Python loop over tokens or samples, no host sync.
 
 Masks may be right- or left-padded and may contain holes (multi-turn tool outputs); "previous
 token" always means the previous *valid* token, and positions count valid tokens only.
@@ -12,9 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from maspo_verl.batch import current_response_ids
+
+TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
 # Per-sample logprob rule: sigma floor (nats) so a sample whose drops are all equal gets no boundaries.
 STD_FLOOR = 1e-3
 # Drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude.
@@ -45,7 +53,7 @@ def _gather_previous(x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_boundaries(mask: torch.Tensor, window: int) -> torch.Tensor:
-    """Boundary where (index among valid tokens) mod W == 0 (seed 000: ``arange(T) // W``)."""
+    """Boundary where (index among valid tokens) mod W == 0 (``arange(T) // W`` on valid tokens)."""
     mask = mask.bool()
     return mask & (valid_positions(mask) % window == 0)
 
@@ -61,7 +69,7 @@ def logprob_drops(old_log_prob: torch.Tensor, mask: torch.Tensor) -> tuple[torch
 
 
 def logprob_scores(old_log_prob: torch.Tensor, mask: torch.Tensor, per_sample: bool) -> torch.Tensor:
-    """Boundary score of the logprob rule: the drop, or its per-sample z-score (seed 000)."""
+    """Boundary score of the logprob rule: the drop, or its per-sample z-score."""
     drop, has_prev = logprob_drops(old_log_prob, mask)
     if not per_sample:
         return drop
@@ -76,7 +84,7 @@ def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int],
     """Distance between FSQ codes a, b split into mixed-radix digits (digit 0 least significant).
 
     ``fsq_l1``: sum_k |a_k - b_k|; ``fsq_hamming``: sum_k [a_k != b_k]. For XCodec2's [4]*8,
-    digit k is (c >> 2k) & 3 (SPEC §3). Loops over the K digits, never over tokens.
+    digit k is (c >> 2k) & 3. Loops over the K digits, never over tokens.
     """
     dist = torch.zeros(a.shape, dtype=torch.long, device=a.device)
     radix = 1
@@ -157,65 +165,126 @@ def segment_ids(boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
-    """Segment ids of the fixed rule without min/max length effects: (valid position) // W (seed 000)."""
+    """Segment ids of the fixed rule without min/max length effects: (valid position) // W."""
     return torch.where(mask.bool(), torch.div(valid_positions(mask), window, rounding_mode="floor"), 0)
 
 
-def compute_segment_ids(mask: torch.Tensor, rule: str, **kwargs) -> torch.Tensor:
-    """Segment ids of ``compute_boundaries(mask, rule, **kwargs)``, by the direct formula for fixed
-    windows whose min/max lengths cannot change them (min_len <= W, max_len 0 or >= W)."""
-    window, min_len, max_len = kwargs.get("window", 1), kwargs.get("min_len", 0), kwargs.get("max_len", 0)
-    if rule == "fixed" and min_len <= window and (max_len == 0 or max_len >= window):
-        return fixed_window_ids(mask, window)
-    return segment_ids(compute_boundaries(mask, rule, **kwargs), mask)
+@dataclass
+class Candidates:
+    """What a rule proposes: boundaries, their strength for min-length suppression, and the
+    boundaries that must stay whatever their neighbours (None: only the first valid token)."""
+
+    boundaries: torch.Tensor
+    scores: torch.Tensor
+    forced: torch.Tensor | None = None
+
+
+class SegmentRule:
+    """A segmentation rule: ``candidates`` from the [B, T] inputs and the policy-loss config."""
+
+    name: ClassVar[str]
+
+    def candidates(self, config: Any, mask: torch.Tensor, old_log_prob, token_ids) -> Candidates:
+        raise NotImplementedError
+
+    def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
+        """Segment ids by a closed formula when there is one (None: go through the boundaries)."""
+        return None
+
+
+SEGMENT_RULES: dict[str, SegmentRule] = {}
+
+
+def register_segment_rule(cls: type[SegmentRule]) -> type[SegmentRule]:
+    """Class decorator: make the rule selectable as ``policy_loss.segment_rule=<cls.name>``."""
+    SEGMENT_RULES[cls.name] = cls()
+    return cls
+
+
+@register_segment_rule
+class FixedRule(SegmentRule):
+    """A new segment every ``segment_window`` valid tokens."""
+
+    name = "fixed"
+
+    def candidates(self, config, mask, old_log_prob, token_ids):
+        return Candidates(fixed_boundaries(mask, config.segment_window), torch.ones(mask.shape, device=mask.device))
+
+    def direct_ids(self, config, mask):
+        # min/max lengths cannot move boundaries that are W apart when min <= W and (max 0 or >= W)
+        window, min_len, max_len = config.segment_window, config.min_segment_len, config.max_segment_len
+        if min_len <= window and (max_len == 0 or max_len >= window):
+            return fixed_window_ids(mask, window)
+        return None
+
+
+@register_segment_rule
+class LogprobRule(SegmentRule):
+    """A new segment where the old policy's log-prob drops by more than ``logprob_threshold``
+    (``logprob_per_sample``: in units of the sample's own drop mean and standard deviation)."""
+
+    name = "logprob"
+
+    def candidates(self, config, mask, old_log_prob, token_ids):
+        if old_log_prob is None:
+            raise ValueError("segment_rule='logprob' needs old_log_prob")
+        scores = logprob_scores(old_log_prob, mask, config.logprob_per_sample)
+        return Candidates(mask & (scores > config.logprob_threshold), scores)
+
+
+@register_segment_rule
+class TokenvalRule(SegmentRule):
+    """A new segment where neighbouring codec codes differ by more than ``tokenval_threshold``;
+    tokens outside the codec range are segments of their own. Needs the response token ids (given,
+    or those of the verl micro-batch in scope)."""
+
+    name = "tokenval"
+
+    def candidates(self, config, mask, old_log_prob, token_ids):
+        if token_ids is None:
+            token_ids = current_response_ids(mask)
+        dist, outside = tokenval_scores(
+            token_ids,
+            mask,
+            codec_offset=config.codec_offset,
+            codec_size=config.codec_size,
+            distance=config.tokenval_distance,
+            fsq_levels=config.fsq_levels,
+        )
+        scores = dist.float()
+        return Candidates(mask & (scores > config.tokenval_threshold), scores, outside)
 
 
 def compute_boundaries(
     mask: torch.Tensor,
-    rule: str,
+    config: Any,
     *,
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
-    window: int = 1,
-    logprob_threshold: float = 1.0,
-    logprob_per_sample: bool = False,
-    tokenval_threshold: float = 0.0,
-    tokenval_distance: str = "fsq_l1",
-    codec_offset: int = 128264,
-    codec_size: int = 65536,
-    fsq_levels: Sequence[int] = (4,) * 8,
-    min_len: int = 0,
-    max_len: int = 0,
 ) -> torch.Tensor:
-    """Boundaries of one rule (``fixed``, ``logprob`` or ``tokenval``), then min/max length."""
+    """Boundaries of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``."""
     mask = mask.bool()
-    forced = first_valid(mask)
-    if rule == "fixed":
-        b = fixed_boundaries(mask, window)
-        scores = torch.ones(mask.shape, device=mask.device)
-    elif rule == "logprob":
-        if old_log_prob is None:
-            raise ValueError("segment_rule='logprob' needs old_log_prob")
-        scores = logprob_scores(old_log_prob, mask, logprob_per_sample)
-        b = mask & (scores > logprob_threshold)
-    elif rule == "tokenval":
-        if token_ids is None:
-            raise ValueError(
-                "segment_rule='tokenval' needs the response token ids; in verl they reach the loss "
-                "through maspo_verl.verl_glue's ppo_loss wrapper (see `python -m maspo_verl check`)"
-            )
-        dist, outside = tokenval_scores(
-            token_ids,
-            mask,
-            codec_offset=codec_offset,
-            codec_size=codec_size,
-            distance=tokenval_distance,
-            fsq_levels=fsq_levels,
-        )
-        scores = dist.float()
-        b = mask & (scores > tokenval_threshold)
-        forced = forced | outside
-    else:
-        raise ValueError(f"segment_rule={rule!r} is invalid: allowed fixed, logprob, tokenval")
-    b = suppress_close(b | forced, torch.where(forced, math.inf, scores), mask, min_len) | forced
-    return split_long(b, mask, max_len) & mask
+    rule = SEGMENT_RULES.get(config.segment_rule)
+    if rule is None:
+        raise ValueError(f"segment_rule={config.segment_rule!r} is invalid: allowed {', '.join(SEGMENT_RULES)}")
+    found = rule.candidates(config, mask, old_log_prob, token_ids)
+    forced = first_valid(mask) if found.forced is None else first_valid(mask) | found.forced
+    scores = torch.where(forced, math.inf, found.scores)
+    b = suppress_close(found.boundaries | forced, scores, mask, config.min_segment_len) | forced
+    return split_long(b, mask, config.max_segment_len) & mask
+
+
+def compute_segment_ids(
+    mask: torch.Tensor,
+    config: Any,
+    *,
+    old_log_prob: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Segment ids of ``compute_boundaries``, by the rule's closed formula where it has one."""
+    rule = SEGMENT_RULES.get(config.segment_rule)
+    direct = rule.direct_ids(config, mask) if rule is not None else None
+    if direct is not None:
+        return direct
+    boundaries = compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids)
+    return segment_ids(boundaries, mask)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
-from verl.workers.config import ActorConfig
 
-import maspo_verl  # noqa: F401
-from maspo_verl.config import GranularLossConfig
+import maspo_verl.plugin  # noqa: F401  (registers our losses)
+from maspo_verl.config import actor_config
 from maspo_verl.lab import common
 
 
@@ -68,18 +67,6 @@ PROFILED = ("vanilla (verl)", "maspo fixed W=15", "ctpo cumprod (LA clip)")
 
 def loss_fn(e: Entry):
     return get_policy_loss_fn(e.loss_mode)
-
-
-def actor_config(e: Entry) -> ActorConfig:
-    return ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=3.0,
-        policy_loss=GranularLossConfig(loss_mode=e.loss_mode, **e.policy_loss),
-    )
 
 
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -163,7 +150,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     Ts = [int(x) for x in args.T.split(",")]
     entries = [e for e in ENTRIES if not args.only or any(s in e.label for s in args.only.split(","))]
-    fns = {e.label: (loss_fn(e), actor_config(e)) for e in entries}
+    fns = {e.label: (loss_fn(e), actor_config(loss_mode=e.loss_mode, **e.policy_loss)) for e in entries}
     rows = []
     for device in devices:
         for T in Ts:

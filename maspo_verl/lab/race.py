@@ -27,9 +27,9 @@ import torch
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn, get_policy_loss_fn
 from verl.workers.config import ActorConfig
 
-import maspo_verl  # noqa: F401  (registers maspo, ctpo, pgspo)
+import maspo_verl.plugin  # noqa: F401  (registers maspo, ctpo, pgspo)
 from maspo_verl.advantages import SPAN_GRPO
-from maspo_verl.config import GranularLossConfig
+from maspo_verl.config import actor_config
 from maspo_verl.lab import common
 from maspo_verl.speech.spans import ErrorSpan, token_penalties, token_scores
 
@@ -54,17 +54,8 @@ CONTENDERS = [
 ]
 
 
-def actor_config(c: Contender) -> ActorConfig:
-    return ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio_low=c.clip_low,
-        clip_ratio_high=c.clip_high,
-        clip_ratio_c=3.0,
-        loss_agg_mode="token-mean",
-        policy_loss=GranularLossConfig(loss_mode=c.loss_mode, **c.policy_loss),
-    )
+def contender_config(c: Contender) -> ActorConfig:
+    return actor_config(c.clip_low, c.clip_high, loss_mode=c.loss_mode, **c.policy_loss)
 
 
 # ------------------------------------------------------------------ tasks and policy
@@ -149,7 +140,7 @@ def train(task: Task, c: Contender, seed: int, args, return_policy: bool = False
     theta = init_policy(task, args.length, seed)
     opt = torch.optim.Adam([theta], lr=args.lr)
     loss_fn = get_policy_loss_fn(c.loss_mode)
-    cfg = actor_config(c)
+    cfg = contender_config(c)
     B = args.groups * args.group_size
     index = np.repeat(np.arange(args.groups), args.group_size)
     rewards, entropies, kls, clipfracs = [], [], [], []

@@ -7,22 +7,23 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
 - ``prepare(config)`` (driver, from ``maspo_verl.main.run`` when ``maspo.local`` is set): builds the
   embedded assets, fills in paths and CPU overrides, sets the environment for the driver and for
   every Ray worker, then ``activate()``.
-- ``activate()`` (driver and Ray workers, on plugin import when ``MASPO_VERL_LOCAL`` is set):
-  registers the ``cpu`` platform, the ``hf`` rollout (replica + adapter) and de-duplicates the
-  process-group backend string. These work around checks hard-coded in verl 0.9.1, so they are
-  refused with a clear error on any other verl version.
+- ``activate()`` (driver and Ray workers; in workers through the ``maspo_verl_local`` entry point,
+  ``maspo_verl.local.autoload``, when ``MASPO_VERL_LOCAL`` is set): registers the ``cpu`` platform,
+  the ``hf`` rollout (replica + adapter) and de-duplicates the process-group backend string. These
+  work around checks hard-coded in verl; each verl attribute they rely on is checked first
+  (``missing_features``), and the mode is refused with the list of what is missing.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import tempfile
 
+from maspo_verl.plugin import patch
+
 logger = logging.getLogger("maspo_verl.local")
 
-SUPPORTED_VERL_VERSIONS = ("0.9.1",)
 LOCAL_MODES = ("cpu",)
 
 # Environment of the local mode, for the driver (os.environ) and every Ray worker (runtime_env).
@@ -37,19 +38,56 @@ LOCAL_ENV = {
 _activated = False
 
 
-def check_verl_version() -> str:
-    """The installed verl version; raises RuntimeError if the local mode was not written for it."""
-    import verl
+# verl attributes the local mode relies on: (module, attribute path)
+REQUIRED_FEATURES = (
+    ("verl.plugin.platform.platform_manager", "PlatformRegistry.register"),
+    ("verl.plugin.platform.platform_manager", "_current_platform"),
+    ("verl.plugin.platform.platform_base", "PlatformBase"),
+    ("verl.workers.rollout.base", "_ROLLOUT_REGISTRY"),
+    ("verl.workers.rollout.base", "BaseRollout"),
+    ("verl.workers.rollout.replica", "RolloutReplicaRegistry.register"),
+    ("verl.workers.rollout.replica", "RolloutReplica"),
+    ("verl.workers.rollout.replica", "TokenOutput"),
+    ("verl.utils.distributed", "initialize_global_process_group_ray"),
+)
+PROCESS_GROUP_PARAMS = ("timeout_second", "backend")
 
-    version = getattr(verl, "__version__", "unknown")
-    if version not in SUPPORTED_VERL_VERSIONS:
+
+def missing_features() -> list[str]:
+    """What of the verl internals the local mode patches is missing from the installed verl."""
+    import importlib
+    import inspect
+
+    missing = []
+    for module_name, path in REQUIRED_FEATURES:
+        try:
+            obj = importlib.import_module(module_name)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{module_name}.{path} ({type(exc).__name__}: {exc})")
+    if not missing:
+        from verl.utils import distributed
+
+        target = getattr(distributed.initialize_global_process_group_ray, "__maspo_original__", None)
+        params = tuple(inspect.signature(target or distributed.initialize_global_process_group_ray).parameters)
+        if params != PROCESS_GROUP_PARAMS:
+            name = "verl.utils.distributed.initialize_global_process_group_ray"
+            missing.append(f"{name}{params}, expected {PROCESS_GROUP_PARAMS}")
+    return missing
+
+
+def check_verl_features() -> None:
+    """Raise RuntimeError naming every verl internal the local mode needs and cannot find."""
+    missing = missing_features()
+    if missing:
+        import verl
+
         raise RuntimeError(
-            f"maspo_verl local mode: installed verl {version} is not supported (supported: "
-            f"{', '.join(SUPPORTED_VERL_VERSIONS)}). The local mode patches checks hard-coded in verl "
-            "(platform, rollout registry, process-group backend); install a supported verl or run "
-            "without local=cpu."
+            f"maspo_verl local mode cannot run on the installed verl {getattr(verl, '__version__', '?')}: it patches "
+            "checks hard-coded in verl (platform, rollout registry, process-group backend) and these are missing: "
+            + "; ".join(missing)
         )
-    return version
 
 
 def _dedup_backend(backend: str | None) -> str | None:
@@ -63,25 +101,14 @@ def _dedup_backend(backend: str | None) -> str | None:
     return ",".join(seen.values())
 
 
-def _patch_process_group_backend() -> None:
-    import sys
+def _dedup_process_group_backend(original):
+    from verl.utils import device
 
-    from verl.utils import device, distributed
-
-    original = distributed.initialize_global_process_group_ray
-    if getattr(original, "__maspo_original__", None) is not None:
-        return
-
-    @functools.wraps(original)
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         backend = backend or f"cpu:gloo,{device.get_device_name()}:{device.get_nccl_backend()}"
         return original(timeout_second=timeout_second, backend=_dedup_backend(backend))
 
-    initialize_global_process_group_ray.__maspo_original__ = original
-    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
-    for name, module in list(sys.modules.items()):
-        if name.startswith("verl.") and getattr(module, "initialize_global_process_group_ray", None) is original:
-            module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    return initialize_global_process_group_ray
 
 
 def activate() -> None:
@@ -89,8 +116,9 @@ def activate() -> None:
     global _activated
     if _activated:
         return
-    check_verl_version()
+    check_verl_features()
     from verl.plugin.platform import platform_manager
+    from verl.utils import distributed
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -110,7 +138,11 @@ def activate() -> None:
         return HFReplica
 
     RolloutReplicaRegistry.register("hf", _load_hf)
-    _patch_process_group_backend()
+    problem = patch(
+        "process_group_backend", distributed, "initialize_global_process_group_ray", _dedup_process_group_backend
+    )
+    if problem:
+        raise RuntimeError(f"maspo_verl local mode: {problem}")
     _activated = True
 
 
@@ -125,7 +157,7 @@ def prepare(config) -> dict:
     mode = str(config.maspo.local).lower()
     if mode not in LOCAL_MODES:
         raise ValueError(f"maspo.local={config.maspo.local!r}: supported local modes are {LOCAL_MODES}")
-    check_verl_version()
+    check_verl_features()
     os.environ.update(LOCAL_ENV)
     activate()
 

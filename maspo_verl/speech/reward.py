@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from maspo_verl.config import _check_float
+from maspo_verl.config import check_float
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
 from maspo_verl.speech.spans import error_spans, token_penalties
 from maspo_verl.speech.text import normalize_text, word_error_rate
@@ -107,7 +107,7 @@ class SpeechRewardConfig:
         if unknown:
             raise ValueError(f"unknown speech reward settings {sorted(unknown)}; allowed: {sorted(names)}")
         config = cls(**d)
-        _check_float("reward.custom_reward_function.reward_kwargs.span_penalty", config.span_penalty, 0.0)
+        check_float("reward.custom_reward_function.reward_kwargs.span_penalty", config.span_penalty, 0.0)
         return config
 
     @classmethod

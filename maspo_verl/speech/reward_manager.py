@@ -18,7 +18,10 @@ node GPU ``i mod n`` (Ray 2.5x leaves CUDA_VISIBLE_DEVICES unset for zero-GPU ac
 With ``token_scores=true`` (span credit, ``credit=span``) each sample's per-code penalties are placed
 at the codes' positions in the response and returned as per-token scores under
 ``reward_extra_info[TOKEN_SCORES_KEY]``; maspo_verl's hook on verl's agent-loop output turns them into
-the sample's ``rm_scores`` row (``maspo_verl.verl_glue.install_token_scores_hook``).
+the sample's ``rm_scores`` row (``maspo_verl.plugin.install_token_scores_hook``).
+
+Importing this module registers ``speech_startup_checks`` with the plugin; ``maspo_verl.main`` imports
+the manager module a config names before it runs the start-up checks.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from typing import Any
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from maspo_verl.advantages import SPAN_GRPO
+from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem, register_startup_check, warn_span_credit_is_grpo
 from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
 from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.verl_glue import TOKEN_SCORES_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,34 @@ def settings_from_config(config: Any) -> dict[str, Any]:
         return dict(OmegaConf.to_container(speech, resolve=True))
     except Exception:
         return dict(speech)
+
+
+@register_startup_check
+def speech_startup_checks(config: Any) -> list[str]:
+    """The speech reward's settings, and where its per-token scores (span credit) can reach ``rm_scores``."""
+    reward = config.get("reward", {}) or {}
+    if (reward.get("reward_manager", {}) or {}).get("name") != SpeechRewardManager.__name__:
+        return []
+    speech = SpeechRewardConfig.from_env(settings_from_config(config))
+    span_credit = (config.get("algorithm", {}) or {}).get("adv_estimator") == SPAN_GRPO
+    if not speech.token_scores:
+        return [warn_span_credit_is_grpo()] if span_credit else []
+    where = "reward.custom_reward_function.reward_kwargs.token_scores=true"
+    if not config.get("trainer", {}).get("use_v1", True):
+        raise ValueError(
+            f"{where} needs trainer.use_v1=true: per-token reward scores reach rm_scores "
+            "through the v1 trainer's agent loop (the legacy trainer cannot carry them)"
+        )
+    rm = reward.get("reward_model", {}) or {}
+    if rm.get("enable", False) and not rm.get("enable_resource_pool", False):
+        raise ValueError(
+            f"{where} needs the reward computed in the agent loop: with a colocated reward model "
+            "(reward.reward_model.enable=true, enable_resource_pool=false) verl scores after "
+            "the rollout and keeps only the scalar score"
+        )
+    if patch_problem("token_scores"):
+        raise RuntimeError(f"{where} is unavailable: {patch_problem('token_scores')}")
+    return []
 
 
 class SpeechRewardManager(RewardManagerBase):

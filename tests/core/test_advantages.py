@@ -8,7 +8,7 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-import maspo_verl  # noqa: F401
+import maspo_verl.plugin  # noqa: F401  (registers maspo_span_grpo)
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.speech.spans import token_scores
 

@@ -3,27 +3,16 @@
 import warnings
 
 import pytest
-from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.main import dry_run
-from maspo_verl.verl_glue import startup_checks
+from maspo_verl.plugin import run_startup_checks as startup_checks
+from tests.helpers import SMALL, compose_config
 
 PRESETS = ["grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"]
-SMALL = [
-    "data.train_batch_size=8",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-]
-
-
-def compose_config(*overrides):
-    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
-        return compose(config_name="maspo_trainer", overrides=list(overrides))
 
 
 def actor_policy_loss(cfg):
@@ -145,8 +134,7 @@ def test_yaml_lists_every_field_at_its_dataclass_default():
     from verl.workers.config import PolicyLossConfig
 
     ours = {f.name for f in fields(GranularLossConfig)} - {f.name for f in fields(PolicyLossConfig)}
-    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
-        cfg = compose(config_name="maspo_trainer", overrides=["~loss"])
+    cfg = compose_config("~loss")
     section = OmegaConf.to_container(cfg.actor_rollout_ref.actor.policy_loss)
     default = GranularLossConfig()
     assert {name: section[name] for name in ours} == {name: getattr(default, name) for name in ours}

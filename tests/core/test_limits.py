@@ -6,7 +6,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from tests.core.helpers import actor_config, random_batch
+from tests.helpers import actor_config, random_batch
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
 

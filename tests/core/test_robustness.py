@@ -4,8 +4,8 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl.verl_glue import micro_batch_scope
-from tests.core.helpers import actor_config, random_batch
+from maspo_verl.batch import micro_batch_scope
+from tests.helpers import actor_config, random_batch
 
 CONFIGS = {
     "maspo_fixed": dict(segment_window=4),

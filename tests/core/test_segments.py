@@ -1,10 +1,11 @@
-"""Segmentation properties over generated inputs (SPEC §3)."""
+"""Segmentation properties over generated inputs (docs/algorithms.md, "Segmentation rules")."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maspo_verl import segments
+from maspo_verl.config import GranularLossConfig
 
 settings.register_profile("ci", deadline=None, max_examples=60)
 settings.load_profile("ci")
@@ -42,17 +43,22 @@ def rule_kwargs(draw, mask):
     min_len = draw(st.integers(0, 6))
     max_len = draw(st.sampled_from([0, max(min_len, 1), min_len + 3]))
     return dict(
-        rule=rule,
+        segment_rule=rule,
         old_log_prob=lp,
         token_ids=ids,
-        window=draw(st.integers(1, 8)),
+        segment_window=draw(st.integers(1, 8)),
         logprob_threshold=draw(st.floats(-1.0, 3.0)),
         logprob_per_sample=draw(st.booleans()),
         tokenval_threshold=draw(st.floats(0.0, 20.0)),
         tokenval_distance=draw(st.sampled_from(["id", "fsq_l1", "fsq_hamming"])),
-        min_len=min_len,
-        max_len=max_len,
+        min_segment_len=min_len,
+        max_segment_len=max_len,
     )
+
+
+def boundaries_of(mask, segment_rule, old_log_prob=None, token_ids=None, **fields):
+    config = GranularLossConfig(segment_rule=segment_rule, **fields)
+    return segments.compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids)
 
 
 def valid_ids(ids, mask, i):
@@ -63,7 +69,7 @@ def valid_ids(ids, mask, i):
 def test_ids_contiguous_start_at_zero_and_ignore_padding(data):
     mask = data.draw(masks())
     kwargs = rule_kwargs(data.draw, mask)
-    boundaries = segments.compute_boundaries(mask, **kwargs)
+    boundaries = boundaries_of(mask, **kwargs)
     ids = segments.segment_ids(boundaries, mask)
     assert not (boundaries & ~mask).any(), "boundary on padding"
     assert (ids[~mask] == 0).all()
@@ -83,27 +89,25 @@ def test_ids_contiguous_start_at_zero_and_ignore_padding(data):
 def test_max_len_always_and_min_len_between_rule_boundaries(data):
     mask = data.draw(masks())
     kwargs = rule_kwargs(data.draw, mask)
-    kwargs["rule"] = data.draw(st.sampled_from(["fixed", "logprob"]))  # tokenval forces extra boundaries
-    boundaries = segments.compute_boundaries(mask, **kwargs)
+    kwargs["segment_rule"] = data.draw(st.sampled_from(["fixed", "logprob"]))  # tokenval forces extra boundaries
+    boundaries = boundaries_of(mask, **kwargs)
     ids = segments.segment_ids(boundaries, mask)
     for i in range(mask.shape[0]):
         seq = valid_ids(ids, mask, i)
         sizes = torch.bincount(torch.tensor(seq, dtype=torch.long)).tolist() if seq else []
-        if kwargs["max_len"]:
-            assert max(sizes, default=0) <= kwargs["max_len"]
-        elif kwargs["min_len"] > 1:
+        if kwargs["max_segment_len"]:
+            assert max(sizes, default=0) <= kwargs["max_segment_len"]
+        elif kwargs["min_segment_len"] > 1:
             # every segment but the row's last is at least min_len long
-            assert all(s >= kwargs["min_len"] for s in sizes[:-1]), (sizes, kwargs["min_len"])
+            assert all(s >= kwargs["min_segment_len"] for s in sizes[:-1]), (sizes, kwargs["min_segment_len"])
 
 
 @given(st.data())
 def test_window_extremes(data):
     mask = data.draw(masks())
     T = mask.shape[1]
-    one = segments.segment_ids(segments.compute_boundaries(mask, "fixed", window=1), mask)
-    whole = segments.segment_ids(
-        segments.compute_boundaries(mask, "fixed", window=T + data.draw(st.integers(0, 5))), mask
-    )
+    one = segments.segment_ids(boundaries_of(mask, "fixed", segment_window=1), mask)
+    whole = segments.segment_ids(boundaries_of(mask, "fixed", segment_window=T + data.draw(st.integers(0, 5))), mask)
     positions = segments.valid_positions(mask)
     assert torch.equal(one[mask], positions[mask])
     assert (whole == 0).all()
@@ -113,8 +117,8 @@ def test_window_extremes(data):
 def test_logprob_threshold_extremes(data):
     mask = data.draw(masks())
     lp = -torch.rand(mask.shape) * 4
-    huge = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1e9)
-    tiny = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=-1e9)
+    huge = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1e9)
+    tiny = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=-1e9)
     assert torch.equal(huge, segments.first_valid(mask))  # GSPO-like: one segment
     assert torch.equal(tiny, mask)  # GRPO-like: every token
 
@@ -122,13 +126,11 @@ def test_logprob_threshold_extremes(data):
 def test_logprob_rule_cuts_at_drops_and_per_sample_normalises():
     lp = torch.tensor([[-0.1, -0.1, -3.0, -3.1, -0.2, -5.0]])
     mask = torch.ones_like(lp, dtype=torch.bool)
-    b = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0)
+    b = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0)
     assert b.tolist() == [[True, False, True, False, False, True]]
     # the same drops scaled by 10 give the same per-sample z-score boundaries
-    b10 = segments.compute_boundaries(
-        mask, "logprob", old_log_prob=lp * 10, logprob_threshold=1.0, logprob_per_sample=True
-    )
-    b1 = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, logprob_per_sample=True)
+    b10 = boundaries_of(mask, "logprob", old_log_prob=lp * 10, logprob_threshold=1.0, logprob_per_sample=True)
+    b1 = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, logprob_per_sample=True)
     assert torch.equal(b1, b10)
 
 
@@ -154,7 +156,7 @@ def test_tokenval_text_tokens_are_their_own_segments():
     off = 128264
     ids = torch.tensor([[off + 10, off + 11, 500, off + 12, off + 4000, off + 4001, 128261]])
     mask = torch.ones_like(ids, dtype=torch.bool)
-    b = segments.compute_boundaries(mask, "tokenval", token_ids=ids, tokenval_threshold=2, tokenval_distance="id")
+    b = boundaries_of(mask, "tokenval", token_ids=ids, tokenval_threshold=2, tokenval_distance="id")
     assert b.tolist() == [[True, False, True, True, True, False, True]]
 
 
@@ -163,7 +165,7 @@ def test_min_len_keeps_the_stronger_boundary():
     mask = torch.ones_like(lp, dtype=torch.bool)
     drops = segments.logprob_drops(lp, mask)[0]
     assert drops.tolist()[0][1] == 1.5
-    b = segments.compute_boundaries(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_len=3)
+    b = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_segment_len=3)
     # drop 1.5 at t=1 is within 3 of the forced start; 4.0 at t=3 survives; 2.0 at t=7 is 4 away: kept
     assert b.tolist() == [[True, False, False, True, False, False, False, True]]
 
@@ -174,6 +176,6 @@ def test_fixed_window_shortcut_equals_boundary_path(data):
     window = data.draw(st.integers(1, 8))
     min_len = data.draw(st.integers(0, window))
     max_len = data.draw(st.sampled_from([0, window, window + 3]))
-    kwargs = dict(window=window, min_len=min_len, max_len=max_len)
-    general = segments.segment_ids(segments.compute_boundaries(mask, "fixed", **kwargs), mask)
-    assert torch.equal(segments.compute_segment_ids(mask, "fixed", **kwargs), general)
+    config = GranularLossConfig(segment_window=window, min_segment_len=min_len, max_segment_len=max_len)
+    general = segments.segment_ids(segments.compute_boundaries(mask, config), mask)
+    assert torch.equal(segments.compute_segment_ids(mask, config), general)

@@ -1,9 +1,11 @@
-"""The plugin inside the real verl 0.9.1: auto-load, the ppo_loss hook, start-up checks."""
+"""The plugin inside the real verl: auto-load, the ppo_loss hook, start-up checks."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +13,9 @@ from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 
-import maspo_verl
-from maspo_verl import verl_glue
-from maspo_verl.verl_glue import micro_batch_scope
-from tests.core.helpers import actor_config
+from maspo_verl import plugin
+from maspo_verl.batch import micro_batch_scope
+from tests.helpers import actor_config, compose_config
 
 OFFSET = 128264
 
@@ -52,6 +53,21 @@ def test_broken_plugin_is_logged_as_an_error():
     assert "maspo_verl failed to load" in out.stderr  # ... but we say so
 
 
+@pytest.mark.parametrize("target", ["verl.workers.config.PolicyLossConfig", "maspo_verl.config.GranularLossConfig"])
+def test_broken_plugin_fails_the_config_build_with_its_reason(target):
+    """Plain verl: building the policy-loss config (verl's validate_config does, before Ray) names the cause."""
+    probe = (
+        "import sys; sys.modules['maspo_verl.losses'] = None\n"
+        "from omegaconf import OmegaConf\n"
+        "from verl.utils.config import omega_conf_to_dataclass\n"
+        f"omega_conf_to_dataclass(OmegaConf.create({{'_target_': '{target}', 'loss_mode': 'maspo'}}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
+    assert out.returncode != 0
+    assert "loss_mode='maspo' is not registered in verl" in out.stderr, out.stderr[-3000:]
+    assert "maspo_verl.losses" in out.stderr  # the import error itself
+
+
 def test_check_command_reports_ok():
     out = subprocess.run(
         [sys.executable, "-m", "maspo_verl", "check"], capture_output=True, text=True, env=subprocess_env()
@@ -59,7 +75,24 @@ def test_check_command_reports_ok():
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["autoload_registers"] == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
-    assert report["token_id_hook"] == "installed" and report["token_scores_hook"] == "installed"
+    assert report["hooks"] == {"ppo_loss": "installed", "token_scores": "installed"}
+
+
+def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
+    """A syntax error in a core module: the report names the exception and the file, no traceback."""
+    import maspo_verl
+
+    shadow = tmp_path / "maspo_verl"
+    shutil.copytree(Path(maspo_verl.__file__).parent, shadow, ignore=shutil.ignore_patterns("__pycache__"))
+    (shadow / "ratios.py").write_text("def broken(:\n")
+    env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "maspo_verl", "check"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 1
+    report = json.loads(out.stdout)
+    assert report["import_plugin"]["exception"].startswith("SyntaxError")
+    assert report["import_plugin"]["file"].endswith("ratios.py:1")
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 def test_check_command_fails_when_autoload_is_disabled():
@@ -139,18 +172,7 @@ def restore_hook():
     saved = verl_losses.ppo_loss
     yield verl_losses
     verl_losses.ppo_loss = saved
-    assert verl_glue.install_ppo_loss_hook() is None
-
-
-def test_hook_refuses_unknown_verl_version(restore_hook, monkeypatch):
-    import verl
-
-    monkeypatch.setattr(verl, "__version__", "0.11.0")
-    problem = verl_glue.install_ppo_loss_hook()
-    assert problem and "verl 0.11.0 is not supported" in problem
-    old = torch.zeros(1, 4)
-    with pytest.raises(RuntimeError, match="0.11.0 is not supported"):
-        get_policy_loss_fn("maspo")(old, old, old, old.bool(), "token-mean", actor_config(segment_rule="tokenval"))
+    assert plugin.install_ppo_loss_hook() is None
 
 
 def test_hook_refuses_unknown_signature(restore_hook):
@@ -158,13 +180,34 @@ def test_hook_refuses_unknown_signature(restore_hook):
         raise AssertionError("never called")
 
     restore_hook.ppo_loss = ppo_loss
-    problem = verl_glue.install_ppo_loss_hook()
+    problem = plugin.install_ppo_loss_hook()
     assert problem and "expected ('config', 'model_output', 'data', 'dp_group')" in problem
     assert restore_hook.ppo_loss is ppo_loss  # left untouched
+    assert plugin.patch_problem("ppo_loss") == problem
+    with pytest.raises(RuntimeError, match="segment_rule='tokenval' is unavailable: verl.workers.utils.losses"):
+        plugin.run_startup_checks(compose_config("loss=maspo_tokenval"))
+
+
+def test_patch_rebinds_modules_that_imported_the_original(monkeypatch):
+    import types
+
+    owner = types.ModuleType("fake_owner")
+    owner.fn = lambda x: x + 1
+    importer = types.ModuleType("verl.fake_importer")
+    importer.fn = owner.fn
+    monkeypatch.setitem(sys.modules, "verl.fake_importer", importer)
+    assert plugin.patch("fake", owner, "fn", lambda original: lambda x: 10 * original(x)) is None
+    assert owner.fn(1) == 20 and importer.fn is owner.fn
+    assert plugin.patch("fake", owner, "fn", lambda original: lambda x: -original(x)) is None  # once only
+    assert owner.fn(1) == 20
+    assert plugin.patch("gone", owner, "missing", lambda o: o) == "fake_owner.missing does not exist in this verl"
 
 
 def test_hook_install_is_idempotent(restore_hook):
     first = restore_hook.ppo_loss
-    assert verl_glue.install_ppo_loss_hook() is None
+    assert plugin.install_ppo_loss_hook() is None
     assert restore_hook.ppo_loss is first
-    assert maspo_verl.REGISTERED_LOSSES == ("maspo", "ctpo", "pgspo")
+    assert plugin.registered() == {
+        "policy_losses": ["maspo", "ctpo", "pgspo"],
+        "advantage_estimators": ["maspo_span_grpo"],
+    }

@@ -4,8 +4,8 @@ second (penalty 1 per first-half token, centred), as the speech reward's ``token
 
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
+from maspo_verl.plugin import TOKEN_SCORES_KEY
 from maspo_verl.speech.spans import token_scores
-from maspo_verl.verl_glue import TOKEN_SCORES_KEY
 
 SCORE = 0.5
 

@@ -153,14 +153,14 @@ def test_lab_weights_are_the_loss_gradient(loss_mode, est, extra):
     """Without active clipping, d loss / d log_prob of the registered loss is -A * w_t (token-sum)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.race import Contender, actor_config
+    from maspo_verl.lab.race import Contender, contender_config
 
     tokens, mask = enumerate_sequences(4, 4, eos=3)
     old = E.behaviour_logits("speech")
     lp_old = token_log_probs(old, tokens, mask)
     lp_new = token_log_probs(old + 0.05 * E.drift_direction(), tokens, mask)
     adv = torch.linspace(-1, 1, tokens.shape[0], dtype=DTYPE)[:, None].expand(tokens.shape).contiguous()
-    cfg = actor_config(Contender("x", loss_mode, clip_low=0.99, clip_high=1e6, policy_loss=extra))
+    cfg = contender_config(Contender("x", loss_mode, clip_low=0.99, clip_high=1e6, policy_loss=extra))
     object.__setattr__(cfg, "clip_ratio_c", 1e9)
     lp = lp_new.clone().requires_grad_()
     loss, _ = get_policy_loss_fn(loss_mode)(lp_old, lp, adv, mask, "token-sum", cfg, None)

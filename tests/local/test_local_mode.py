@@ -11,6 +11,7 @@ import torch
 
 from maspo_verl import local
 from maspo_verl.local import assets, reward
+from tests.helpers import compose_config
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +88,26 @@ def test_reward_dense_and_exact():
     assert len(scores) > 2  # varies inside a group: non-zero GRPO advantages on a random model
 
 
-def test_version_guard(monkeypatch):
-    import verl
+def test_feature_guard_names_what_is_missing(monkeypatch):
+    from verl.workers.rollout import replica
 
-    assert local.check_verl_version() == verl.__version__
-    monkeypatch.setattr(verl, "__version__", "0.9.9")
-    with pytest.raises(RuntimeError, match=r"verl 0\.9\.9 is not supported \(supported: 0\.9\.1\)"):
-        local.check_verl_version()
+    assert local.missing_features() == []
+    local.check_verl_features()
+    monkeypatch.delattr(replica, "RolloutReplicaRegistry")
+    missing = local.missing_features()
+    assert any("verl.workers.rollout.replica.RolloutReplicaRegistry.register" in m for m in missing), missing
+    with pytest.raises(RuntimeError, match="RolloutReplicaRegistry.register") as err:
+        local.check_verl_features()
+    assert "maspo_verl local mode cannot run on the installed verl" in str(err.value)
+
+
+def test_feature_guard_checks_the_process_group_signature(monkeypatch):
+    from verl.utils import distributed
+
+    monkeypatch.setattr(distributed, "initialize_global_process_group_ray", lambda timeout=None: None)
+    assert local.missing_features() == [
+        "verl.utils.distributed.initialize_global_process_group_ray('timeout',), expected ('timeout_second', 'backend')"
+    ]
 
 
 def test_dedup_backend():
@@ -133,10 +147,7 @@ def test_activate_registers(monkeypatch):
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
-        return compose(config_name="maspo_trainer", overrides=overrides)
+    return compose_config(*overrides)
 
 
 @pytest.fixture

@@ -83,8 +83,6 @@ def dry_run_command(stdout: str) -> tuple[str, list[str]]:
 
 
 def compose(config_name: str, overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from tests.helpers import compose_config
 
-    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
-        return hydra_compose(config_name, overrides=overrides)
+    return compose_config(*overrides, config_name=config_name)

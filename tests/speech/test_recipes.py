@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import compose_config
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {
     "maspo_fixed": "recipes/speech/run_maspo_fixed.sh",
@@ -51,10 +53,7 @@ def _command(script: str, **env: str) -> tuple[str, list[str]]:
 
 
 def _compose(config_name: str, overrides: list[str]):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
-        return compose(config_name, overrides=overrides)
+    return compose_config(*overrides, config_name=config_name)
 
 
 @pytest.fixture(scope="module")

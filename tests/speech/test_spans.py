@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem
 from maspo_verl.speech.asr import TimedWord
 from maspo_verl.speech.codec import HOP, FrameTableCodec
 from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer
 from maspo_verl.speech.spans import error_spans, normalised_words, token_penalties, token_range, token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.verl_glue import TOKEN_SCORES_KEY, token_scores_problem
 from tests.speech.test_reward import _dataproto
 
 REF = "Please bring me a glass of cold water."
@@ -224,7 +224,7 @@ def test_asr_without_timestamps_scores_the_utterance_only(asr, spoken):
 def test_agent_loop_output_carries_token_scores_into_rm_scores():
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    assert token_scores_problem() is None
+    assert patch_problem("token_scores") is None
     scores = [0.1, -0.2, 0.05, 0.7]
     info = {"score": 0.65, "wer": 0.1, TOKEN_SCORES_KEY: scores}
 

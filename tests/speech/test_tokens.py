@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from maspo_verl.config import GranularLossConfig
 from maspo_verl.segments import compute_boundaries, fsq_digits_distance, segment_ids
 from maspo_verl.speech.tokens import (
     DEFAULT_CODEC_OFFSET,
@@ -161,15 +162,14 @@ def test_tokenval_segments_on_realistic_ids(llasa_tokenizer):
     tok = torch.tensor([ids + [0] * 4])
     mask = torch.zeros(1, T, dtype=torch.bool)
     mask[0, : len(ids)] = True
-    b = compute_boundaries(
-        mask,
-        "tokenval",
-        token_ids=tok,
+    config = GranularLossConfig(
+        segment_rule="tokenval",
         tokenval_threshold=8.0,
         tokenval_distance="fsq_l1",
         codec_offset=m.codec_offset,
         codec_size=m.codec_size,
     )
+    b = compute_boundaries(mask, config, token_ids=tok)
     starts = torch.nonzero(b[0]).flatten().tolist()
     assert starts == [0, 12, 24, 36], starts  # three sound segments + END on its own
     seg = segment_ids(b, mask)[0]

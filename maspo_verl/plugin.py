@@ -1,0 +1,307 @@
+"""The ``verl.plugins`` entry point: everything that registers in or patches verl.
+
+``import verl`` loads this module in the driver and in every Ray worker (``pip install`` declares the
+entry point). Importing it:
+
+- registers every token set of ``maspo_verl.token_sets`` as a verl policy loss (``maspo``, ``ctpo``,
+  ``pgspo``) and ``maspo_span_grpo`` as an advantage estimator;
+- installs two hooks through one helper, ``patch``, which wraps a verl attribute once, checks the
+  feature it relies on (a signature, an attribute) rather than a version, rebinds every ``verl.*``
+  module that imported the original by name, and records why it refused if it did:
+  - ``ppo_loss``: verl's registered losses never see the response token ids, although the
+    micro-batch handed to ``verl.workers.utils.losses.ppo_loss`` holds them. The wrapper puts the
+    micro-batch in scope (``maspo_verl.batch``) for the duration of the call.
+  - ``token_scores``: verl's agent loop turns a reward into ``rm_scores`` with the scalar score on
+    the last token. A reward that also returns per-token scores (in
+    ``reward_extra_info[TOKEN_SCORES_KEY]``, one per response token, summing to the score) gets them
+    as its ``rm_scores`` row instead: we wrap ``AgentLoopOutput.as_dict``, where the v1 trainer builds
+    that row, and drop the list from the extra info so nothing downstream tries to average it.
+
+``run_startup_checks(config)`` checks a composed trainer config before Ray starts. Recipes add their
+own checks with ``register_startup_check``; the module of a ``pkg://`` reward manager named in the
+config is imported first, so a recipe's manager module can register its checks on import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, register_adv_est
+
+logger = logging.getLogger("maspo_verl")
+
+
+def _failed_to_load(error: BaseException) -> None:
+    """verl logs a failing plugin at debug level only: log it as an error, and make verl's own
+    policy-loss config refuse a loss_mode nobody registered, naming this error, so that a run fails
+    in the driver's config validation instead of at the first actor update."""
+    logger.error(
+        "maspo_verl failed to load: its losses are NOT registered in verl (run `python -m maspo_verl check`)",
+        exc_info=error,
+    )
+    from verl.workers.config import PolicyLossConfig
+
+    generated = PolicyLossConfig.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs):
+        generated(self, *args, **kwargs)
+        if self.loss_mode not in POLICY_LOSS_REGISTRY:
+            raise RuntimeError(
+                f"policy_loss.loss_mode={self.loss_mode!r} is not registered in verl (registered: "
+                f"{', '.join(sorted(POLICY_LOSS_REGISTRY))}); the maspo_verl plugin failed to load: "
+                f"{type(error).__name__}: {error}"
+            )
+
+    PolicyLossConfig.__init__ = __init__
+
+
+# Only core modules that do not import verl at import time: ``import maspo_verl.config`` imports verl,
+# whose plugin loader imports this module while ``maspo_verl.config`` is still half-initialised.
+try:
+    from maspo_verl.advantages import SPAN_GRPO, compute_span_grpo_advantage
+    from maspo_verl.batch import micro_batch_scope
+    from maspo_verl.losses import policy_loss_fn
+    from maspo_verl.token_sets import TOKEN_SETS
+except Exception as exc:
+    _failed_to_load(exc)
+    raise
+
+PPO_LOSS_PARAMS = ("config", "model_output", "data", "dp_group")
+# verl's losses whose ratio is shared over the response (ours say so through TokenSet.token_level)
+VERL_SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "bypass_mode")
+TOKEN_SCORES_KEY = "maspo_token_scores"
+
+PATCHES: dict[str, str | None] = {}
+"""Hook name -> None when installed, else why it was refused."""
+
+
+# ------------------------------------------------------------------ patching verl
+
+
+def patch(
+    name: str,
+    owner: Any,
+    attr: str,
+    make_wrapper: Callable[[Callable], Callable],
+    requires: Callable[[Callable], str | None] | None = None,
+) -> str | None:
+    """Replace ``owner.attr`` by ``make_wrapper(original)``, once; None on success, else why not.
+
+    ``requires(original)`` returns None when the attribute has the feature the wrapper relies on.
+    Modules under ``verl.`` that bound the original by name (``from ... import attr``) are rebound.
+    """
+    current = getattr(owner, attr, None)
+    original = getattr(current, "__maspo_original__", current)
+    if original is None:
+        problem = f"{getattr(owner, '__name__', owner)}.{attr} does not exist in this verl"
+    else:
+        problem = requires(original) if requires is not None else None
+    if problem is None and current is original:
+        wrapped = functools.wraps(original)(make_wrapper(original))
+        wrapped.__maspo_original__ = original
+        setattr(owner, attr, wrapped)
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("verl.") and getattr(module, attr, None) is original:
+                setattr(module, attr, wrapped)
+    PATCHES[name] = problem
+    if problem:
+        logger.error("maspo_verl: hook %r not installed: %s", name, problem)
+    return problem
+
+
+def patch_problem(name: str) -> str | None:
+    return PATCHES.get(name, f"hook {name!r} was never installed")
+
+
+def _ppo_loss_signature(original) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if params != PPO_LOSS_PARAMS:
+        return f"verl.workers.utils.losses.ppo_loss has parameters {params}, expected {PPO_LOSS_PARAMS}"
+    return None
+
+
+def _with_micro_batch(original):
+    def ppo_loss(config, model_output, data, dp_group=None):
+        with micro_batch_scope(data):
+            return original(config, model_output, data, dp_group)
+
+    return ppo_loss
+
+
+def install_ppo_loss_hook() -> str | None:
+    """Token ids reach the loss (``segment_rule=tokenval``); None, or why the hook was refused."""
+    from verl.workers.utils import losses
+
+    return patch("ppo_loss", losses, "ppo_loss", _with_micro_batch, _ppo_loss_signature)
+
+
+def _with_token_scores(original):
+    def as_dict(self):
+        out = original(self)
+        info = (out.get("extra_fields") or {}).get("reward_extra_info")
+        if not isinstance(info, dict) or TOKEN_SCORES_KEY not in info:
+            return out
+        info = dict(info)  # the info dict is shared by a session's outputs: never mutate it
+        scores = info.pop(TOKEN_SCORES_KEY)
+        out["extra_fields"] = {**out["extra_fields"], "reward_extra_info": info}
+        row = out.get("rm_scores")
+        if row is not None and scores is not None and len(scores) == row.shape[0]:
+            out["rm_scores"] = torch.tensor(scores, dtype=torch.float32)
+        elif row is not None:
+            logger.debug("per-token scores: %d values for %d response tokens", len(scores or []), row.shape[0])
+            warn_once(
+                "per-token reward scores do not match the response length: using the scalar score on the "
+                "last token for such samples"
+            )
+        return out
+
+    return as_dict
+
+
+def install_token_scores_hook() -> str | None:
+    """Per-token reward scores become ``rm_scores`` rows; None, or why the hook was refused."""
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+    except ImportError as exc:
+        PATCHES["token_scores"] = f"verl.experimental.agent_loop is unavailable ({exc})"
+        return PATCHES["token_scores"]
+    return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+    logger.warning(message)
+
+
+# ------------------------------------------------------------------ registration
+
+
+def register() -> None:
+    """Register the losses and the estimator, install the hooks (idempotent)."""
+    for name in TOKEN_SETS:
+        if name not in POLICY_LOSS_REGISTRY:
+            POLICY_LOSS_REGISTRY[name] = policy_loss_fn(name)
+    if ADV_ESTIMATOR_REGISTRY.get(SPAN_GRPO) is not compute_span_grpo_advantage:
+        register_adv_est(SPAN_GRPO)(compute_span_grpo_advantage)
+    install_ppo_loss_hook()
+    install_token_scores_hook()
+
+
+def registered() -> dict[str, list[str]]:
+    """What of ours verl's registries hold now."""
+    return {
+        "policy_losses": [n for n in TOKEN_SETS if n in POLICY_LOSS_REGISTRY],
+        "advantage_estimators": [n for n in (SPAN_GRPO,) if n in ADV_ESTIMATOR_REGISTRY],
+    }
+
+
+# ------------------------------------------------------------------ start-up checks
+
+StartupCheck = Callable[[Any], list[str]]
+_STARTUP_CHECKS: list[StartupCheck] = []
+
+
+def register_startup_check(check: StartupCheck) -> StartupCheck:
+    """Add ``check(config) -> warnings issued`` (raise for errors) to ``run_startup_checks``."""
+    if check not in _STARTUP_CHECKS:
+        _STARTUP_CHECKS.append(check)
+    return check
+
+
+def require_registered(loss_mode: str) -> None:
+    """Fail loudly if one of our loss names is missing from verl's registry."""
+    if loss_mode not in POLICY_LOSS_REGISTRY:
+        raise RuntimeError(
+            f"policy_loss.loss_mode={loss_mode!r} is not registered in verl: the maspo_verl plugin did not "
+            "load. Run `python -m maspo_verl check` in the same environment for the reason."
+        )
+
+
+def _import_reward_manager_module(config) -> None:
+    """Import the ``pkg://`` reward-manager module the config names, so its checks are registered."""
+    manager = (config.get("reward", {}) or {}).get("reward_manager", {}) or {}
+    path = (manager.get("module", {}) or {}).get("path") or ""
+    if manager.get("source") == "importlib" and str(path).startswith("pkg://"):
+        importlib.import_module(str(path)[len("pkg://") :])
+
+
+def run_startup_checks(config) -> list[str]:
+    """Checks on the composed trainer config before Ray starts; returns the warnings issued."""
+    _import_reward_manager_module(config)
+    issued: list[str] = []
+    for check in (_loss_checks, _span_credit_checks, _bypass_checks, *_STARTUP_CHECKS):
+        issued += check(config)
+    return issued
+
+
+def _loss_checks(config) -> list[str]:
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    loss_mode = policy_loss.get("loss_mode", "vanilla")
+    if loss_mode in TOKEN_SETS:
+        require_registered(loss_mode)
+        target = policy_loss.get("_target_", "")
+        if target != "maspo_verl.config.GranularLossConfig":
+            raise ValueError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} needs "
+                f"policy_loss._target_=maspo_verl.config.GranularLossConfig (got {target!r})"
+            )
+        if loss_mode == "maspo" and policy_loss.get("segment_rule") == "tokenval" and patch_problem("ppo_loss"):
+            raise RuntimeError(f"segment_rule='tokenval' is unavailable: {patch_problem('ppo_loss')}")
+    return []
+
+
+def _span_credit_checks(config) -> list[str]:
+    algorithm = config.get("algorithm", {}) or {}
+    if algorithm.get("adv_estimator") != SPAN_GRPO:
+        return []
+    from maspo_verl.config import SpanCreditConfig
+
+    SpanCreditConfig.from_algorithm(algorithm)
+    manager = (config.get("reward", {}) or {}).get("reward_manager", {}) or {}
+    if manager.get("source", "register") == "register":  # verl's own managers give no per-token scores
+        return [warn_span_credit_is_grpo()]
+    return []
+
+
+def warn_span_credit_is_grpo() -> str:
+    message = (
+        f"algorithm.adv_estimator={SPAN_GRPO} without per-token reward scores: with an outcome reward "
+        "(score on the last token) it gives verl's grpo advantages; for the speech reward set "
+        "reward.custom_reward_function.reward_kwargs.token_scores=true (preset credit=span)"
+    )
+    warn_once(message)
+    return message
+
+
+def _bypass_checks(config) -> list[str]:
+    rollout_correction = config.get("algorithm", {}).get("rollout_correction", {}) or {}
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    loss_mode = policy_loss.get("loss_mode", "vanilla")
+    token_set = TOKEN_SETS.get(loss_mode)
+    token_level = token_set.token_level(policy_loss) if token_set else loss_mode not in VERL_SEQUENCE_LEVEL_LOSSES
+    if not (rollout_correction.get("bypass_mode", False) and token_level):
+        return []
+    message = (
+        f"algorithm.rollout_correction.bypass_mode=true with token-level loss {loss_mode!r}: the inference "
+        "engine's log-probs become the old log-probs, and per-token ratios are the ones an engine/trainer "
+        "precision mismatch distorts most; prefer a segment or sequence loss (maspo, ctpo, pgspo, gspo)"
+    )
+    warn_once(message)
+    return [message]
+
+
+try:
+    register()
+except Exception as exc:
+    _failed_to_load(exc)
+    raise

@@ -1,0 +1,104 @@
+"""Which tokens share a ratio, and how their summed log-ratio is normalised (docs/algorithms.md).
+
+Each registered ``TokenSet`` is one loss of this package: the plugin registers every name in
+``TOKEN_SETS`` in verl's policy-loss registry, with the one loss body of ``maspo_verl.losses``.
+
+| name    | token set S(t)          | exponent alpha of l_t = sum_{S(t)} delta / abs(S(t))^alpha |
+|---------|-------------------------|-------------------------------------------------------------|
+| `maspo` | segment of t            | `length_exponent` (1 = segment mean)                        |
+| `ctpo`  | prefix {1..t}           | `ctpo_mode`: cumprod 0, geomean 1                           |
+| `pgspo` | whole response          | `length_exponent` (1 = GSPO)                                |
+
+A new loss is one subclass here, decorated with ``@register_token_set``, plus a preset in
+``hydra_configs/loss/`` (and its fields in ``maspo_verl.config`` if it needs new ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from maspo_verl import ratios, segments
+
+
+@dataclass
+class SharedSums:
+    """Sums of delta over each token's set S(t) and the set sizes abs(S(t)).
+
+    For segments (``seg_ids`` given) both are per segment id, broadcast to tokens by ``per_token``;
+    for prefixes they are already per token.
+    """
+
+    sums: torch.Tensor
+    sizes: torch.Tensor
+    alpha: float
+    seg_ids: torch.Tensor | None
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.seg_ids is None else ratios.per_token(values, self.seg_ids)
+
+
+class TokenSet:
+    """A token set and its normalisation: one loss."""
+
+    name: ClassVar[str]
+    # the sets partition each response (segment aggregation is defined)
+    partition: ClassVar[bool] = True
+
+    def sums(self, config: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SharedSums:
+        raise NotImplementedError
+
+    def token_level(self, config: Any) -> bool:
+        """True when the settings give every token its own ratio (GRPO's granularity)."""
+        return False
+
+
+TOKEN_SETS: dict[str, TokenSet] = {}
+
+
+def register_token_set(cls: type[TokenSet]) -> type[TokenSet]:
+    """Class decorator: the plugin registers ``cls.name`` as a verl policy loss."""
+    TOKEN_SETS[cls.name] = cls()
+    return cls
+
+
+@register_token_set
+class Segments(TokenSet):
+    """MASPO: contiguous segments from ``policy_loss.segment_rule`` (maspo_verl.segments)."""
+
+    name = "maspo"
+
+    def sums(self, config, old_log_prob, mask, delta):
+        seg_ids = segments.compute_segment_ids(mask, config, old_log_prob=old_log_prob)
+        total, sizes = ratios.segment_totals(delta, seg_ids, mask)
+        return SharedSums(total, sizes, config.length_exponent, seg_ids)
+
+    def token_level(self, config):
+        window_one = config.get("segment_rule") == "fixed" and config.get("segment_window") == 1
+        return window_one or config.get("max_segment_len") == 1
+
+
+@register_token_set
+class Prefixes(TokenSet):
+    """CTPO: the prefix {1..t}; cumprod is the full prefix product, geomean its geometric mean."""
+
+    name = "ctpo"
+    partition = False
+
+    def sums(self, config, old_log_prob, mask, delta):
+        total, sizes = ratios.prefix_sums(delta, mask)
+        return SharedSums(total, sizes, 0.0 if config.ctpo_mode == "cumprod" else 1.0, None)
+
+
+@register_token_set
+class WholeResponse(TokenSet):
+    """P-GSPO: one set per response, normalised by its length to the power ``length_exponent``."""
+
+    name = "pgspo"
+
+    def sums(self, config, old_log_prob, mask, delta):
+        seg_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+        total, sizes = ratios.segment_totals(delta, seg_ids, mask)
+        return SharedSums(total, sizes, config.length_exponent, seg_ids)

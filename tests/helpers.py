@@ -1,0 +1,35 @@
+"""Shared test helpers: composing our Hydra config, verl actor configs, random [B, T] batches."""
+
+import torch
+from hydra import compose, initialize_config_module
+
+from maspo_verl.config import actor_config  # noqa: F401  (re-exported for the tests)
+
+# batch sizes small enough for verl's micro-batch checks in a dry run
+SMALL = [
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+]
+
+
+def compose_config(*overrides, config_name="maspo_trainer"):
+    """Our trainer config (``maspo_verl.hydra_configs``) with Hydra overrides, as the CLI composes it."""
+    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def random_batch(B=6, T=20, scale=0.3, seed=0, dtype=torch.float64, lengths=None, per_token=False):
+    """old/new log-probs, advantages (both signs; per sample, or per token with ``per_token``, as span
+    credit gives) and a right-padded mask."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    new = (old + scale * torch.randn(B, T, generator=g, dtype=dtype)).requires_grad_()
+    adv = torch.randn(B, 1, generator=g, dtype=dtype).expand(B, T).contiguous()
+    if per_token:
+        adv = adv + torch.randn(B, T, generator=g, dtype=dtype)
+    if lengths is None:
+        lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < torch.as_tensor(lengths)[:, None]
+    return old, new, adv, mask
