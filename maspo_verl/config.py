@@ -1,6 +1,5 @@
 """Hyperparameters of the granular losses, as a verl ``PolicyLossConfig`` subclass, and of the span
-credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``); the public validators
-(``check_*``) that recipes reuse for their own settings.
+credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Selected with ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig``
 (our ``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``,
@@ -21,41 +20,12 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from maspo_verl.segments import SEGMENT_RULES, TOKENVAL_DISTANCES
 from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail
 
 CTPO_MODES = ("cumprod", "geomean")
 CLIP_SCHEDULES = ("ratio", "log_adaptive")
 AGG_MODES = ("actor", "seg-mean-token-mean")
 MAX_POSITION_BUCKETS = 64
-
-
-def fail(name: str, value: Any, allowed: str) -> None:
-    """Raise the project's field error: the field's path, its value and what is allowed."""
-    section = "" if "." in name else "policy_loss."
-    raise ValueError(f"{section}{name}={value!r} is invalid: allowed {allowed}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
-    if value not in choices:
-        fail(name, value, "one of " + ", ".join(choices))
-
-
-def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-    if not ok or (maximum is not None and value > maximum):
-        fail(name, value, f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
-
-
-def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi != math.inf else "")
-        fail(name, value, f"a finite number {bound}")
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        fail(name, value, "true or false")
 
 
 def check_loss_mode(loss_mode: Any) -> None:

@@ -29,7 +29,6 @@ import importlib
 import inspect
 import logging
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +70,7 @@ try:
     from maspo_verl.batch import micro_batch_scope
     from maspo_verl.losses import policy_loss_fn
     from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.util import warn_once
 except Exception as exc:
     _failed_to_load(exc)
     raise
@@ -160,7 +160,8 @@ def _with_token_scores(original):
             logger.debug("per-token scores: %d values for %d response tokens", len(scores or []), row.shape[0])
             warn_once(
                 "per-token reward scores do not match the response length: using the scalar score on the "
-                "last token for such samples"
+                "last token for such samples",
+                logger=logger,
             )
         return out
 
@@ -175,12 +176,6 @@ def install_token_scores_hook() -> str | None:
         PATCHES["token_scores"] = f"verl.experimental.agent_loop is unavailable ({exc})"
         return PATCHES["token_scores"]
     return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
-
-
-@functools.cache
-def warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
-    logger.warning(message)
 
 
 # ------------------------------------------------------------------ registration
@@ -279,7 +274,7 @@ def warn_span_credit_is_grpo() -> str:
         "(score on the last token) it gives verl's grpo advantages; for the speech reward set "
         "reward.custom_reward_function.reward_kwargs.token_scores=true (preset credit=span)"
     )
-    warn_once(message)
+    warn_once(message, logger=logger)
     return message
 
 
@@ -296,7 +291,7 @@ def _bypass_checks(config) -> list[str]:
         "engine's log-probs become the old log-probs, and per-token ratios are the ones an engine/trainer "
         "precision mismatch distorts most; prefer a segment or sequence loss (maspo, ctpo, pgspo, gspo)"
     )
-    warn_once(message)
+    warn_once(message, logger=logger)
     return [message]
 
 

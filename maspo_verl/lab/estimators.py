@@ -14,7 +14,7 @@ advantage A(y) = R(y) - E_old[R] (the large-group GRPO baseline, no std scaling)
 - Estimator with weights w_t(y):  g_w(y) = sum_t w_t(y) A(y) grad log pi_theta(y_t|y_<t),  y ~ pi_old.
   w_t = exp(l_t), l_t from ``maspo_verl.ratios`` / ``maspo_verl.segments`` applied to
   delta_t = log pi_theta - log pi_old: exactly the value of the shared ratio r_t whose gradient
-  r_t grad log pi_t the losses back-propagate (SPEC §1). No clipping: clipping is a trust-region
+  r_t grad log pi_t the losses back-propagate (docs/algorithms.md §1). No clipping: clipping is a trust-region
   device that biases every estimator by design; the lab measures the ratios themselves.
 
 For each estimator: E_old[g_w] and Var_old[g_w] = E||g_w - E g_w||^2 (total variance of one sample)

@@ -27,6 +27,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from maspo_verl.math.reward import closing_brace
+from maspo_verl.util import write_parquet
+
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 # DAPO-Math-17k ships prompts already wrapped in its own "Answer: $Answer" instruction; we unwrap
@@ -41,17 +44,8 @@ def last_boxed(text: str) -> str | None:
     if pos < 0:
         return None
     start = text.find("{", pos)
-    if start < 0:
-        return None
-    depth = 0
-    for k in range(start, len(text)):
-        if text[k] == "{":
-            depth += 1
-        elif text[k] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : k].strip()
-    return None
+    end = closing_brace(text, start) if start >= 0 else -1
+    return text[start + 1 : end].strip() if end >= 0 else None
 
 
 def _first(row: dict, *keys: str):
@@ -238,14 +232,6 @@ def load_rows(name: str, split: str, local: str | None = None):
     return datasets.load_dataset(source.hub, source.config, split=source.splits[split])
 
 
-def write_parquet(rows: list[dict], path: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=parquet_schema()), path)
-
-
 def parse_local(specs: list[str]) -> dict[tuple[str, str], str]:
     """``NAME[:SPLIT]=PATH`` -> {(name, split): path}; SPLIT defaults to the dataset's only split."""
     parsed: dict[tuple[str, str], str] = {}
@@ -285,7 +271,7 @@ def prepare(
             if not rows:
                 raise ValueError(f"{name}:{split}: no usable rows (check the columns of {path or SOURCES[name].hub})")
             target = os.path.join(out_dir, f"{name}_{split}.parquet")
-            write_parquet(rows, target)
+            write_parquet(rows, target, schema=parquet_schema())
             written[target] = len(rows)
             print(f"wrote {len(rows):6d} rows  {target}")
     return written

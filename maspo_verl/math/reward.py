@@ -30,18 +30,19 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeoutError
+
+from maspo_verl.util import warn_once
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 TIMEOUT_S = float(os.environ.get("MASPO_MATH_REWARD_TIMEOUT", "10"))
 POOL_WORKERS = int(os.environ.get("MASPO_MATH_REWARD_WORKERS", "1"))  # per reward-loop worker
-# A spawned worker imports this package (and so verl and torch) once: allow for that on first use.
-POOL_START_S = float(os.environ.get("MASPO_MATH_REWARD_POOL_START", "180"))
+# the pool's answer may take this much longer than the grading itself (a spawned worker imports
+# this module and math-verify once: ~1.5 s on 2 cores)
+POOL_GRACE_S = 5.0
 
 _pool: ProcessPoolExecutor | None = None
-_pool_warm = False
 _pool_lock = threading.Lock()
 
 
@@ -64,6 +65,19 @@ def strip_thinking(text: str) -> str | None:
     return text
 
 
+def closing_brace(text: str, start: int) -> int:
+    """Index of the ``}`` that closes the ``{`` at ``start``; -1 if it never closes."""
+    depth = 0
+    for k in range(start, len(text)):
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return k
+    return -1
+
+
 def find_boxes(text: str) -> list[str]:
     """Contents of every ``\\boxed{..}`` / ``\\boxed ..`` / ``\\fbox{..}``, in order; unclosed ones are dropped."""
     found: list[str] = []
@@ -76,16 +90,8 @@ def find_boxes(text: str) -> list[str]:
         pos, cmd = min(starts)
         j = pos + len(cmd)
         if text.startswith("{", j):
-            depth, k = 0, j
-            while k < len(text):
-                if text[k] == "{":
-                    depth += 1
-                elif text[k] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                k += 1
-            if depth != 0:  # unclosed: a truncated answer
+            k = closing_brace(text, j)
+            if k < 0:  # unclosed: a truncated answer
                 return found
             found.append(text[j + 1 : k].strip())
             i = k + 1
@@ -157,8 +163,7 @@ def _get_pool() -> ProcessPoolExecutor:
 
 
 def _reset_pool() -> None:
-    global _pool, _pool_warm
-    _pool_warm = False
+    global _pool
     with _pool_lock:
         if _pool is not None:
             _pool.shutdown(wait=False, cancel_futures=True)
@@ -167,31 +172,24 @@ def _reset_pool() -> None:
 
 def is_equivalent(answer: str, ground_truth: str) -> bool:
     """math-verify equivalence with a timeout that works in any thread; False on any error."""
-    global _pool_warm
     _require_math_verify()
     try:
         if threading.current_thread() is threading.main_thread():
             return _verify(answer, ground_truth, timeout=max(1, int(TIMEOUT_S)))
         future = _get_pool().submit(_verify_in_pool, answer, ground_truth)
-        result = bool(future.result(timeout=TIMEOUT_S + (5 if _pool_warm else POOL_START_S)))
-        _pool_warm = True
-        return result
+        return bool(future.result(timeout=TIMEOUT_S + POOL_GRACE_S))
     except FuturesTimeoutError:
         return False
     except Exception as exc:  # noqa: BLE001 - a reward must never crash the trainer
         if exc.__class__.__name__ == "BrokenProcessPool":
             _reset_pool()
-            _warn_once(f"maspo_verl.math.reward: grading pool broke ({exc!r}); scoring 0 and restarting it")
+            warn_once(
+                f"maspo_verl.math.reward: grading pool broke ({exc!r}); scoring 0 and restarting it",
+                RuntimeWarning,
+            )
         return False
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def compute_score(

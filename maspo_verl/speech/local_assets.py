@@ -30,9 +30,10 @@ def build(out: str, hidden: int = 32, layers: int = 2) -> dict[str, str]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from maspo_verl.speech.prepare import make_rows, write_parquet
+    from maspo_verl.speech.prepare import make_rows
     from maspo_verl.speech.testing import build_llasa_tokenizer
     from maspo_verl.speech.tokens import LlasaTokenMap, hydra_quote, speech_chat_template
+    from maspo_verl.util import write_parquet
 
     model_dir = os.path.join(out, "tiny-llasa")
     tok = build_llasa_tokenizer(model_dir)

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 
 from maspo_verl.speech.text import normalize_text
 from maspo_verl.speech.tokens import prompt_for_verl
+from maspo_verl.util import write_parquet
 
 
 def _read_local(path: str, text_column: str) -> Iterator[str]:
@@ -110,13 +111,6 @@ def make_rows(texts: list[str], split: str, data_source: str, ref_audio: str | N
     return rows
 
 
-def write_parquet(rows: list[dict], path: str) -> None:
-    import pandas as pd
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pd.DataFrame(rows).to_parquet(path, index=False)
-
-
 def cmd_data(args: argparse.Namespace) -> int:
     texts: list[str] = []
     if args.hf_dataset:
@@ -140,12 +134,15 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_chat_template(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from maspo_verl.speech.tokens import hydra_quote, speech_chat_template
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=True)
-    template = speech_chat_template(tok)
+    if args.template_file:
+        with open(args.template_file) as f:
+            template = f.read()
+    else:
+        from transformers import AutoTokenizer
+
+        template = speech_chat_template(AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=True))
     print(f"+actor_rollout_ref.model.custom_chat_template={hydra_quote(template)}" if args.hydra else template)
     return 0
 
@@ -200,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--ref-audio", help="reference clip for the speaker-similarity term (stored in extra_info)")
     d.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("chat-template", help="print the chat template (or its Hydra override) for verl")
-    c.add_argument("--tokenizer", required=True)
+    source = c.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokenizer", help="derive the template from this tokenizer")
+    source.add_argument("--template-file", help="use the template in this file as it is")
     c.add_argument("--hydra", action="store_true")
     st = sub.add_parser("stop-token", help="check/add <|SPEECH_GENERATION_END|> in generation_config.json")
     st.add_argument("--model", required=True, help="local model folder")

@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from maspo_verl.config import check_float
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
 from maspo_verl.speech.spans import error_spans, token_penalties
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap
+from maspo_verl.validation import check_float
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where in the codec tokens a TTS sample went wrong: ASR word timings, aligned against the reference
-text, become token spans and a per-token score (seed 001: "a segment with a pronunciation error ...
-should get different treatment"; SPEC §7: a word at [start, end) seconds is codec tokens
-[floor(50 start), ceil(50 end)) at XCodec2's 50 Hz).
+text, become token spans and a per-token score, so that a mispronounced segment gets different
+treatment from a well-pronounced one (docs/algorithms.md §6): a word at [start, end) seconds is
+codec tokens [floor(50 start), ceil(50 end)) at XCodec2's 50 Hz.
 
 - ``normalised_words``: the ASR's words, each normalised like the WER's text (``text.normalize_text``);
   a word that normalises to several ("25" -> "twenty five") gives several with the same times.

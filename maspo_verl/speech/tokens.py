@@ -1,4 +1,4 @@
-"""Llasa / XCodec2 token handling (SPEC §3).
+"""Llasa / XCodec2 token handling (docs/algorithms.md §3 for the codec facts).
 
 Llasa-1B's vocabulary is Llama-3.2's 128256 ids, eight specials (128256..128263), then
 ``<|s_0|>..<|s_65535|>``: code = token_id - 128264 for 128264 <= id < 193800. The map is derived

@@ -93,14 +93,7 @@ speech_chat_template_override() {
             else
                 "$py" -m maspo_verl.speech.prepare chat-template --tokenizer "$MODEL_PATH" --hydra
             fi ;;
-        *)
-            # same quoting as maspo_verl.speech.tokens.hydra_quote (kept import-free: no torch/verl start-up)
-            "$py" -c 'import re, sys
-v = open(sys.argv[1]).read()
-assert "${" not in v, "template contains ${ (OmegaConf interpolation)"
-v = re.sub(r"(\\*)'"'"'", lambda m: m.group(1) * 2 + "\\'"'"'", v)
-v = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, v)
-print("+actor_rollout_ref.model.custom_chat_template='"'"'" + v + "'"'"'")' "$SPEECH_CHAT_TEMPLATE" ;;
+        *) "$py" -m maspo_verl.speech.prepare chat-template --template-file "$SPEECH_CHAT_TEMPLATE" --hydra ;;
     esac
 }
 

@@ -1,4 +1,5 @@
-"""SPEC §4 limits in float64 against verl's own losses and independent loop references."""
+"""The limits of docs/algorithms.md §5 in float64, against the installed verl's own losses and
+independent loop references."""
 
 import math
 
@@ -15,6 +16,16 @@ def loss_and_grad(name, config, old, new, adv, mask, agg):
     loss, metrics = get_policy_loss_fn(name)(old, new, adv, mask, agg, config)
     (grad,) = torch.autograd.grad(loss, new)
     return loss.detach(), grad, metrics
+
+
+def gspo_agg_mode(agg: str) -> str:
+    """The aggregation verl's ``gspo`` really applies when asked for ``agg``: verl 0.9.1 follows
+    ``loss_agg_mode``; verl 0.9.0 and its development branch always use seq-mean-token-mean."""
+    old, new, adv, mask = random_batch(scale=0.01, seed=99)
+    config = actor_config(3e-4, 4e-4, loss_mode="vanilla")
+    asked = get_policy_loss_fn("gspo")(old, new, adv, mask, "token-sum", config)[0]
+    fixed = get_policy_loss_fn("gspo")(old, new, adv, mask, "seq-mean-token-mean", config)[0]
+    return "seq-mean-token-mean" if torch.equal(asked, fixed) else agg
 
 
 def assert_close(a, b, tol=1e-6):
@@ -42,10 +53,10 @@ def test_maspo_window_one_is_verl_vanilla(agg, scale, per_token):
 @pytest.mark.parametrize("window", [20, 1000])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_maspo_window_at_least_length_is_verl_gspo(agg, window, per_token):
-    """Per-token advantages (span credit) with one shared ratio: verl's GSPO-token (SPEC §1)."""
+    """Per-token advantages (span credit) with one shared ratio: verl's GSPO-token."""
     old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
     config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="fixed", segment_window=window)
-    ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
+    ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
     verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
     assert_close(ours[0], verl[0])
     assert_close(ours[1], verl[1])
@@ -55,7 +66,7 @@ def test_maspo_window_at_least_length_is_verl_gspo(agg, window, per_token):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_pgspo_alpha_one_is_verl_gspo(agg):
     old, new, adv, mask = random_batch(scale=0.02, seed=3)
-    ours = loss_and_grad("pgspo", actor_config(3e-4, 4e-4, loss_mode="pgspo"), old, new, adv, mask, agg)
+    ours = loss_and_grad("pgspo", actor_config(3e-4, 4e-4, loss_mode="pgspo"), old, new, adv, mask, gspo_agg_mode(agg))
     verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
     assert_close(ours[0], verl[0])
     assert_close(ours[1], verl[1])

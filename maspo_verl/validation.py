@@ -1,0 +1,40 @@
+"""Field validators shared by the loss config and the recipes' settings (no verl, no torch).
+
+Each raises ``ValueError("<field path>=<value> is invalid: allowed <what>")``; a bare field name is
+prefixed with ``policy_loss.``, a dotted path is used as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def fail(name: str, value: Any, allowed: str) -> None:
+    """Raise the project's field error: the field's path, its value and what is allowed."""
+    section = "" if "." in name else "policy_loss."
+    raise ValueError(f"{section}{name}={value!r} is invalid: allowed {allowed}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        fail(name, value, "one of " + ", ".join(choices))
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        fail(name, value, f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
+
+
+def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi != math.inf else "")
+        fail(name, value, f"a finite number {bound}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        fail(name, value, "true or false")

@@ -1,0 +1,158 @@
+"""The package's layers (README, "Layout"): core <- plugin <- recipes and tools.
+
+Imports are read from the source with ``ast`` (function-local imports count too), so a module that
+imports upward fails here whether or not the import runs.
+"""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "maspo_verl"
+
+CORE = {
+    "maspo_verl",
+    "config",
+    "validation",
+    "segments",
+    "ratios",
+    "clipping",
+    "token_sets",
+    "losses",
+    "advantages",
+    "batch",
+}
+# what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
+ALLOWED = {
+    "core": {"core"},
+    "plugin": {"core"},
+    "main": {"core", "plugin", "local"},
+    "local": {"core", "plugin"},
+    "speech": {"core", "plugin"},
+    "math": {"core", "plugin"},
+    "lab": {"core", "plugin", "speech", "main"},
+}
+PURE_HELPERS = [
+    "maspo_verl.speech.text",
+    "maspo_verl.speech.tokens",
+    "maspo_verl.speech.spans",
+    "maspo_verl.math.prepare",
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    rest = module.split(".")[1:] or ["maspo_verl"]
+    if rest[0] in CORE:
+        return "core"
+    if rest[0] == "plugin":
+        return "plugin"
+    if rest[0] == "__main__":
+        return "main"
+    return rest[0]
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Our modules that ``path`` imports (``from maspo_verl import x`` resolves to ``maspo_verl.x``)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("maspo_verl")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maspo_verl"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                is_module = (ROOT / Path(*candidate.split("."))).with_suffix(".py").exists() or (
+                    ROOT / Path(*candidate.split(".")) / "__init__.py"
+                ).exists()
+                found.add(candidate if is_module else node.module)
+        elif isinstance(node, ast.Try) and top_level_only:  # the plugin imports inside try
+            for inner in node.body:
+                if isinstance(inner, ast.ImportFrom) and inner.module and inner.module.startswith("maspo_verl"):
+                    found.add(inner.module)
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_downward(module):
+    part = part_of(module)
+    allowed = ALLOWED[part] | {part}
+    upward = {m for m in imports(MODULES[module]) if part_of(m) not in allowed}
+    assert not upward, f"{module} ({part}) imports {sorted(upward)}; {part} may import {sorted(allowed)}"
+
+
+def test_core_and_plugin_know_no_recipe_class():
+    for module, path in MODULES.items():
+        if part_of(module) in ("core", "plugin"):
+            assert "SpeechRewardManager" not in path.read_text(), module
+
+
+def test_no_import_cycle_at_import_time():
+    graph = {m: {i for i in imports(p, top_level_only=True) if i in MODULES} for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+def _fresh(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pure_helpers_import_neither_verl_nor_torch():
+    heavy = _fresh(
+        f"import sys, json, {', '.join(PURE_HELPERS)}\n"
+        "print(json.dumps([m for m in ('verl', 'torch', 'ray') if m in sys.modules]))"
+    )
+    assert heavy == []
+
+
+def test_importing_the_core_registers_and_patches_nothing():
+    loaded = _fresh(
+        "import sys, json\n"
+        "sys.modules['maspo_verl.plugin'] = None  # verl cannot load the plugin in this process\n"
+        "import maspo_verl.config, maspo_verl.losses, maspo_verl.advantages, maspo_verl.token_sets\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, ADV_ESTIMATOR_REGISTRY as A\n"
+        "import verl.workers.utils.losses as L\n"
+        "print(json.dumps([n for n in ('maspo', 'ctpo', 'pgspo') if n in R] + [n for n in A if 'maspo' in n]\n"
+        "  + (['ppo_loss hook'] if hasattr(L.ppo_loss, '__maspo_original__') else [])))\n"
+    )
+    assert loaded == []
+
+
+@pytest.mark.parametrize("first", ["config", "losses", "speech.reward_manager"])
+def test_import_verl_registers_whatever_module_comes_first(first):
+    """``import verl`` loads the plugin while the first of our modules may be half-imported."""
+    registered = _fresh(
+        f"import json, maspo_verl.{first}\n"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, ADV_ESTIMATOR_REGISTRY as A\n"
+        "print(json.dumps([n for n in ('maspo', 'ctpo', 'pgspo', 'maspo_span_grpo') if n in R or n in A]))\n"
+    )
+    assert registered == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
