@@ -1,6 +1,6 @@
 """``python -m maspo_verl.main <hydra overrides>``: verl's ``main_ppo`` on our config directory.
 
-Composes ``hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
+Composes ``maspo_verl/hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
 runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry.
 
 - ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then.

@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared by recipes/*/common.sh (sourced after they set their variables): the Hydra overrides that
 # every recipe derives from the same environment variables, and the launcher. Settings that are
-# not knobs live in the Hydra presets (hydra_configs/recipe/, hydra_configs/loss/).
+# not knobs live in the Hydra presets (maspo_verl/hydra_configs/recipe/, maspo_verl/hydra_configs/loss/).
 
 RESUME_MODE=${RESUME_MODE:-auto}                      # auto | disable | resume_path
 
@@ -44,10 +44,15 @@ recipe_overrides() {
 # maspo_launch [overrides...]: python -m maspo_verl.main --config-name $CONFIG_NAME with them.
 #   DRY_RUN=1    compose, validate with verl's validate_config, print the loss section; no Ray, no GPU;
 #                MODEL_PATH, the data files and any reward model are not opened.
-#   PRINT_CMD=1  print the command (one shell-quoted line) and exit; recipes/cluster/ray_submit.sh
-#                uses it as the job's entrypoint.
+#   PRINT_CMD=1  print the command (one shell-quoted line) and exit.
+#   PRINT_ARGV=1 print the command's words, each ended by a NUL byte, and exit;
+#                recipes/cluster/ray_submit.sh passes them to `ray job submit` as the entrypoint.
 maspo_launch() {
     local cmd=("${PYTHON:-python3}" -m maspo_verl.main --config-name "$CONFIG_NAME" "$@")
+    if [ "${PRINT_ARGV:-0}" = 1 ]; then
+        printf '%s\0' "${cmd[@]}"
+        return 0
+    fi
     if [ "${PRINT_CMD:-0}" = 1 ]; then
         printf '%q' "${cmd[0]}"; printf ' %q' "${cmd[@]:1}"; printf '\n'
         return 0

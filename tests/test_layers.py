@@ -36,6 +36,7 @@ ALLOWED = {
     "speech": {"core", "plugin"},
     "math": {"core", "plugin"},
     "lab": {"core", "plugin", "speech", "main"},
+    "hydra_configs": set(),
 }
 PURE_HELPERS = [
     "maspo_verl.speech.text",

@@ -1,8 +1,10 @@
 """The configs and every subpackage ship in the wheel, and compose from an installed copy."""
 
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -62,3 +64,54 @@ def test_installed_copy_composes_without_the_checkout(installed_wheel, tmp_path)
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "ctpo"
+
+
+@pytest.mark.parametrize("recipe", ["math", "speech"])
+def test_recipes_install_line_brings_their_default_logger(recipe):
+    """A recipe that logs to wandb by default names, in its README's install line, an extra that has wandb."""
+    import re
+
+    common = (ROOT / "recipes" / recipe / "common.sh").read_text()
+    logger = re.search(r"^LOGGER=\$\{LOGGER:-'(.*)'\}", common, re.M).group(1)
+    assert "wandb" in logger  # what makes the extra necessary
+    readme = (ROOT / "recipes" / recipe / "README.md").read_text()
+    extras = re.search(r"pip install [^\n]*\[([\w,]+)\]", readme).group(1).split(",")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.split(">")[0].split("=")[0].strip() == "wandb" for e in extras for dep in declared[e]), extras
+
+
+@pytest.fixture(scope="module")
+def uploaded_checkout(tmp_path_factory):
+    """What `ray job submit --working-dir` of the repository unpacks on a node: the checkout minus the
+    excludes of recipes/cluster/ray_submit.sh (a job's driver runs in it, so its `maspo_verl/` is the one
+    imported)."""
+    copy = tmp_path_factory.mktemp("uploaded") / "repo"
+    ignore = shutil.ignore_patterns(".git", ".venv", "data", "checkpoints", "outputs", "wandb", "dist", "build",
+                                    "*.egg-info", "__pycache__")  # fmt: skip
+    shutil.copytree(ROOT, copy, ignore=ignore)
+    return copy
+
+
+@pytest.mark.parametrize("install", ["wheel", "editable"])
+def test_uploaded_checkout_shadowing_an_install_composes(install, installed_wheel, uploaded_checkout):
+    """The configs live inside the package, so the uploaded copy that shadows the installed package has
+    them too. `wheel`: the wheel's files on a plain sys.path (python -S: no .pth files, so the test venv's
+    editable finder cannot supply what the copy lacks); `editable`: this venv as it is."""
+    target, _ = installed_wheel
+    probe = (
+        "import maspo_verl, maspo_verl.hydra_configs as h\n"
+        "from hydra import compose, initialize_config_module\n"
+        "with initialize_config_module(config_module='maspo_verl.hydra_configs', version_base=None):\n"
+        "    cfg = compose(config_name='maspo_trainer', overrides=['loss=pgspo', 'local=cpu'])\n"
+        "print(maspo_verl.__file__, h.__file__, cfg.actor_rollout_ref.actor.policy_loss.loss_mode)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [sys.executable, "-c", probe]
+    if install == "wheel":
+        cmd.insert(1, "-S")
+        env["PYTHONPATH"] = os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])
+    out = subprocess.run(cmd, cwd=uploaded_checkout, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    package, configs, loss_mode = out.stdout.strip().splitlines()[-1].split()
+    assert package.startswith(str(uploaded_checkout)) and configs.startswith(str(uploaded_checkout))
+    assert loss_mode == "pgspo"

@@ -158,7 +158,10 @@ def prepare(config) -> dict:
     if mode not in LOCAL_MODES:
         raise ValueError(f"maspo.local={config.maspo.local!r}: supported local modes are {LOCAL_MODES}")
     check_verl_features()
-    os.environ.update(LOCAL_ENV)
+    from maspo_verl.local import ray_cluster
+
+    env = ray_cluster.local_env(LOCAL_ENV, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
+    os.environ.update(env)
     activate()
 
     from maspo_verl.local import assets
@@ -186,20 +189,21 @@ def prepare(config) -> dict:
 
                 config.reward.custom_reward_function.path = reward.__file__
                 config.reward.custom_reward_function.name = "compute_score"
-        # Ray: a private local cluster in its own temp dir, the local env in every worker.
-        ray_init = config.ray_kwargs.ray_init
-        if _is_unset(ray_init.get("_temp_dir")) and not config.maspo.get("dry_run"):
-            ray_init._temp_dir = tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")
-        if ray_init.get("runtime_env") is None:
-            ray_init.runtime_env = {}
-        env_vars = ray_init.runtime_env.get("env_vars") or {}
-        ray_init.runtime_env.env_vars = {**LOCAL_ENV, **env_vars}
+        # Ray: the given cluster (RAY_ADDRESS, set inside `ray job submit`), else a private one in
+        # its own temp dir; the local env in every worker.
+        new_temp_dir = None if config.maspo.get("dry_run") else _private_temp_dir
+        ray_cluster.configure_ray_init(config.ray_kwargs.ray_init, env, new_temp_dir)
+    ray_init = config.ray_kwargs.ray_init
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
-        f"val={config.data.val_files} ray_temp_dir={config.ray_kwargs.ray_init.get('_temp_dir')}",
+        f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}",
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _private_temp_dir() -> str:
+    return tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
 
 
 def _fit_tokenval_to_embedded(policy_loss) -> None:

@@ -17,38 +17,49 @@ RECIPE=${RECIPE:-recipes/math/run_gspo.sh}
 WORKING_DIR=${WORKING_DIR:-$REPO}
 PIP_EXTRAS=${PIP_EXTRAS:-math}
 # What each node pip-installs; the default is the uploaded working dir itself (Ray substitutes the
-# variable on the node). Use e.g. PIP_SPEC='maspo-verl[math]==0.1.0' to install from an index instead.
+# variable on the node). PIP_SPEC='maspo-verl[math]==0.1.0' installs from an index instead;
+# PIP_SPEC= (empty) installs nothing (the nodes' Python already has the package, e.g. the docker image).
 # shellcheck disable=SC2016  # the variable is expanded by Ray on each node, not here
-PIP_SPEC=${PIP_SPEC:-'${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}'"[$PIP_EXTRAS]"}
+PIP_SPEC=${PIP_SPEC-'${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}'"[$PIP_EXTRAS]"}
 EXCLUDES=${EXCLUDES:-.git,.venv,data,checkpoints,outputs,wandb,dist,build,*.egg-info,__pycache__}
 SUBMISSION_ID=${SUBMISSION_ID:-}
 NO_WAIT=${NO_WAIT:-0}
 
-# The entrypoint: the recipe's own command line, with the cluster's python3.
-ENTRYPOINT=$(cd "$REPO" && PYTHON=python3 PRINT_CMD=1 bash "$RECIPE" "$@")
+# Token authentication (Ray >= 2.52): Ray 2.60's `ray start` turns it on once a token exists, but the job CLI
+# only sends the token with RAY_AUTH_MODE=token: do what `ray start` does.
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; }; then
+    export RAY_AUTH_MODE=token
+fi
 
+# The entrypoint: the recipe's own command line, with the cluster's python3, as separate words.
+# Ray's CLI shell-quotes each word (shlex.join) and runs the line in a shell on the head node, so
+# the words must not be pre-quoted into one.
+argv_file=$(mktemp)
+trap 'rm -f "$argv_file"' EXIT
+(cd "$REPO" && PYTHON=python3 PRINT_ARGV=1 bash "$RECIPE" "$@") >"$argv_file"
+mapfile -d '' -t ENTRYPOINT <"$argv_file"
+
+# Variables for the job (driver and every worker). Nothing verl or the local mode sets itself
+# (TOKENIZERS_PARALLELISM, NCCL_DEBUG, ...): Ray refuses a driver's ray.init naming a job's variable.
 RUNTIME_ENV=$(PIP_SPEC="$PIP_SPEC" EXCLUDES="$EXCLUDES" WORKING_DIR="$WORKING_DIR" python3 -c '
 import json, os
 env = {key: os.environ[key] for key in ("WANDB_MODE", "WANDB_ENTITY", "HF_HOME", "HF_HUB_OFFLINE") if key in os.environ}
-env.update({"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "HYDRA_FULL_ERROR": "1"})
-print(json.dumps({
-    "working_dir": os.environ["WORKING_DIR"],
-    "excludes": os.environ["EXCLUDES"].split(","),
-    "pip": [os.environ["PIP_SPEC"]],
-    "env_vars": env,
-}))')
+env["HYDRA_FULL_ERROR"] = "1"
+runtime_env = {"working_dir": os.environ["WORKING_DIR"], "excludes": os.environ["EXCLUDES"].split(",")}
+if os.environ["PIP_SPEC"]:
+    runtime_env["pip"] = [os.environ["PIP_SPEC"]]
+runtime_env["env_vars"] = env
+print(json.dumps(runtime_env))')
 
 cmd=(ray job submit --address "$RAY_ADDRESS" --runtime-env-json "$RUNTIME_ENV")
 [ -n "$SUBMISSION_ID" ] && cmd+=(--submission-id "$SUBMISSION_ID")
 [ "$NO_WAIT" = 1 ] && cmd+=(--no-wait)
-# Ray joins the entrypoint words with spaces and runs them in a shell on the head node, so the
-# already shell-quoted command line goes in as one word.
-cmd+=(-- "$ENTRYPOINT")
+cmd+=(-- "${ENTRYPOINT[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "DRY_RUN=1: would run:"
     printf "%q " "${cmd[@]}"; printf "\n"
-    echo "entrypoint: $ENTRYPOINT"
+    printf "entrypoint:"; printf " %q" "${ENTRYPOINT[@]}"; printf "\n"
     echo "runtime_env: $RUNTIME_ENV"
     exit 0
 fi

@@ -110,7 +110,8 @@ def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
 
 def run_local(overrides: list[str], log_path: Path, timeout_s: float = 420, cache_dir: str | None = None) -> LocalRun:
     ray_dir = tempfile.mkdtemp(prefix="mvl_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
-    env = dict(os.environ)
+    # a private cluster: no address for the local mode to join
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["HYDRA_FULL_ERROR"] = "1"
     if cache_dir:

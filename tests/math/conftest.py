@@ -47,7 +47,7 @@ def prepared_dir(tmp_path_factory) -> Path:
 
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a recipe script: this interpreter as python3, nothing inherited that steers it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_CMD", "LOSS"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_", "LOSS"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHON"] = sys.executable
     env["HOME"] = env.get("HOME", "/root")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 
-from tests.math.conftest import REPO, run_script
+import pytest
+
+from tests.math.conftest import REPO, run_script, script_env
 
 
 def _field(stdout: str, name: str) -> str:
@@ -35,10 +38,11 @@ def test_ray_submit_dry_run():
     assert runtime_env["pip"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}[math]"]  # our package, every node
     assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
     assert runtime_env["env_vars"]["WANDB_MODE"] == "offline"
-    # the entrypoint: one shell-quoted `python3 -m maspo_verl.main ...` word after `--`
-    assert command[-2] == "--"
-    entry = shlex.split(command[-1])
-    assert command[-1] == _field(out.stdout, "entrypoint").strip()
+    # nothing verl or the local mode sets itself: Ray refuses a ray.init naming a job's variable
+    assert not {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG"} & set(runtime_env["env_vars"])
+    # the entrypoint: separate words after `--` (Ray's CLI shell-quotes each word with shlex.join)
+    entry = command[command.index("--") + 1 :]
+    assert entry == shlex.split(_field(out.stdout, "entrypoint"))
     assert entry[:5] == ["python3", "-m", "maspo_verl.main", "--config-name", "maspo_trainer"]
     assert "loss=ctpo" in entry
     assert "algorithm.rollout_correction.bypass_mode=True" in entry
@@ -46,6 +50,31 @@ def test_ray_submit_dry_run():
     assert "data.train_files=['/shared/data/math_train.parquet']" in entry
     assert "trainer.nnodes=2" in entry
     assert entry[-1] == "trainer.total_training_steps=3"
+
+
+def test_ray_submit_entrypoint_survives_rays_quoting():
+    """The line Ray's job manager runs in a shell (the entrypoint words joined with shlex.join, as its
+    CLI does) is exactly the recipe's command: each override one argument, brackets and quotes intact."""
+    out = run_script("recipes/cluster/ray_submit.sh", "trainer.logger=['console','wandb']", DRY_RUN="1")
+    assert out.returncode == 0, out.stderr
+    command = shlex.split(out.stdout.splitlines()[1])
+    line = shlex.join(command[command.index("--") + 1 :])
+    argv = subprocess.run(
+        ["sh", "-c", line.replace("python3", 'python3 -c "import sys, json; print(json.dumps(sys.argv[1:]))"', 1)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+    )
+    assert argv.returncode == 0, argv.stderr
+    logger = "trainer.logger=['console','wandb']"
+    recipe = run_script("recipes/math/run_gspo.sh", logger, PRINT_CMD="1", PYTHON="python3")
+    assert json.loads(argv.stdout) == shlex.split(recipe.stdout)[1:]
+
+
+def test_ray_submit_pip_spec_empty_installs_nothing():
+    out = run_script("recipes/cluster/ray_submit.sh", DRY_RUN="1", PIP_SPEC="")
+    assert out.returncode == 0, out.stderr
+    assert "pip" not in json.loads(_field(out.stdout, "runtime_env"))
 
 
 def test_ray_submit_pip_spec_override():
@@ -83,3 +112,20 @@ def test_slurm_dry_run():
 def test_slurm_needs_nodes_outside_an_allocation():
     out = run_script("recipes/cluster/slurm_ray.sbatch", DRY_RUN="1", SLURM_JOB_NODELIST="")
     assert out.returncode != 0 and "NODES" in out.stderr
+
+
+@pytest.mark.parametrize("doc", ["README.md", "recipes/cluster/README.md"])
+def test_cluster_docs_give_the_commands_ci_runs(doc):
+    """The commands tests/e2e/test_ray_jobs.py runs against its live head, token authentication included
+    (with a token present, Ray's job CLI is refused unless RAY_AUTH_MODE=token)."""
+    text = (REPO / doc).read_text()
+    order = [
+        "ray get-auth-token --generate",
+        "ray start --head --num-cpus=16 --num-gpus=1",
+        "export RAY_AUTH_MODE=token",
+        "ray job submit -- python -m maspo_verl.main local=cpu loss=maspo_fixed",
+        "bash recipes/cluster/ray_submit.sh local=cpu",
+    ]
+    positions = [text.find(command) for command in order]
+    assert -1 not in positions, [c for c, p in zip(order, positions, strict=True) if p == -1]
+    assert positions == sorted(positions), positions

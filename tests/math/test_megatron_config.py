@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.math.conftest import REPO, compose
 
-PRESETS = sorted(p.stem for p in (REPO / "hydra_configs" / "loss").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (REPO / "maspo_verl" / "hydra_configs" / "loss").glob("*.yaml"))
 VALID = [
     "actor_rollout_ref.model.path=/nonexistent/model",  # validate_config opens nothing
     "actor_rollout_ref.rollout.name=vllm",
@@ -22,7 +22,7 @@ VALID = [
 
 
 def _defaults(name: str) -> list:
-    return yaml.safe_load(Path(REPO / "hydra_configs" / name).read_text())["defaults"]
+    return yaml.safe_load(Path(REPO / "maspo_verl" / "hydra_configs" / name).read_text())["defaults"]
 
 
 def test_in_step_with_maspo_trainer():

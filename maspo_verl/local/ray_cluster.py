@@ -1,0 +1,95 @@
+"""Which Ray cluster the local mode uses, and the environment its workers get.
+
+- A cluster address given (``ray_kwargs.ray_init.address``, else ``RAY_ADDRESS``, which Ray sets
+  for the entrypoint of every ``ray job submit`` job): join that cluster. Its workers can fetch the
+  job's ``working_dir``, and ``ray.init`` gets no ``num_cpus``/``num_gpus``/``_temp_dir`` (Ray
+  refuses the first two when connecting; a fresh temp dir names no node of that cluster).
+- No address, or ``address=local``: a private cluster in its own temp dir.
+
+Environment: inside a job, the job's runtime env already sets its ``env_vars`` for the driver and
+every worker, and Ray refuses a ``ray.init(runtime_env=...)`` naming any of the same variables. The
+local mode therefore adds only the variables the job does not set. The job may set the ones the
+mode depends on (``REQUIRED``) only to the same value; for the others (tokenizer threads, log
+de-duplication) the job's value wins, in the driver and in the workers alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Ray sets this for a job's entrypoint: {"runtime_env": {...}, "metadata": {...}}.
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# Local-mode variables the job's runtime env may not set to another value.
+REQUIRED = ("MASPO_VERL_LOCAL", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")
+# ray.init arguments of a private cluster only (Ray refuses num_cpus/num_gpus when connecting).
+PRIVATE_ONLY = ("num_cpus", "num_gpus", "include_dashboard")
+
+
+def _unset(value) -> bool:
+    return value is None or (isinstance(value, str) and value.strip() in ("", "null", "None"))
+
+
+def cluster_address(ray_init) -> str | None:
+    """The address of the Ray cluster to join, or None for a private local cluster."""
+    address = ray_init.get("address")
+    source = "ray_kwargs.ray_init.address"
+    if _unset(address):
+        address, source = os.environ.get("RAY_ADDRESS", ""), "RAY_ADDRESS"
+    address = str(address or "").strip()
+    if address in ("", "local"):
+        return None
+    if address.startswith(("http://", "https://")):
+        raise ValueError(
+            f"{source}={address!r} is a dashboard (job submission) address; ray.init needs the cluster "
+            "address (HOST:6379, or 'auto' on a node of the cluster). Submit with `ray job submit` "
+            "(Ray then sets RAY_ADDRESS for the job), or unset RAY_ADDRESS for a private local cluster."
+        )
+    return address
+
+
+def job_env_vars() -> dict[str, str]:
+    """The env_vars of the runtime env of the Ray job this process is the entrypoint of ({} outside a job)."""
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return {}
+    runtime_env = json.loads(raw).get("runtime_env") or {}
+    return {str(k): str(v) for k, v in (runtime_env.get("env_vars") or {}).items()}
+
+
+def local_env(mode_env: dict[str, str], job_env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``mode_env`` the local mode sets itself: those the job's runtime env does not.
+
+    Raises ValueError if the job sets one of ``REQUIRED`` to another value.
+    """
+    for key in REQUIRED:
+        if key in job_env and key in mode_env and job_env[key] != mode_env[key]:
+            raise ValueError(
+                f"the Ray job's runtime env sets {key}={job_env[key]!r}, the local mode needs "
+                f"{key}={mode_env[key]!r}: drop it from the job's env_vars"
+            )
+    return {key: value for key, value in mode_env.items() if key not in job_env}
+
+
+def configure_ray_init(ray_init, worker_env: dict[str, str], new_temp_dir) -> str | None:
+    """Set up ``ray_init`` (a mutable DictConfig, or dict) to join a given cluster or start a private one.
+
+    ``worker_env``: variables added to ``runtime_env.env_vars`` (entries already there win).
+    ``new_temp_dir``: called for a private cluster's temp dir when none is set; None: leave it unset.
+    Returns the joined address, or None for a private cluster.
+    """
+    address = cluster_address(ray_init)
+    if address is None:
+        ray_init["address"] = "local"
+        if new_temp_dir is not None and _unset(ray_init.get("_temp_dir")):
+            ray_init["_temp_dir"] = new_temp_dir()
+    else:
+        ray_init["address"] = address
+        for key in PRIVATE_ONLY:
+            if key in ray_init:
+                ray_init.pop(key)
+    if ray_init.get("runtime_env") is None:
+        ray_init["runtime_env"] = {}
+    env_vars = dict(ray_init["runtime_env"].get("env_vars") or {})
+    ray_init["runtime_env"]["env_vars"] = {**worker_env, **env_vars}
+    return address
