@@ -26,6 +26,7 @@ CORE = {
     "losses",
     "advantages",
     "batch",
+    "util",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {

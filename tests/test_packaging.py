@@ -1,5 +1,6 @@
 """The configs and every subpackage ship in the wheel, and compose from an installed copy."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,3 +116,23 @@ def test_uploaded_checkout_shadowing_an_install_composes(install, installed_whee
     package, configs, loss_mode = out.stdout.strip().splitlines()[-1].split()
     assert package.startswith(str(uploaded_checkout)) and configs.startswith(str(uploaded_checkout))
     assert loss_mode == "pgspo"
+
+
+DEV_VENV = ROOT / ".venv-verlmain"
+
+
+@pytest.mark.skipif(not (DEV_VENV / "bin" / "python").exists(), reason=".venv-verlmain not set up (bash .ci/setup)")
+def test_pip_keeps_a_development_verl(installed_wheel, tmp_path):
+    """pip's plan for our wheel in a venv holding verl's development branch: install maspo-verl alone.
+
+    ``--no-index``: a requirement that excluded the installed verl would need another verl and fail."""
+    (wheel,) = Path(installed_wheel[0]).parent.glob("maspo_verl-*.whl")
+    python = str(DEV_VENV / "bin" / "python")
+    version = subprocess.run([python, "-c", "import verl; print(verl.__version__)"], capture_output=True, text=True)
+    assert version.stdout.strip().startswith("0.10.0.dev"), version.stdout + version.stderr
+    report = tmp_path / "plan.json"
+    cmd = [python, "-m", "pip", "install", "--dry-run", "--no-index", "-q", "--report", str(report), str(wheel)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(report.read_text())["install"]
+    assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan] == [("maspo-verl", "0.1.0")]

@@ -13,7 +13,8 @@ def readme_commands():
 def test_readme_opens_with_run_and_test_commands():
     run, test = readme_commands()
     assert run.startswith("bash .ci/setup && ") and "python -m maspo_verl.main local=cpu" in run
-    assert test.startswith("bash .ci/setup && ") and "pytest" in test
+    assert test == "bash .ci/setup && bash .ci/test"
+    assert ".venv/bin/python -m pytest -q" in (ROOT / ".ci" / "test").read_text()
 
 
 def test_ci_runs_the_readme_test_command():
