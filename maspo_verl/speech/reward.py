@@ -6,7 +6,7 @@ with weights (1, 0, 0) by default, i.e. verl's CosyVoice2 recipe's 1 - tanh(3 WE
 
 - WER: jiwer on normalised texts (``maspo_verl.speech.text``), transcript from faster-whisper.
 - speaker similarity (optional, ``w_spk > 0``): cosine similarity, clamped to [0, 1], between an
-  embedding of the output and of a reference clip (``extra_info['ref_audio']`` path or
+  embedding of the output and of a reference clip (``extra_info['ref_audio']`` path, else
   ``SpeechRewardConfig.ref_audio``). The embedder is pluggable (``speaker_embedder``:
   ``module:function`` taking (wave, sample_rate) -> 1-D vector); the built-in ``logmel`` embedder
   (mean/std of the log-mel spectrum) is a crude placeholder, not a speaker-verification model.
@@ -19,11 +19,25 @@ code, each error's ``span_penalty`` spread over its span) for the reward manager
 per-token scores. Transcripts without word times (an ASR that gives none) get no penalties and count in
 ``untimed``; ``error_spans`` counts the located errors.
 
-Failures never raise and score 0, each counted in a metric (``invalid_empty``: no codec codes;
-``invalid_decode``: the codec failed; ``invalid_nonspeech``: silent audio, Whisper's no-speech
-probability above ``no_speech_threshold`` or an empty transcript; ``error``: anything else).
-Every sample returns the same keys (verl stacks them into arrays and averages them into metrics);
-terms that are disabled or never computed (no transcript) are 0, never NaN.
+Long clips (beyond Whisper's 30 s window) are cut at pauses and transcribed in full
+(``maspo_verl.speech.asr``).
+
+Settings are checked when the config is built (``SpeechRewardConfig(...)``, ``from_dict``,
+``from_env``; the trainer's start-up checks build it from ``reward.custom_reward_function.reward_kwargs``):
+every field's type and range, each error naming ``reward.custom_reward_function.reward_kwargs.<field>``
+(and the ``MASPO_SPEECH_<FIELD>`` variable it came from) with the allowed values. A configured
+``ref_audio`` must be an existing file. With ``w_spk > 0`` and no ``ref_audio``, every sample needs its
+own ``extra_info['ref_audio']``: the dataset is not visible at start-up, so that is checked per sample.
+
+Failures never raise and score 0, each counted in a metric (``invalid_reference``: the ground truth
+is missing, not a string, or has no words - never scored against the text "None";
+``invalid_ref_audio``: ``w_spk > 0`` and the sample has no speaker reference clip, or it cannot be
+read; ``invalid_empty``: no codec codes; ``invalid_decode``: the codec failed; ``invalid_nonspeech``:
+silent audio (RMS below ``min_rms``), every Whisper window silent (no-speech probability above
+``no_speech_threshold`` with an average log-prob below -1, Whisper's own rule) or an empty
+transcript; ``error``: anything else, including a non-finite score). Every sample returns the same
+keys (verl stacks them into arrays and averages them into metrics); terms that are disabled or never
+computed (no transcript) are 0, never NaN.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -43,7 +58,7 @@ from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
 from maspo_verl.speech.spans import error_spans, token_penalties
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.validation import check_float
+from maspo_verl.validation import FieldError, check_bool, check_choice, check_float, check_int, fail
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +73,14 @@ METRIC_KEYS = (
     "no_speech_prob",
     "error_spans",
     "untimed",
+    "invalid_reference",
+    "invalid_ref_audio",
     "invalid_empty",
     "invalid_decode",
     "invalid_nonspeech",
     "error",
 )
+INVALID_KEYS = tuple(k for k in METRIC_KEYS if k.startswith("invalid_"))
 
 
 @dataclass
@@ -99,35 +117,165 @@ class SpeechRewardConfig:
     batch_window_s: float = 0.05
     max_batch: int = 64
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
+        if self.w_wer + self.w_spk + self.w_dur <= 0:
+            raise FieldError(
+                PREFIX + "w_wer",
+                f"{PREFIX}w_wer/w_spk/w_dur are all 0: every sample would score 0; "
+                "allowed: non-negative weights, at least one > 0",
+            )
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SpeechRewardConfig:
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown speech reward settings {sorted(unknown)}; allowed: {sorted(names)}")
-        config = cls(**d)
-        check_float("reward.custom_reward_function.reward_kwargs.span_penalty", config.span_penalty, 0.0)
-        return config
+            raise ValueError(
+                f"unknown speech reward settings {sorted(unknown)} under {PREFIX.rstrip('.')}; allowed: {sorted(names)}"
+            )
+        return cls(**d)
 
     @classmethod
     def from_env(cls, overrides: dict[str, Any] | None = None) -> SpeechRewardConfig:
         """Defaults, then ``MASPO_SPEECH_<FIELD>`` environment variables, then ``overrides``."""
         vals: dict[str, Any] = {}
+        from_env: set[str] = set()
         for f in fields(cls):
-            raw = os.environ.get("MASPO_SPEECH_" + f.name.upper())
+            raw = os.environ.get(_env_name(f.name))
             if raw is not None:
-                vals[f.name] = _parse_env(raw, f.default)
+                vals[f.name] = _parse_env(f.name, raw, f.default)
+                from_env.add(f.name)
         vals.update(overrides or {})
-        return cls.from_dict(vals)
+        try:
+            return cls.from_dict(vals)
+        except FieldError as exc:
+            name = exc.field.removeprefix(PREFIX)
+            if name in from_env - set(overrides or {}):
+                raise FieldError(exc.field, f"{exc} (set by {_env_name(name)})") from None
+            raise
 
 
-def _parse_env(raw: str, default):
+# ---- settings validation (plain Python: runs in the driver at start-up, before any model loads) ----
+PREFIX = "reward.custom_reward_function.reward_kwargs."
+CODECS = ("xcodec2", "frame_table")
+COMPUTE_TYPES = (  # CTranslate2's compute types
+    "default",
+    "auto",
+    "int8",
+    "int8_float32",
+    "int8_float16",
+    "int8_bfloat16",
+    "int16",
+    "float16",
+    "bfloat16",
+    "float32",
+)
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_EMBEDDER = re.compile(r"logmel|[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def _env_name(field: str) -> str:
+    return "MASPO_SPEECH_" + field.upper()
+
+
+def _bad(name: str, value: Any, allowed: str):
+    fail(PREFIX + name, value, allowed)
+
+
+def _number(lo: float, hi: float = math.inf, lo_open: bool = False):
+    return lambda name, value: check_float(PREFIX + name, value, lo, hi, lo_open) or float(value)
+
+
+def _integer(lo: int):
+    return lambda name, value: check_int(PREFIX + name, value, lo) or value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    check_bool(PREFIX + name, value)
+    return value
+
+
+def _choice(choices: tuple[str, ...]):
+    return lambda name, value: check_choice(PREFIX + name, value, choices) or value
+
+
+def _pattern(regex: re.Pattern, allowed: str):
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str) or not regex.fullmatch(value):
+            _bad(name, value, allowed)
+        return value
+
+    return check
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        _bad(name, value, "a non-empty string")
+    return value
+
+
+def _language(name: str, value: Any) -> str:
+    try:  # Whisper's language codes, as faster-whisper lists them
+        from faster_whisper.tokenizer import _LANGUAGE_CODES as codes
+    except ImportError:  # not installed here (e.g. the driver): the shape only
+        codes = None
+    ok = isinstance(value, str) and (value in codes if codes else re.fullmatch(r"[a-z]{2,3}", value) is not None)
+    if not ok:
+        _bad(name, value, "a Whisper language code (en, de, fr, zh, ...)")
+    return value
+
+
+def _ref_audio(name: str, value: Any) -> str:
+    if not isinstance(value, str) or (value and not os.path.isfile(value)):
+        _bad(name, value, "'' (per-sample extra_info['ref_audio']) or the path of an existing sound file")
+    return value
+
+
+_CHECKS = {
+    "codec": _choice(CODECS),
+    "codec_model": _text,
+    "codec_device": _pattern(_DEVICE, "auto, cpu, cuda or cuda:<index>"),
+    "codec_batch": _integer(1),
+    "asr_model": _text,
+    "asr_device": _pattern(_DEVICE, "auto, cpu, cuda or cuda:<index>"),
+    "asr_compute_type": _choice(COMPUTE_TYPES),
+    "asr_batch": _integer(1),
+    "asr_beam": _integer(1),
+    "language": _language,
+    "wer_scale": _number(0.0, lo_open=True),
+    "w_wer": _number(0.0),
+    "w_spk": _number(0.0),
+    "w_dur": _number(0.0),
+    "speaker_embedder": _pattern(_EMBEDDER, "logmel or module:function"),
+    "ref_audio": _ref_audio,
+    "chars_per_second": _number(0.0, lo_open=True),
+    "duration_tolerance": _number(1.0),
+    "token_scores": _boolean,
+    "span_penalty": _number(0.0),
+    "min_rms": _number(0.0),
+    "no_speech_threshold": _number(0.0, 1.0),
+    "min_codes": _integer(1),
+    "batch_window_s": _number(0.0, 60.0),
+    "max_batch": _integer(1),
+}
+
+
+def _parse_env(name: str, raw: str, default):
+    where = f"{_env_name(name)}={raw!r} ({PREFIX}{name})"
     if isinstance(default, bool):
         if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ValueError(f"boolean speech reward setting got {raw!r}: allowed true/false/1/0/yes/no")
+            raise FieldError(PREFIX + name, f"{where} is invalid: allowed true/false/1/0/yes/no")
         return raw.lower() in ("1", "true", "yes")
-    return raw if isinstance(default, str) else type(default)(raw)
+    if isinstance(default, str):
+        return raw
+    try:
+        return type(default)(raw)
+    except ValueError:
+        kind = "an integer" if isinstance(default, int) else "a number"
+        raise FieldError(PREFIX + name, f"{where} is invalid: allowed {kind}") from None
 
 
 def wer_reward(wer: float, scale: float = 3.0) -> float:
@@ -183,6 +331,13 @@ def load_wave(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     return wave
 
 
+def reference_text(ground_truth: Any) -> str | None:
+    """The ground truth if it is a string with words in it, else None (scored 0 as ``invalid_reference``)."""
+    if isinstance(ground_truth, str) and normalize_text(ground_truth):
+        return ground_truth
+    return None
+
+
 class SpeechScorer:
     """Holds the codec and the ASR model (loaded once per process) and scores batches."""
 
@@ -191,7 +346,7 @@ class SpeechScorer:
         self._decoder = decoder
         self._asr = asr
         self._embedder = None
-        self._ref_cache: dict[str, np.ndarray] = {}
+        self._ref_cache: dict[str, np.ndarray | None] = {}
         self.lock = threading.Lock()
 
     @property
@@ -216,6 +371,8 @@ class SpeechScorer:
                 batch_size=c.asr_batch,
                 beam_size=c.asr_beam,
                 language=c.language,
+                no_speech_threshold=c.no_speech_threshold,
+                min_rms=c.min_rms,
             )
             logger.warning("maspo_verl.speech: ASR %s on %s (pid %d)", c.asr_model, self._asr.device, os.getpid())
         return self._asr
@@ -226,18 +383,18 @@ class SpeechScorer:
             self._embedder = logmel_embedding if spec == "logmel" else _load_object(spec)
         return np.asarray(self._embedder(wave, SAMPLE_RATE), dtype=np.float64).reshape(-1)
 
-    def _speaker_sim(self, wave: np.ndarray, ref_path: str) -> float:
-        if ref_path not in self._ref_cache:
-            self._ref_cache[ref_path] = self._embed(load_wave(ref_path))
-        a, b = self._embed(wave), self._ref_cache[ref_path]
-        cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+    def _speaker_sim(self, wave: np.ndarray, ref: np.ndarray) -> float:
+        a = self._embed(wave)
+        cos = float(a @ ref / (np.linalg.norm(a) * np.linalg.norm(ref) + 1e-12))
+        if not math.isfinite(cos):
+            raise ValueError(f"speaker embedding gave a non-finite similarity {cos}")
         return max(0.0, cos)
 
     def score_codes(
-        self, codes: Sequence[Sequence[int]], texts: Sequence[str], extra_infos: Sequence[dict | None] | None = None
+        self, codes: Sequence[Sequence[int]], texts: Sequence[Any], extra_infos: Sequence[dict | None] | None = None
     ) -> list[dict[str, float]]:
         """One metrics dict (``METRIC_KEYS``, plus ``code_penalties`` with span credit) per sample;
-        never raises."""
+        never raises. ``texts`` are the ground truths as the dataset holds them (checked here)."""
         n = len(codes)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         res = [dict.fromkeys(METRIC_KEYS, 0.0) for _ in range(n)]
@@ -252,19 +409,38 @@ class SpeechScorer:
         except Exception:
             logger.exception("speech reward: batch failed; scoring the batch 0")
             for r in res:
-                if not (r["invalid_empty"] or r["invalid_decode"] or r["invalid_nonspeech"]):
+                if not any(r[k] for k in INVALID_KEYS):
                     r["error"] = 1.0
                 r["score"] = 0.0
         return res
 
+    def _reference_embedding(self, extra_info: dict | None) -> np.ndarray | None:
+        """The speaker reference's embedding (cached per path); None if there is none or it cannot be read."""
+        ref = (extra_info if isinstance(extra_info, dict) else {}).get("ref_audio") or self.config.ref_audio
+        if not isinstance(ref, str) or not ref:
+            return None
+        if ref not in self._ref_cache:  # failures cached too: one warning per path
+            try:
+                self._ref_cache[ref] = self._embed(load_wave(ref))
+            except Exception:
+                logger.warning("speech reward: cannot read speaker reference %r", ref, exc_info=True)
+                self._ref_cache[ref] = None
+        return self._ref_cache[ref]
+
     def _score_into(self, res, codes, texts, extra_infos) -> None:
         c = self.config
-        todo = []
+        todo, refs = [], {}
         for i, seq in enumerate(codes):
-            if len(seq) < max(1, c.min_codes):
+            if reference_text(texts[i]) is None:
+                res[i]["invalid_reference"] = 1.0
+            elif c.w_spk > 0 and (ref := self._reference_embedding(extra_infos[i])) is None:
+                res[i]["invalid_ref_audio"] = 1.0
+            elif len(seq) < c.min_codes:
                 res[i]["invalid_empty"] = 1.0
             else:
                 todo.append(i)
+                if c.w_spk > 0:
+                    refs[i] = ref
         waves: dict[int, np.ndarray] = {}
         if todo:
             try:
@@ -295,7 +471,7 @@ class SpeechScorer:
         for i, tr in zip(speech, transcripts, strict=True):
             r = res[i]
             r["no_speech_prob"] = tr.no_speech_prob
-            if tr.no_speech_prob > c.no_speech_threshold or not normalize_text(tr.text):
+            if tr.silent or not normalize_text(tr.text):
                 r["invalid_nonspeech"] = 1.0
                 continue
             try:
@@ -306,10 +482,11 @@ class SpeechScorer:
                     r["dur_score"] = duration_score(r["duration_s"], texts[i], c.chars_per_second, c.duration_tolerance)
                     score += c.w_dur * r["dur_score"]
                 if c.w_spk > 0:
-                    ref = (extra_infos[i] or {}).get("ref_audio") or c.ref_audio
-                    r["spk_sim"] = self._speaker_sim(waves[i], ref) if ref else 0.0
+                    r["spk_sim"] = self._speaker_sim(waves[i], refs[i])
                     score += c.w_spk * r["spk_sim"]
-                r["score"] = float(score) if math.isfinite(score) else 0.0
+                if not math.isfinite(score):
+                    raise ValueError(f"non-finite score {score}")
+                r["score"] = float(score)
                 if c.token_scores:
                     self._locate_errors(r, texts[i], tr.words, len(codes[i]))
             except Exception:
@@ -336,10 +513,10 @@ class AsyncBatcher:
 
     def __init__(self, scorer: SpeechScorer):
         self.scorer = scorer
-        self._pending: list[tuple[list[int], str, dict | None, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], Any, dict | None, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    async def score(self, codes: list[int], text: str, extra_info: dict | None = None) -> dict[str, float]:
+    async def score(self, codes: list[int], text: Any, extra_info: dict | None = None) -> dict[str, float]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((codes, text, extra_info, fut))
@@ -428,7 +605,7 @@ async def compute_score(
         settings = {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
         config = SpeechRewardConfig.from_env(settings)
         codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
-        result = await get_batcher(config).score(codes, str(ground_truth), extra_info)
+        result = await get_batcher(config).score(codes, ground_truth, extra_info)
         result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
         return result
     except Exception:
@@ -443,7 +620,7 @@ def compute_score_sync(
     try:
         config = SpeechRewardConfig.from_env(kwargs)
         codes = LlasaTokenMap().codes_from_text(solution_str)
-        return get_scorer(config).score_codes([codes], [str(ground_truth)], [extra_info])[0]
+        return get_scorer(config).score_codes([codes], [ground_truth], [extra_info])[0]
     except Exception:
         logger.exception("speech reward: compute_score_sync failed")
         return _zero("error")

@@ -105,7 +105,8 @@ class SpeechRewardManager(RewardManagerBase):
             response_ids = item.batch["responses"]
             n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
             codes, positions = self.token_map.codes_and_positions(response_ids[:n].tolist())
-            text = str(item.non_tensor_batch["reward_model"]["ground_truth"])
+            reward_model = item.non_tensor_batch.get("reward_model", None)
+            text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
             extra = item.non_tensor_batch.get("extra_info", None)
             result = dict(
                 await get_batcher(self.speech_config).score(codes, text, extra if isinstance(extra, dict) else None)
