@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from maspo_verl.speech.codec import SAMPLE_RATE  # Whisper takes 16 kHz audio too
+
 WINDOW_S = 30.0
-SAMPLE_RATE = 16000
 BUNDLED = "bundled:tiny.en"
 MIN_WINDOW_S = 15.0  # a long clip's windows are cut at the quietest moment between 15 s and 30 s
 SILENCE_SMOOTH_S = 0.2  # quietness = mean power over this span

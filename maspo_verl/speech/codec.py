@@ -23,7 +23,7 @@ import numpy as np
 
 SAMPLE_RATE = 16000
 HOP = 320  # samples per code: 50 codes per second
-FRAMES_PER_SECOND = SAMPLE_RATE // HOP
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP  # XCodec2 codes per second
 
 
 @runtime_checkable

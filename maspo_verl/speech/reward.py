@@ -611,16 +611,3 @@ async def compute_score(
     except Exception:
         logger.exception("speech reward: compute_score failed")
         return _zero("error")
-
-
-def compute_score_sync(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs: Any
-) -> dict[str, float]:
-    """Synchronous, single-sample variant (scripts, debugging)."""
-    try:
-        config = SpeechRewardConfig.from_env(kwargs)
-        codes = LlasaTokenMap().codes_from_text(solution_str)
-        return get_scorer(config).score_codes([codes], [ground_truth], [extra_info])[0]
-    except Exception:
-        logger.exception("speech reward: compute_score_sync failed")
-        return _zero("error")

@@ -25,22 +25,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from maspo_verl.speech.asr import TimedWord
+from maspo_verl.speech.codec import FRAMES_PER_SECOND
 from maspo_verl.speech.text import normalize_text
-
-FRAME_RATE = 50  # XCodec2 codes per second
-KINDS = ("substitute", "insert", "delete")
 
 
 @dataclass(frozen=True)
 class ErrorSpan:
-    kind: str  # one of KINDS
+    kind: str  # substitute, insert or delete
     start: int  # first token
     end: int  # one past the last token
     ref: str  # the reference word ("" for an insertion)
     hyp: str  # the recognised word ("" for a deletion)
 
 
-def token_range(start_s: float, end_s: float, n_tokens: int, rate: float = FRAME_RATE) -> tuple[int, int]:
+def token_range(start_s: float, end_s: float, n_tokens: int, rate: float = FRAMES_PER_SECOND) -> tuple[int, int]:
     """[floor(rate start), ceil(rate end)) clipped to the utterance, at least one token long."""
     if n_tokens <= 0:
         return 0, 0
@@ -53,7 +51,9 @@ def normalised_words(words: Sequence[TimedWord]) -> list[TimedWord]:
     return [TimedWord(w, t.start, t.end) for t in words for w in normalize_text(t.word).split()]
 
 
-def error_spans(reference: str, words: Sequence[TimedWord], n_tokens: int, rate: float = FRAME_RATE) -> list[ErrorSpan]:
+def error_spans(
+    reference: str, words: Sequence[TimedWord], n_tokens: int, rate: float = FRAMES_PER_SECOND
+) -> list[ErrorSpan]:
     """Token spans of the word errors of ``words`` (the ASR output) against ``reference``."""
     import jiwer
 

@@ -131,9 +131,6 @@ class LlasaTokenMap:
             raise ValueError(f"tokenizer lacks {SPEECH_START} or {SPEECH_END}")
         return cls(first, codec_size, start, end, source=type(tokenizer).__name__)
 
-    def code_token_ids(self) -> range:
-        return range(self.codec_offset, self.codec_offset + self.codec_size)
-
     def token_id(self, code: int) -> int:
         return self.codec_offset + int(code)
 
@@ -158,19 +155,6 @@ class LlasaTokenMap:
                 codes.append(i - lo)
                 positions.append(k)
         return codes, positions
-
-    def codes_from_ids_tensor(self, ids, mask=None):
-        """Vectorised variant for a [B, T] tensor: (codes [B, T] with -1 outside, in_codec [B, T])."""
-        import torch
-
-        ids = torch.as_tensor(ids).long()
-        code = ids - self.codec_offset
-        inside = (code >= 0) & (code < self.codec_size)
-        if mask is not None:
-            inside = inside & torch.as_tensor(mask).bool()
-        ended = torch.cumsum((ids == self.speech_end_id).long(), dim=-1) > 0
-        inside = inside & ~ended
-        return torch.where(inside, code, torch.full_like(code, -1)), inside
 
     def codes_from_text(self, text: str) -> list[int]:
         """Codes from decoded text (``<|s_N|>`` pieces), for reward paths that only see strings.

@@ -5,6 +5,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
+from maspo_verl.lab.bench import count_host_syncs
 from tests.helpers import actor_config, random_batch
 
 CONFIGS = {
@@ -81,33 +82,9 @@ def test_bf16_inputs_close_to_float32(name):
     assert abs(loss.item() - ref_loss.item()) < 0.05 * (abs(ref_loss.item()) + 1e-2)
 
 
-class SyncCounter:
-    """Counts the Tensor -> host conversions made inside the block."""
-
-    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
-
-    def __enter__(self):
-        self.calls = []
-        self.saved = {m: getattr(torch.Tensor, m) for m in self.METHODS}
-        for m, original in self.saved.items():
-            setattr(torch.Tensor, m, self._counting(m, original))
-        return self
-
-    def _counting(self, name, original):
-        def wrapper(tensor, *args, **kwargs):
-            self.calls.append(name)
-            return original(tensor, *args, **kwargs)
-
-        return wrapper
-
-    def __exit__(self, *exc):
-        for m, original in self.saved.items():
-            setattr(torch.Tensor, m, original)
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_one_host_transfer_per_call(name):
     old, new, adv, mask = random_batch(B=4, T=40, seed=15)
-    with SyncCounter() as counter:
+    with count_host_syncs() as counter:
         run(name, old, new, adv, mask)
-    assert counter.calls == ["tolist"], counter.calls
+    assert counter["by"] == {"tolist": 1}, counter["by"]
