@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl.batch import current_response_ids
+from maspo_verl.util import registrar
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
 # Per-sample logprob rule: sigma floor (nats) so a sample whose drops are all equal gets no boundaries.
@@ -193,12 +194,8 @@ class SegmentRule:
 
 
 SEGMENT_RULES: dict[str, SegmentRule] = {}
-
-
-def register_segment_rule(cls: type[SegmentRule]) -> type[SegmentRule]:
-    """Class decorator: make the rule selectable as ``policy_loss.segment_rule=<cls.name>``."""
-    SEGMENT_RULES[cls.name] = cls()
-    return cls
+# class decorator: the rule becomes selectable as ``policy_loss.segment_rule=<cls.name>``
+register_segment_rule = registrar(SEGMENT_RULES)
 
 
 @register_segment_rule

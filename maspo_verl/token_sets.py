@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl import ratios, segments
+from maspo_verl.util import registrar
 
 
 @dataclass
@@ -56,12 +57,8 @@ class TokenSet:
 
 
 TOKEN_SETS: dict[str, TokenSet] = {}
-
-
-def register_token_set(cls: type[TokenSet]) -> type[TokenSet]:
-    """Class decorator: the plugin registers ``cls.name`` as a verl policy loss."""
-    TOKEN_SETS[cls.name] = cls()
-    return cls
+# class decorator: the plugin registers ``cls.name`` as a verl policy loss
+register_token_set = registrar(TOKEN_SETS)
 
 
 @register_token_set

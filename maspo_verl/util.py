@@ -19,6 +19,16 @@ def warn_once(message: str, category: type[Warning] = UserWarning, logger: loggi
         logger.warning(message)
 
 
+def registrar(table: dict):
+    """A class decorator that puts an instance of the class in ``table`` under the class's ``name``."""
+
+    def register(cls):
+        table[cls.name] = cls()
+        return cls
+
+    return register
+
+
 def write_parquet(rows: list[dict], path: str, schema=None) -> None:
     """``rows`` as a parquet file (a pyarrow ``schema`` fixes the column types), creating its folder."""
     import pyarrow as pa
