@@ -13,6 +13,7 @@ registers nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -113,7 +114,8 @@ class GranularLossConfig(PolicyLossConfig):
         check_choice("tokenval_distance", self.tokenval_distance, TOKENVAL_DISTANCES)
         check_int("codec_offset", self.codec_offset, 0)
         check_int("codec_size", self.codec_size, 1)
-        levels = list(self.fsq_levels) if isinstance(self.fsq_levels, list | tuple) else None
+        is_list = isinstance(self.fsq_levels, Sequence) and not isinstance(self.fsq_levels, str | bytes)
+        levels = list(self.fsq_levels) if is_list else None
         if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in levels):
             fail("fsq_levels", self.fsq_levels, "a non-empty list of integers >= 2")
         if self.tokenval_distance != "id" and math.prod(levels) != self.codec_size:

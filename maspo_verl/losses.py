@@ -18,6 +18,7 @@ import torch
 
 from maspo_verl import clipping, ratios
 from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.util import warn_once
 
 if TYPE_CHECKING:
     from maspo_verl.config import GranularLossConfig
@@ -87,8 +88,10 @@ def collect_metrics(
     surrogate: clipping.Surrogate,
     seg_ids: torch.Tensor | None,
     buckets: int,
+    response: torch.Tensor,
 ) -> dict[str, float]:
-    """All metrics of one call, moved to the host in a single transfer."""
+    """All metrics of one call, moved to the host in a single transfer. ``mask``: the tokens in the
+    loss; ``response``: verl's response mask (``mask`` plus the dropped non-finite tokens)."""
     clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
     low_n, high_n, dual_n = clips.sum((1, 2)).to(torch.float64).unbind()
     n = mask.sum().to(torch.float64).clamp(min=1.0)
@@ -103,6 +106,7 @@ def collect_metrics(
         "actor/ratio/mean",
         "actor/ratio/min",
         "actor/ratio/max",
+        "actor/ratio/nonfinite_tokens",
     ]
     values = [
         (low_n + high_n) / n,
@@ -114,6 +118,7 @@ def collect_metrics(
         torch.where(mask, ratio, 0.0).sum().to(torch.float64) / n,
         torch.where(any_valid, torch.where(mask, ratio, float("inf")).amin(), 1.0).to(torch.float64),
         torch.where(any_valid, torch.where(mask, ratio, float("-inf")).amax(), 1.0).to(torch.float64),
+        (response.sum() - mask.sum()).to(torch.float64),
     ]
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
@@ -149,10 +154,19 @@ def granular_policy_loss(
     *,
     loss_mode: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set."""
+    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set.
+
+    Whatever padded positions hold has no effect on the loss or the gradient. A valid token whose
+    log-prob or old log-prob is not finite is dropped from the loss (as if padded, so it shares no
+    ratio either), counted in ``actor/ratio/nonfinite_tokens`` and warned about.
+    """
     pl = policy_loss_config(config, loss_mode)
-    mask = response_mask.bool()
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
+        response = response_mask.bool()
+        mask = response & torch.isfinite(log_prob) & torch.isfinite(old_log_prob)
+        advantages = torch.where(mask, advantages, 0.0)
+        if rollout_is_weights is not None:
+            rollout_is_weights = torch.where(mask, rollout_is_weights, 0.0)
         delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
         sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
         ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp_()
@@ -160,8 +174,16 @@ def granular_policy_loss(
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
         bounds = clip_bounds(pl, config, sizes)
     surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights)
-    pg_loss = aggregate(surrogate.loss, mask, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info)
-    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets)
+    pg_loss = aggregate(
+        surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info
+    )
+    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets, response)
+    if metrics["actor/ratio/nonfinite_tokens"]:
+        warn_once(
+            "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "
+            "in bypass mode?); such tokens are dropped from the loss and counted in actor/ratio/nonfinite_tokens",
+            RuntimeWarning,
+        )
     return pg_loss, metrics
 
 

@@ -86,6 +86,16 @@ def test_matches_float64_loop_reference():
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_groups_by_index_value_as_verls_grpo_does():
+    from maspo_verl.advantages import group_ids
+
+    index = np.array([1, "1", 1.0, "a", "1", np.int64(1)], dtype=object)
+    ids, n = group_ids(index, torch.device("cpu"))
+    verl_groups: dict = {}  # verl's grpo keys its groups by the index values themselves
+    expected = [verl_groups.setdefault(key, len(verl_groups)) for key in index]
+    assert ids.tolist() == expected == [0, 1, 0, 2, 1, 0] and n == 3
+
+
 def test_bad_span_tokens_get_lower_advantages_and_credit_only_moves_within_an_utterance():
     rewards, mask, index, spans = span_batch(3)
     ours, _ = estimator(rewards, mask, index, algo(lam=0.5))

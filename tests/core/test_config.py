@@ -55,10 +55,38 @@ def test_typo_in_field_is_rejected_at_compose():
         compose_config("actor_rollout_ref.actor.policy_loss.segmnt_rule=fixed")
 
 
-def test_added_unknown_field_is_rejected_by_the_dataclass():
+def test_added_unknown_field_is_rejected_by_the_dataclass_listing_the_allowed_fields():
     cfg = compose_config("+actor_rollout_ref.actor.policy_loss.segmnt_rule=fixed")
-    with pytest.raises(Exception, match="segmnt_rule"):
+    with pytest.raises(Exception, match=r"unknown fields \['segmnt_rule'\]: allowed .*segment_rule") as err:
         actor_policy_loss(cfg)
+    assert "position_buckets" in str(err.value)
+
+
+def test_loss_mode_typo_fails_when_the_config_is_built_naming_the_registered_losses():
+    with pytest.raises(ValueError, match=r"loss_mode='masp' is invalid: allowed a loss registered in verl: .*maspo"):
+        GranularLossConfig(loss_mode="masp")
+    cfg = compose_config("loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.loss_mode=masp")
+    with pytest.raises(Exception, match="loss_mode='masp' is invalid"):
+        dry_run(cfg)
+
+
+def test_bare_dry_run_passes_verls_checks_with_our_defaults(capsys):
+    dry_run(compose_config("loss=maspo_fixed"))
+    assert "config valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "field,value,allowed",
+    [
+        ("fsq_levels", 4, "a non-empty list of integers >= 2"),
+        ("position_buckets", 1_000_000, "an integer >= 1 and <= 64"),
+        ("segment_window", 2.5, "an integer >= 1"),
+        ("clip_schedule", 3, "one of ratio, log_adaptive"),
+    ],
+)
+def test_wrong_types_name_the_field(field, value, allowed):
+    with pytest.raises(ValueError, match=f"policy_loss.{field}=.* is invalid: allowed {allowed}"):
+        GranularLossConfig(loss_mode="maspo", **{field: value})
 
 
 BAD_VALUES = [
