@@ -112,17 +112,21 @@ def aggregate(
     mode stays invariant to data parallelism like verl's own modes (seed 001).
     """
     if agg_mode == "seg-mean-token-mean":
-        num_segments = (seg_ids.max(dim=-1, keepdim=True).values + 1).to(loss_mat.dtype)
+        num_segments = (seg_ids.amax(dim=-1, keepdim=True) + 1).to(loss_mat.dtype)
         loss_mat = loss_mat / (sizes.clamp(min=1.0) * num_segments)
         loss_agg_mode = "seq-mean-token-sum"
     info = dict(global_batch_info)
-    if info.get("dp_size", 1) <= 1:
+    if info.get("dp_size", 1) <= 1 and (info.get("batch_num_tokens") is None or info.get("global_batch_size") is None):
         # verl divides by the micro-batch's own counts when no global ones are given: 0/0 on an
         # all-padding micro-batch. At least one keeps that loss 0 instead of NaN.
+        lengths = mask.sum(-1)
         if info.get("batch_num_tokens") is None:
-            info["batch_num_tokens"] = mask.sum().clamp(min=1)
+            info["batch_num_tokens"] = lengths.sum().clamp(min=1)
         if info.get("global_batch_size") is None:
-            info["global_batch_size"] = mask.any(dim=-1).sum().clamp(min=1)
+            info["global_batch_size"] = (lengths > 0).sum().clamp(min=1)
+    # a float32 0/1 mask gives verl's values exactly (counts below 2**24) without bool-to-float copies
+    if mask.dtype == torch.bool:
+        mask = ratios.float_mask(mask)
     return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
 
 
@@ -135,10 +139,17 @@ def collect_metrics(
     buckets: int,
 ) -> dict[str, float]:
     """All metrics of one call, moved to the host in a single transfer."""
+    mask = mask.bool()
     clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
-    low_n, high_n, dual_n = clips.sum((1, 2)).to(torch.float64).unbind()
-    n = mask.sum().to(torch.float64).clamp(min=1.0)
-    any_valid = mask.any()
+    low_n, high_n, dual_n = clips.sum(-1, dtype=torch.int32).sum(-1).to(torch.float64).unbind()
+    lengths = mask.sum(-1, dtype=torch.int32)  # [B]
+    n = lengths.sum().to(torch.float64).clamp(min=1.0)
+    any_valid = lengths.amax() > 0
+    # ratio over valid tokens: zero on padding for the sum and max (r > 0), the largest float for the min
+    valid = ratios.float_mask(mask, ratio.dtype)
+    on_valid = ratio * valid
+    ratio_sum, ratio_max = on_valid.sum(), on_valid.amax()
+    ratio_min = on_valid.add_(valid.mul_(-torch.finfo(ratio.dtype).max).add_(torch.finfo(ratio.dtype).max)).amin()
     names = [
         "actor/pg_clipfrac",
         "actor/pg_clipfrac_lower",
@@ -157,18 +168,18 @@ def collect_metrics(
         low_n / n,
         high_n / n,
         dual_n / n,
-        torch.where(mask, ratio, 0.0).sum().to(torch.float64) / n,
-        torch.where(any_valid, torch.where(mask, ratio, float("inf")).amin(), 1.0).to(torch.float64),
-        torch.where(any_valid, torch.where(mask, ratio, float("-inf")).amax(), 1.0).to(torch.float64),
+        ratio_sum.to(torch.float64) / n,
+        torch.where(any_valid, ratio_min, 1.0).to(torch.float64),
+        torch.where(any_valid, ratio_max, 1.0).to(torch.float64),
     ]
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
     # running sums at those starts, with no [B, T] bucket index.
-    lengths = mask.sum(-1, keepdim=True, dtype=torch.int32)
+    lengths = lengths.unsqueeze(-1)
     k = torch.arange(buckets + 1, device=mask.device, dtype=torch.int32)
     starts = (k * lengths + buckets - 1) // buckets  # [B, K + 1]
     seen = torch.cumsum(mask, -1, dtype=torch.int32)
-    clipped_seen = torch.cumsum(clips.any(0), -1, dtype=torch.int32)
+    clipped_seen = torch.cumsum(clips[0] | clips[1] | clips[2], -1, dtype=torch.int32)
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
     before = torch.where(first_at > 0, clipped_seen.gather(-1, (first_at - 1).clamp(min=0)), 0)
     clipped_per_bucket = (before[:, 1:] - before[:, :-1]).sum(0).to(torch.float64)
@@ -177,7 +188,7 @@ def collect_metrics(
     values += list(clipped_per_bucket / tokens_per_bucket.clamp(min=1.0))
     if seg_ids is not None:
         rows = (lengths.squeeze(-1) > 0).to(torch.float64)
-        num_segments = (seg_ids.max(dim=-1).values + 1).to(torch.float64) * rows
+        num_segments = (seg_ids.amax(dim=-1) + 1).to(torch.float64) * rows
         names += ["actor/ratio/segments_per_seq", "actor/ratio/segment_len_mean"]
         values += [num_segments.sum() / rows.sum().clamp(min=1.0), n / num_segments.sum().clamp(min=1.0)]
     host = torch.stack(values).tolist()
@@ -201,11 +212,13 @@ def granular_policy_loss(
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
         sets = token_sets(loss_mode, pl, old_log_prob, mask, delta)
-        ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp_()
+        log_ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha))
+        ratio = log_ratio.exp()
         # per-token set sizes only where a schedule or the aggregation needs them
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
         bounds = clip_bounds(pl, config, sizes)
-    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights)
+    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio)
+    del log_ratio
     pg_loss = aggregate(surrogate.loss, mask, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info)
     metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets)
     return pg_loss, metrics

@@ -1,8 +1,10 @@
 """Loss benchmark: forward+backward time, peak memory and host syncs of each loss vs verl's.
 
 Every loss is fetched from verl's registry and called exactly as verl's ``ppo_loss`` calls it:
-``fn(old_log_prob, log_prob, advantages, response_mask, "token-mean", actor_config, None)``, then
-``loss.backward()``. The timed region is that call plus backward, metrics included.
+``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor_config, None)`` with the
+micro-batch's response ids in scope, then ``loss.backward()``. The timed region is that call plus
+backward, metrics included. The losses are the presets as shipped (``hydra_configs/loss/*.yaml``,
+composed like ``python -m maspo_verl.main loss=<preset>``); ``grpo`` (verl's ``vanilla``) is the baseline.
 
 - time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
   a shared machine (the median is also recorded); losses are interleaved within each repetition so
@@ -35,35 +37,37 @@ from verl.workers.config import ActorConfig
 import maspo_verl  # noqa: F401
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.lab import common
+from maspo_verl.verl_glue import micro_batch_scope
+
+# The loss presets as shipped (hydra_configs/loss/*.yaml); the first is the baseline.
+PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo")
+BASELINE = "grpo"
+PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
 
 
 @dataclass(frozen=True)
 class Entry:
     label: str
     loss_mode: str
+    actor: dict = field(default_factory=dict)
     policy_loss: dict = field(default_factory=dict)
 
 
-ENTRIES = [
-    Entry("vanilla (verl)", "vanilla"),
-    Entry("gspo (verl)", "gspo"),
-    Entry("maspo fixed W=15", "maspo", {"segment_rule": "fixed", "segment_window": 15}),
-    Entry("maspo logprob", "maspo", {"segment_rule": "logprob", "logprob_threshold": 1.0, "logprob_per_sample": True}),
-    Entry(
-        "maspo logprob + min/max len", "maspo", {"segment_rule": "logprob", "min_segment_len": 5, "max_segment_len": 50}
-    ),
-    Entry("maspo seg-mean-token-mean", "maspo", {"segment_window": 15, "agg_mode": "seg-mean-token-mean"}),
-    Entry("ctpo cumprod (LA clip)", "ctpo", {"ctpo_mode": "cumprod", "clip_schedule": "log_adaptive"}),
-    Entry(
-        "ctpo geomean (LA clip)",
-        "ctpo",
-        {"ctpo_mode": "geomean", "clip_schedule": "log_adaptive", "clip_exponent": -0.5},
-    ),
-    Entry("pgspo alpha=0.5", "pgspo", {"length_exponent": 0.5}),
-]
+def preset_entries(names=PRESETS) -> list[Entry]:
+    """Each preset's resolved loss section, composed from the trainer config like ``maspo_verl.main``."""
+    from hydra import compose, initialize_config_module
 
+    from maspo_verl.main import loss_section
 
-PROFILED = ("vanilla (verl)", "maspo fixed W=15", "ctpo cumprod (LA clip)")
+    entries = []
+    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
+        for name in names:
+            section = loss_section(compose("maspo_trainer", overrides=[f"loss={name}"]))
+            policy_loss = {k: v for k, v in section.pop("policy_loss").items() if k != "_target_"}
+            actor = {k: section[k] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")}
+            actor["loss_agg_mode"] = section["loss_agg_mode"]
+            entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
+    return entries
 
 
 def loss_fn(e: Entry):
@@ -75,22 +79,29 @@ def actor_config(e: Entry) -> ActorConfig:
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=3.0,
-        policy_loss=GranularLossConfig(loss_mode=e.loss_mode, **e.policy_loss),
+        **e.actor,
+        policy_loss=GranularLossConfig(**e.policy_loss),
     )
 
 
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """Log-probs, advantages, a right-padded mask (lengths T/4..T) and speech-like response ids:
+    XCodec2 codes (Llasa-1B offset) that repeat the previous code with probability 0.8, with 1% text
+    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
     new = old + 0.1 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
     mask = torch.arange(T)[None, :] < lengths[:, None]
+    fresh = torch.rand(B, T, generator=g) < 0.2
+    fresh[:, 0] = True
+    draws = torch.randint(0, 65536, (B, T), generator=g)
+    last_fresh = torch.cummax(torch.where(fresh, torch.arange(T), 0), dim=-1).values
+    ids = 128264 + torch.gather(draws, -1, last_fresh)
+    ids[torch.rand(B, T, generator=g) < 0.01] = 198
     to = dict(device=device, dtype=dtype)
-    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device)
+    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device), ids.to(device)
 
 
 SYNC_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
@@ -119,9 +130,11 @@ def count_host_syncs():
 
 
 def call(fn, cfg, inputs):
-    old, new, adv, mask = inputs
+    """One loss call as verl's ``ppo_loss`` makes it (the micro-batch's responses in scope), then backward."""
+    old, new, adv, mask, ids = inputs
     lp = new.detach().requires_grad_()
-    loss, metrics = fn(old, lp, adv, mask, "token-mean", cfg, None)
+    with micro_batch_scope({"responses": ids}):
+        loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return lp
 
@@ -162,7 +175,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.cpu_only else [])
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     Ts = [int(x) for x in args.T.split(",")]
-    entries = [e for e in ENTRIES if not args.only or any(s in e.label for s in args.only.split(","))]
+    names = [n for n in PRESETS if n == BASELINE or not args.only or n in args.only.split(",")]
+    entries = preset_entries(names)
     fns = {e.label: (loss_fn(e), actor_config(e)) for e in entries}
     rows = []
     for device in devices:
@@ -300,6 +314,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared machine)")
-    p.add_argument("--only", default="", help="comma-separated substrings of loss labels to run (vanilla first)")
+    p.add_argument("--only", default="", help=f"comma-separated presets to run ({BASELINE} always runs, first)")
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")
