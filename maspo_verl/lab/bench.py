@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -306,6 +308,46 @@ def write_report(out, rows, args, seconds, profiled) -> None:
                 "",
             ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
+    render_readme(out)
+
+
+STEPTIME_HEADER = "## End-to-end overhead"
+
+
+def steptime_section(out) -> str:
+    """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
+    from maspo_verl.lab import steptime
+
+    path = Path(out) / "steptime.csv"
+    if not path.exists():
+        return ""
+    with open(path) as f:
+        rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
+    table = steptime.summarise(rows, BASELINE)
+    command_file = Path(out) / "STEPTIME_COMMAND.txt"
+    command = command_file.read_text().strip() if command_file.exists() else ""
+    return "\n".join(
+        [
+            STEPTIME_HEADER,
+            "",
+            f"`{command}`: verl's real trainer in local CPU mode, one run per preset, one after the other "
+            "(same seed, same toy data and tiny model, same steps), on the same shared 2-core machine. "
+            "Each step's `timing_s/step` is verl's own metric; step 1 (trainer warm-up) is left out. "
+            "`x_grpo_*`: the preset's median / minimum step time over `grpo`'s in the same invocation "
+            "(target <= 1.02). Per-step rows: `steptime.csv`.",
+            "",
+            common.markdown_table(table, ["preset", "steps", "median_s", "x_grpo_median", "min_s", "x_grpo_min"]),
+        ]
+    )
+
+
+def render_readme(out) -> None:
+    """Replace the README's end-to-end section with the one from ``steptime.csv``."""
+    path = Path(out) / "README.md"
+    text = path.read_text() if path.exists() else "# Loss benchmark\n"
+    text = text.split(STEPTIME_HEADER)[0].rstrip() + "\n"
+    section = steptime_section(out)
+    path.write_text(text + ("\n" + section if section else ""))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
