@@ -98,7 +98,7 @@ class _PessimisticSurrogate(torch.autograd.Function):
             effective.exp_()
         # where no clip is active the clipped value is r itself: gradient -A r there, 0 elsewhere
         active = clipped_low | clipped_high | clipped_dual
-        coef = torch.mul(ratio, float_mask(~active, ratio.dtype)).mul_(adv).neg_()
+        coef = float_mask(~active, ratio.dtype).mul_(ratio).mul_(adv).neg_()
         loss = effective.mul_(adv).neg_()
         if weights is not None:
             loss.mul_(weights)

@@ -8,7 +8,9 @@ composed like ``python -m maspo_verl.main loss=<preset>``); ``grpo`` (verl's ``v
 
 - time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
   a shared machine (the median is also recorded); losses are interleaved within each repetition so
-  load hits them alike; torch runs ``--threads`` intra-op threads (default 1); on a GPU the clock is read after
+  load hits them alike; torch runs ``--threads`` intra-op threads (default 1). On CPU the clock is
+  the process's CPU time (``--clock process``, default: time spent descheduled by other processes
+  does not count) or wall time (``--clock wall``); on a GPU it is wall time read after
   ``torch.cuda.synchronize()``.
 - peak memory: on CPU, the allocator events of ``torch.profiler`` (``profile_memory=True``) during one
   forward+backward, summed in time order; the peak of the running sum is the most memory the call
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     fns = {e.label: (loss_fn(e), actor_config(e)) for e in entries}
     rows = []
     for device in devices:
+        clock = time.process_time if device == "cpu" and args.clock == "process" else time.perf_counter
         for T in Ts:
             for dname, dtype in dtypes.items():
                 inputs = make_inputs(args.B, T, dtype, device)
@@ -194,10 +197,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                     for e in entries:
                         fn, cfg = fns[e.label]
                         sync(device)
-                        s = time.perf_counter()
+                        s = clock()
                         call(fn, cfg, inputs)
                         sync(device)
-                        times[e.label].append(time.perf_counter() - s)
+                        times[e.label].append(clock() - s)
                 base = min(times[entries[0].label])
                 base_med = statistics.median(times[entries[0].label])
                 base_mem = None
@@ -222,6 +225,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                             "T": T,
                             "dtype": dname,
                             "loss": e.label,
+                            "loss_mode": e.loss_mode,
                             "ms": best * 1e3,
                             "x_vanilla": best / base,
                             "ms_median": med * 1e3,
@@ -267,8 +271,9 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "# Loss benchmark",
         "",
         f"Made by the command in `COMMAND.txt` ({seconds:.0f} s). B={args.B}, best of {args.reps} "
-        f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s); "
-        "forward + backward + metrics. "
+        f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s), "
+        f"{'process CPU time' if args.clock == 'process' else 'wall time'} on CPU; forward + backward + metrics "
+        "of each loss preset as shipped (`hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, the baseline). "
         "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
         "",
         "- `ms`, `x_vanilla`: best time, and its ratio to verl `vanilla`'s best time in the same setting (<= 1.0 is "
@@ -282,6 +287,8 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "verl's `vanilla` and `gspo` do 3 `.item()` each, ours one `.tolist()` of all metrics.",
         "",
     ]
+    if not any(r["device"] == "cuda" for r in rows):
+        lines += ["No CUDA GPU was available to this run: there is no CUDA table (and no estimate of one).", ""]
     for device in sorted({r["device"] for r in rows}):
         for dname in ("fp32", "bf16"):
             sel = [r for r in rows if r["device"] == device and r["dtype"] == dname]
@@ -358,4 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared machine)")
     p.add_argument("--only", default="", help=f"comma-separated presets to run ({BASELINE} always runs, first)")
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument(
+        "--clock", choices=["process", "wall"], default="process", help="CPU timing: process CPU time or wall time"
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")
