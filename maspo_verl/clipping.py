@@ -13,14 +13,29 @@ from dataclasses import dataclass
 
 import torch
 
+from maspo_verl.ratios import float_mask
+
 
 @dataclass
 class ClipBounds:
-    """Per-token (or scalar) bounds lo < 1 < hi and dual-clip constant c."""
+    """Bounds lo < 1 < hi and dual-clip constant c of the ratio r, scalars or per token.
+
+    With ``scale`` set they are log-space: the bounds of the log-ratio l = log r are
+    ``low * scale``, ``high * scale``, ``dual * scale`` (low < 0 < high, dual > 0), and the surrogate
+    compares l with them instead of exponentiating every bound.
+    """
 
     low: torch.Tensor | float
     high: torch.Tensor | float
     dual: torch.Tensor | float
+    scale: torch.Tensor | None = None
+
+    def bound(self, name: str) -> torch.Tensor | float:
+        """One bound, materialised only when asked for (a log-space bound is a new tensor)."""
+        value = getattr(self, name)
+        if self.scale is not None:
+            return self.scale * value
+        return value.clone() if isinstance(value, torch.Tensor) else value  # the surrogate writes over it
 
 
 def ratio_bounds(clip_low: float, clip_high: float, clip_c: float) -> ClipBounds:
@@ -30,8 +45,11 @@ def ratio_bounds(clip_low: float, clip_high: float, clip_c: float) -> ClipBounds
 def log_adaptive_bounds(
     set_sizes: torch.Tensor, eps_low: float, eps_high: float, eps_dual: float, exponent: float
 ) -> ClipBounds:
-    scale = set_sizes.clamp(min=1.0).pow(exponent)
-    return ClipBounds(torch.exp(-eps_low * scale), torch.exp(eps_high * scale), torch.exp(eps_dual * scale))
+    """log lo_t = -eps_low n_t^p, log hi_t = eps_high n_t^p, log c_t = eps_dual n_t^p."""
+    scale = set_sizes.clamp(min=1.0)
+    if exponent != 1.0:
+        scale.pow_(exponent)
+    return ClipBounds(-eps_low, eps_high, eps_dual, scale=scale)
 
 
 @dataclass
@@ -44,6 +62,13 @@ class Surrogate:
     clipped_dual: torch.Tensor
 
 
+def _clamped(x: torch.Tensor, bound: torch.Tensor | float, upper: bool) -> torch.Tensor:
+    """min(x, bound) (``upper``) or max(x, bound), written over ``bound`` when it is a tensor."""
+    if isinstance(bound, torch.Tensor):
+        return (torch.minimum if upper else torch.maximum)(x, bound, out=bound)
+    return x.clamp(max=bound) if upper else x.clamp(min=bound)
+
+
 class _PessimisticSurrogate(torch.autograd.Function):
     """loss_t = max(-A r, -A clip(r, lo, hi)), and min(., -A c) where A < 0, in closed form:
 
@@ -51,19 +76,30 @@ class _PessimisticSurrogate(torch.autograd.Function):
 
     r is the shared ratio's value; its gradient with respect to log pi_t is r_t (stop-gradient form
     r = exp(sg[l] + log pi - sg[log pi]), maspo_verl.ratios). Forward runs without autograd and saves one
-    tensor, d loss_t / d log pi_t = -A_t r_t where no clip is active, else 0.
+    tensor, d loss_t / d log pi_t = -A_t r_t where no clip is active, else 0. With log-space bounds
+    the same is done on l = log r: min(l, log hi) and so on, then exp.
     """
 
     @staticmethod
-    def forward(ctx, log_prob, ratio, advantages, low, high, dual, weights):
+    def forward(ctx, log_prob, ratio, log_ratio, advantages, bounds, weights):
         adv = advantages.to(ratio.dtype)
         positive, negative = adv > 0, adv < 0
-        floored = torch.clamp(ratio, min=low)
-        effective = torch.where(positive, torch.clamp(ratio, max=high), torch.clamp(floored, max=dual))
-        clipped_low = negative & (ratio < low)
-        clipped_high = positive & (ratio > high)
+        x = ratio if bounds.scale is None else log_ratio
+        high = bounds.bound("high")
+        clipped_high = positive & (x > high)
+        effective = _clamped(x, high, upper=True)  # A > 0
+        low = bounds.bound("low")
+        clipped_low = negative & (x < low)
+        floored = _clamped(x, low, upper=False)
+        dual = bounds.bound("dual")
         clipped_dual = negative & (floored > dual)
-        coef = torch.where(effective == ratio, ratio, 0.0).mul_(adv).neg_()
+        floored = _clamped(floored, dual, upper=True) if isinstance(dual, torch.Tensor) else floored.clamp_(max=dual)
+        effective = torch.where(positive, effective, floored, out=effective)
+        if bounds.scale is not None:
+            effective.exp_()
+        # where no clip is active the clipped value is r itself: gradient -A r there, 0 elsewhere
+        active = clipped_low | clipped_high | clipped_dual
+        coef = float_mask(~active, ratio.dtype).mul_(ratio).mul_(adv).neg_()
         loss = effective.mul_(adv).neg_()
         if weights is not None:
             loss.mul_(weights)
@@ -76,7 +112,8 @@ class _PessimisticSurrogate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (coef,) = ctx.saved_tensors
-        return (grad_loss * coef).to(ctx.grad_dtype), None, None, None, None, None, None
+        grad = torch.empty(coef.shape, dtype=ctx.grad_dtype, device=coef.device)
+        return torch.mul(grad_loss, coef, out=grad), None, None, None, None, None
 
 
 def clipped_surrogate(
@@ -85,10 +122,19 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     bounds: ClipBounds,
     weights: torch.Tensor | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> Surrogate:
     """Per-token pessimistic PPO loss with the shared ratio ``ratio`` (a value; no graph needed),
-    differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient."""
+    differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient.
+    Log-space bounds (``bounds.scale`` set) need ``log_ratio`` = log(ratio)."""
+    if bounds.scale is not None and log_ratio is None:
+        raise ValueError("log-space clip bounds need log_ratio")
     loss, low, high, dual = _PessimisticSurrogate.apply(
-        log_prob, ratio.detach(), advantages, bounds.low, bounds.high, bounds.dual, weights
+        log_prob,
+        ratio.detach(),
+        None if log_ratio is None else log_ratio.detach(),
+        advantages,
+        bounds,
+        weights,
     )
     return Surrogate(loss=loss, clipped_low=low, clipped_high=high, clipped_dual=dual)

@@ -140,7 +140,8 @@ class GranularLossConfig(PolicyLossConfig):
         check_float("log_clip_low", self.log_clip_low, 0.0, lo_open=True)
         check_float("log_clip_high", self.log_clip_high, 0.0, lo_open=True)
         check_float("log_clip_dual", self.log_clip_dual, 0.0, lo_open=True)
-        check_float("clip_exponent", self.clip_exponent, -2.0, 2.0)
+        # |p| <= 1 covers CTPO (+-0.5) and P-GSPO (1 - alpha); beyond, n^p makes bounds that never clip
+        check_float("clip_exponent", self.clip_exponent, -1.0, 1.0)
         check_choice("agg_mode", self.agg_mode, AGG_MODES)
         token_set = TOKEN_SETS.get(self.loss_mode)
         if self.agg_mode != "actor" and token_set is not None and not token_set.partition:

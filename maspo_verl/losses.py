@@ -60,22 +60,28 @@ def aggregate(
 ) -> torch.Tensor:
     """verl's ``agg_loss``; ``seg-mean-token-mean`` weights token t by 1 / (|seg(t)| * K_i).
 
+    ``seg_ids``: the segment ids [B, T], or their row maxima [B, 1] (all that is used).
+
     With those weights each row sums to the mean over its K_i segments of the token-mean inside
     each segment; verl's ``seq-mean-token-sum`` then averages rows over the global batch, so the
     mode stays invariant to data parallelism like verl's own modes.
     """
     if agg_mode == "seg-mean-token-mean":
-        num_segments = (seg_ids.max(dim=-1, keepdim=True).values + 1).to(loss_mat.dtype)
+        num_segments = (seg_ids.amax(dim=-1, keepdim=True) + 1).to(loss_mat.dtype)
         loss_mat = loss_mat / (sizes.clamp(min=1.0) * num_segments)
         loss_agg_mode = "seq-mean-token-sum"
     info = dict(global_batch_info)
-    if info.get("dp_size", 1) <= 1:
+    if info.get("dp_size", 1) <= 1 and (info.get("batch_num_tokens") is None or info.get("global_batch_size") is None):
         # verl divides by the micro-batch's own counts when no global ones are given: 0/0 on an
         # all-padding micro-batch. At least one keeps that loss 0 instead of NaN.
+        lengths = mask.sum(-1)
         if info.get("batch_num_tokens") is None:
-            info["batch_num_tokens"] = mask.sum().clamp(min=1)
+            info["batch_num_tokens"] = lengths.sum().clamp(min=1)
         if info.get("global_batch_size") is None:
-            info["global_batch_size"] = mask.any(dim=-1).sum().clamp(min=1)
+            info["global_batch_size"] = (lengths > 0).sum().clamp(min=1)
+    # a float32 0/1 mask gives verl's values exactly (counts below 2**24) without bool-to-float copies
+    if mask.dtype == torch.bool:
+        mask = ratios.float_mask(mask)
     from verl.trainer.ppo.core_algos import agg_loss
 
     return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
@@ -90,57 +96,66 @@ def collect_metrics(
     buckets: int,
     response: torch.Tensor,
 ) -> dict[str, float]:
-    """All metrics of one call, moved to the host in a single transfer. ``mask``: the tokens in the
-    loss; ``response``: verl's response mask (``mask`` plus the dropped non-finite tokens)."""
+    """All metrics of one call: the raw sums, counts and extremes are reduced on the device and moved
+    to the host in a single transfer; the few divisions between them run in Python (float64).
+
+    ``delta`` (zero on padding) may be given as its sum, ``seg_ids`` [B, T] as its row maxima [B, 1].
+    ``mask``: the tokens in the loss; ``response``: verl's response mask (``mask`` plus the dropped
+    non-finite tokens).
+    """
+    mask = mask.bool()
     clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
-    low_n, high_n, dual_n = clips.sum((1, 2)).to(torch.float64).unbind()
-    n = mask.sum().to(torch.float64).clamp(min=1.0)
-    any_valid = mask.any()
-    names = [
-        "actor/pg_clipfrac",
-        "actor/pg_clipfrac_lower",
-        "actor/ppo_kl",
-        "actor/ratio/clipfrac_low",
-        "actor/ratio/clipfrac_high",
-        "actor/ratio/clipfrac_dual",
-        "actor/ratio/mean",
-        "actor/ratio/min",
-        "actor/ratio/max",
-        "actor/ratio/nonfinite_tokens",
-    ]
-    values = [
-        (low_n + high_n) / n,
-        dual_n / n,
-        -delta.sum().to(torch.float64) / n,  # delta is zero on padding
-        low_n / n,
-        high_n / n,
-        dual_n / n,
-        torch.where(mask, ratio, 0.0).sum().to(torch.float64) / n,
-        torch.where(any_valid, torch.where(mask, ratio, float("inf")).amin(), 1.0).to(torch.float64),
-        torch.where(any_valid, torch.where(mask, ratio, float("-inf")).amax(), 1.0).to(torch.float64),
-        (response.sum() - mask.sum()).to(torch.float64),
-    ]
+    lengths = mask.sum(-1, dtype=torch.int32)  # [B]
+    # ratio over valid tokens: zero on padding for the sum and max (r > 0), the largest float for the min
+    valid = ratios.float_mask(mask, ratio.dtype)
+    on_valid = ratio * valid
+    top = torch.finfo(ratio.dtype).max
+    ratio_stats = [on_valid.sum(), on_valid.amax(), on_valid.add_(valid.mul_(-top).add_(top)).amin()]
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
     # running sums at those starts, with no [B, T] bucket index.
-    lengths = mask.sum(-1, keepdim=True, dtype=torch.int32)
     k = torch.arange(buckets + 1, device=mask.device, dtype=torch.int32)
-    starts = (k * lengths + buckets - 1) // buckets  # [B, K + 1]
+    starts = (k * lengths.unsqueeze(-1) + buckets - 1) // buckets  # [B, K + 1]
     seen = torch.cumsum(mask, -1, dtype=torch.int32)
-    clipped_seen = torch.cumsum(clips.any(0), -1, dtype=torch.int32)
+    clipped_seen = torch.cumsum(clips[0] | clips[1] | clips[2], -1, dtype=torch.int32)
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
-    before = torch.where(first_at > 0, clipped_seen.gather(-1, (first_at - 1).clamp(min=0)), 0)
-    clipped_per_bucket = (before[:, 1:] - before[:, :-1]).sum(0).to(torch.float64)
-    tokens_per_bucket = (starts[:, 1:] - starts[:, :-1]).sum(0).to(torch.float64)
-    names += [f"actor/ratio/clipfrac_pos{b + 1}of{buckets}" for b in range(buckets)]
-    values += list(clipped_per_bucket / tokens_per_bucket.clamp(min=1.0))
+    before = clipped_seen.gather(-1, (first_at - 1).clamp_(min=0)).mul_(first_at > 0)
+    counts = [
+        clips.sum(-1, dtype=torch.int32).sum(-1),  # low, high, dual
+        (before[:, 1:] - before[:, :-1]).sum(0),  # clipped per bucket
+        (starts[:, 1:] - starts[:, :-1]).sum(0),  # tokens per bucket
+        lengths.sum().view(1),
+        (response.sum(dtype=torch.int32) - lengths.sum()).view(1),  # dropped non-finite tokens
+    ]
     if seg_ids is not None:
-        rows = (lengths.squeeze(-1) > 0).to(torch.float64)
-        num_segments = (seg_ids.max(dim=-1).values + 1).to(torch.float64) * rows
-        names += ["actor/ratio/segments_per_seq", "actor/ratio/segment_len_mean"]
-        values += [num_segments.sum() / rows.sum().clamp(min=1.0), n / num_segments.sum().clamp(min=1.0)]
-    host = torch.stack(values).tolist()
-    return dict(zip(names, host, strict=True))
+        rows = lengths > 0
+        counts += [rows.sum().view(1), ((seg_ids.amax(dim=-1) + 1) * rows).sum().view(1)]
+    floats = [delta.sum(), *ratio_stats]
+    host = torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats).to(torch.float64)]).tolist()
+    low_n, high_n, dual_n = host[:3]
+    clipped_per_bucket, tokens_per_bucket = host[3 : 3 + buckets], host[3 + buckets : 3 + 2 * buckets]
+    n_tokens, nonfinite = host[3 + 2 * buckets : 5 + 2 * buckets]
+    delta_sum, ratio_sum, ratio_max, ratio_min = host[-4:]
+    n = max(n_tokens, 1.0)
+    metrics = {
+        "actor/pg_clipfrac": (low_n + high_n) / n,
+        "actor/pg_clipfrac_lower": dual_n / n,
+        "actor/ppo_kl": -delta_sum / n,  # delta is zero on padding
+        "actor/ratio/clipfrac_low": low_n / n,
+        "actor/ratio/clipfrac_high": high_n / n,
+        "actor/ratio/clipfrac_dual": dual_n / n,
+        "actor/ratio/mean": ratio_sum / n,
+        "actor/ratio/min": ratio_min if n_tokens > 0 else 1.0,
+        "actor/ratio/max": ratio_max if n_tokens > 0 else 1.0,
+        "actor/ratio/nonfinite_tokens": nonfinite,
+    }
+    for b in range(buckets):
+        metrics[f"actor/ratio/clipfrac_pos{b + 1}of{buckets}"] = clipped_per_bucket[b] / max(tokens_per_bucket[b], 1.0)
+    if seg_ids is not None:
+        num_rows, num_segments = host[5 + 2 * buckets : 7 + 2 * buckets]
+        metrics["actor/ratio/segments_per_seq"] = num_segments / max(num_rows, 1.0)
+        metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
+    return metrics
 
 
 def granular_policy_loss(
@@ -169,15 +184,21 @@ def granular_policy_loss(
             rollout_is_weights = torch.where(mask, rollout_is_weights, 0.0)
         delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
         sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
-        ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp_()
+        delta = delta.sum()  # only the sum is reported: free the [B, T] tensor early (peak memory)
+        log_ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha))
+        ratio = log_ratio.exp()
         # per-token set sizes only where a schedule or the aggregation needs them
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
+        # the aggregation and metrics need only each row's last segment id
+        seg_ids = None if sets.seg_ids is None else sets.seg_ids.amax(dim=-1, keepdim=True)
+        del sets
         bounds = clip_bounds(pl, config, sizes)
-    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights)
-    pg_loss = aggregate(
-        surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info
-    )
-    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets, response)
+        if pl.agg_mode == "actor":
+            sizes = None
+    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio)
+    del log_ratio, bounds
+    pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
+    metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response)
     if metrics["actor/ratio/nonfinite_tokens"]:
         warn_once(
             "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "

@@ -22,9 +22,22 @@ def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: t
     Non-finite log-probs (-inf old log-prob on a masked-in token) clamp instead of producing NaN.
     """
     dtype = torch.promote_types(log_prob.dtype, torch.float32)
-    delta = log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)
-    delta = torch.nan_to_num(delta, nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
-    return torch.where(mask.bool(), delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(delta))
+    new, old = log_prob.detach(), old_log_prob.detach()
+    if torch.promote_types(old.dtype, dtype) != dtype:
+        old = old.to(dtype)
+    # one new tensor, then in place (a narrower old_log_prob is widened exactly inside the subtraction)
+    delta = torch.sub(new, old) if new.dtype == dtype else new.to(dtype).sub_(old)
+    delta.nan_to_num_(nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
+    delta.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # zero on padding (as a product: finite values, a cheaper kernel than a select)
+    return delta.mul_(float_mask(mask, dtype))
+
+
+def float_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A mask as 0/1 floats; bool goes through uint8, which CPU kernels convert much faster."""
+    if mask.dtype == torch.bool and mask.is_contiguous():
+        return mask.view(torch.uint8).to(dtype)
+    return mask.bool().to(dtype)
 
 
 def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +46,7 @@ def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tenso
     ``delta`` must be zero on padding (``token_log_ratios`` is).
     """
     sums = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta)
-    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, mask.to(delta.dtype))
+    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, float_mask(mask, delta.dtype))
     return sums, counts
 
 
@@ -44,16 +57,14 @@ def per_token(per_segment: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:
 
 def prefix_sums(delta: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (sum of delta over valid tokens up to t, number of valid tokens up to t); delta zero on padding."""
-    return torch.cumsum(delta, dim=-1), torch.cumsum(mask.to(delta.dtype), dim=-1)
+    return torch.cumsum(delta, dim=-1), torch.cumsum(float_mask(mask, delta.dtype), dim=-1)
 
 
 def normalise(sums: torch.Tensor, sizes: torch.Tensor, alpha: float) -> torch.Tensor:
     """l = sum / n^alpha, clamped to +-20; alpha = 1 is a mean, alpha = 0 the full product."""
+    if alpha == 0.0:
+        return sums.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     n = sizes.clamp(min=1.0)
-    if alpha == 1.0:
-        shared = sums / n
-    elif alpha == 0.0:
-        shared = sums
-    else:
-        shared = sums / n.pow(alpha)
-    return shared.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if alpha != 1.0:
+        n.pow_(alpha)
+    return torch.div(sums, n, out=n).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

@@ -13,6 +13,7 @@ token" always means the previous *valid* token, and positions count valid tokens
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl.batch import current_response_ids
+from maspo_verl.ratios import float_mask
 from maspo_verl.util import registrar
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
@@ -35,18 +37,28 @@ def valid_positions(mask: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(mask.long(), dim=-1) - 1
 
 
+def _valid_count(mask: torch.Tensor) -> torch.Tensor:
+    """Number of valid tokens up to and including each position, int32 (cheaper than int64 on CPU;
+    rows are far shorter than 2**31)."""
+    return torch.cumsum(mask, dim=-1, dtype=torch.int32)
+
+
 def first_valid(mask: torch.Tensor) -> torch.Tensor:
     """True on the first valid token of each row."""
     mask = mask.bool()
-    return mask & (torch.cumsum(mask.long(), dim=-1) == 1)
+    return mask & (_valid_count(mask) == 1)
 
 
 def previous_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """For each position, the index of the previous valid token in its row (-1 when there is none)."""
     mask = mask.bool()
-    idx = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    last = torch.cummax(torch.where(mask, idx, torch.full_like(idx, -1)), dim=-1).values
-    return torch.nn.functional.pad(last[..., :-1], (1, 0), value=-1)
+    # (index + 1) on valid tokens, 0 elsewhere; its running max, shifted by one, is the previous valid index + 1
+    idx = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=torch.int32).mul(mask)
+    last = torch.cummax(idx, dim=-1).values
+    prev = torch.empty(mask.shape, dtype=torch.long, device=mask.device)
+    prev[..., 0] = -1
+    torch.sub(last[..., :-1], 1, out=prev[..., 1:])
+    return prev
 
 
 def _gather_previous(x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -56,7 +68,10 @@ def _gather_previous(x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
 def fixed_boundaries(mask: torch.Tensor, window: int) -> torch.Tensor:
     """Boundary where (index among valid tokens) mod W == 0 (``arange(T) // W`` on valid tokens)."""
     mask = mask.bool()
-    return mask & (valid_positions(mask) % window == 0)
+    if window == 1:
+        return mask
+    pos = _valid_count(mask).sub_(1).float()  # exact below 2**24
+    return mask & (pos.div(window).floor_().mul_(window) == pos)
 
 
 def logprob_drops(old_log_prob: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +80,9 @@ def logprob_drops(old_log_prob: torch.Tensor, mask: torch.Tensor) -> tuple[torch
     lp = torch.nan_to_num(old_log_prob.float(), nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
     prev = previous_valid_index(mask)
     has_prev = mask & (prev >= 0)
-    drop = (_gather_previous(lp, prev) - lp).clamp(-MAX_DROP, MAX_DROP)
-    return torch.where(has_prev, drop, torch.zeros_like(drop)), has_prev
+    drop = _gather_previous(lp, prev).sub_(lp).clamp_(-MAX_DROP, MAX_DROP)
+    # zero where there is no previous valid token (a product: finite drops, cheaper than a select)
+    return drop.mul_(float_mask(has_prev)), has_prev
 
 
 def logprob_scores(old_log_prob: torch.Tensor, mask: torch.Tensor, per_sample: bool) -> torch.Tensor:
@@ -74,27 +90,85 @@ def logprob_scores(old_log_prob: torch.Tensor, mask: torch.Tensor, per_sample: b
     drop, has_prev = logprob_drops(old_log_prob, mask)
     if not per_sample:
         return drop
-    w = has_prev.to(drop.dtype)
+    w = float_mask(has_prev, drop.dtype)
     n = w.sum(-1, keepdim=True).clamp(min=1.0)
-    mu = (drop * w).sum(-1, keepdim=True) / n
-    var = (((drop - mu) ** 2) * w).sum(-1, keepdim=True) / n
-    return (drop - mu) / var.sqrt().clamp(min=STD_FLOOR)
+    mu = drop.sum(-1, keepdim=True) / n  # drop is zero where w is
+    centred = drop.sub_(mu)
+    var = centred.square().mul_(w).sum(-1, keepdim=True) / n
+    return centred.div_(var.sqrt().clamp(min=STD_FLOOR))
+
+
+def _digits_slice(x: torch.Tensor, radix: int, size: int, out: torch.Tensor) -> torch.Tensor:
+    """(x // radix) % size into ``out``: a shift and a mask when both are powers of two."""
+    if radix & (radix - 1) == 0 and size & (size - 1) == 0:
+        return torch.bitwise_right_shift(x, radix.bit_length() - 1, out=out).bitwise_and_(size - 1)
+    return torch.div(x, radix, rounding_mode="floor", out=out).remainder_(size)
+
+
+def _digit_loop(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str, radix: int = 1) -> torch.Tensor:
+    """The distance digit by digit (the definition; also fills the lookup tables)."""
+    dist = torch.zeros_like(a)
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    for level in levels:
+        _digits_slice(a, radix, level, da)
+        _digits_slice(b, radix, level, db)
+        dist.add_(da.sub_(db).abs_() if kind == "fsq_l1" else da.ne_(db))
+        radix *= level
+    return dist
+
+
+# Digits are looked up in groups whose codes fit one byte: a table of all 256 x 256 pairs per group.
+_GROUP_CODES = 256
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_table(levels: tuple[int, ...], kind: str, device: str) -> torch.Tensor:
+    """table[i * P + j] = distance between the codes i, j < P = prod(levels) (uint8: at most P - 1)."""
+    size = math.prod(levels)
+    i = torch.arange(size, dtype=torch.int32).repeat_interleave(size)
+    j = torch.arange(size, dtype=torch.int32).repeat(size)
+    return _digit_loop(i, j, levels, kind).to(torch.uint8).to(device)
+
+
+def _digit_groups(levels: Sequence[int]) -> list[tuple[int, ...]]:
+    """Consecutive digits grouped while their codes fit a byte (a larger level stays alone)."""
+    groups, current = [], []
+    for level in levels:
+        if current and math.prod(current) * level > _GROUP_CODES:
+            groups.append(tuple(current))
+            current = []
+        current.append(level)
+    return groups + [tuple(current)]
 
 
 def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
-    """Distance between FSQ codes a, b split into mixed-radix digits (digit 0 least significant).
+    """Distance between FSQ codes a, b in [0, prod(levels)) split into mixed-radix digits (digit 0
+    least significant).
 
     ``fsq_l1``: sum_k |a_k - b_k|; ``fsq_hamming``: sum_k [a_k != b_k]. For XCodec2's [4]*8,
-    digit k is (c >> 2k) & 3. Loops over the K digits, never over tokens.
+    digit k is (c >> 2k) & 3. Digits are taken a byte's worth at a time (four 2-bit digits) and
+    their distance read from a table of all pairs, so [4]*8 costs two lookups; never loops over tokens.
     """
-    dist = torch.zeros(a.shape, dtype=torch.long, device=a.device)
+    levels = list(levels)
+    # int32 when the codes fit: several times faster than int64 on CPU
+    dtype = torch.int32 if math.prod(levels) < 2**31 else torch.long
+    a, b = a.to(dtype), b.to(dtype)
+    dist = None
+    ga, gb = torch.empty_like(a), torch.empty_like(b)
     radix = 1
-    for level in levels:
-        da = torch.div(a, radix, rounding_mode="floor") % level
-        db = torch.div(b, radix, rounding_mode="floor") % level
-        dist += (da - db).abs() if kind == "fsq_l1" else (da != db).long()
-        radix *= level
-    return dist
+    for group in _digit_groups(levels):
+        size = math.prod(group)
+        if size > _GROUP_CODES:  # one large digit: compute it directly
+            part = _digit_loop(a, b, group, kind, radix)
+        else:
+            _digits_slice(a, radix, size, ga)
+            _digits_slice(b, radix, size, gb)
+            pair = ga.mul_(size).add_(gb)
+            table = _pair_table(group, kind, str(a.device))
+            part = table.index_select(0, pair.reshape(-1)).view(a.shape)
+        dist = part.to(dtype) if dist is None else dist.add_(part)
+        radix *= size
+    return dist.long()
 
 
 def tokenval_scores(
@@ -113,61 +187,81 @@ def tokenval_scores(
     """
     mask = mask.bool()
     ids = token_ids.long()
-    code = ids - codec_offset
-    in_codec = (code >= 0) & (code < codec_size)
-    code = torch.where(in_codec, code, torch.zeros_like(code))
+    in_codec = (ids >= codec_offset) & (ids < codec_offset + codec_size)
+    # code + 1 inside the codec, 0 outside: one gather brings the previous token's code and membership
+    dtype = torch.int32 if codec_size < 2**31 else torch.long
+    code1 = (ids - (codec_offset - 1)).to(dtype).mul_(in_codec)
     prev = previous_valid_index(mask)
-    prev_code = _gather_previous(code, prev)
-    prev_in = _gather_previous(in_codec.long(), prev).bool() & (prev >= 0)
+    has_prev = mask & (prev >= 0)
+    prev_code1 = _gather_previous(code1, prev)
+    both = mask & in_codec & has_prev & (prev_code1 > 0)
     if distance == "id":
-        dist = (code - prev_code).abs()
+        dist = (code1 - prev_code1).abs_().long()
     else:
-        dist = fsq_digits_distance(code, prev_code, fsq_levels, distance)
-    forced = mask & (prev >= 0) & ~(in_codec & prev_in)
-    return torch.where(mask & in_codec & prev_in, dist, torch.zeros_like(dist)), forced
+        dist = fsq_digits_distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
+    return dist.mul_(both), has_prev & ~both
 
 
 def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, min_len: int) -> torch.Tensor:
     """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
 
-    Distances count valid tokens. Ties go to the earlier boundary; boundaries that must stay
-    (the first valid token, tokens outside the codec) carry score +inf. Strength is turned into a
-    unique per-row rank first, so no two surviving boundaries are closer than ``min_len``.
+    Distances count valid tokens. Boundaries are ordered by score, ties going to the earlier one
+    (a strict total order); boundaries that must stay (the first valid token, tokens outside the
+    codec) carry score +inf. A boundary survives when it is the strongest of all boundaries within
+    ``min_len - 1`` valid tokens on either side, *suppressed ones included*, so no two survivors
+    are closer than ``min_len``. Two consequences: a boundary can be dropped by a stronger neighbour
+    that is itself dropped (in 9 . 8 . 9 with min_len 3 the 9s survive, the 8 goes, but in 7 . 8 . 9
+    only the 9 survives: the 7 is dropped by the 8, which the 9 drops), and the row's last segment may
+    be shorter than ``min_len``.
+
+    Linear in T: the strongest earlier and later neighbours come from one sliding-window max over
+    each row compacted to its valid tokens (strictly stronger than every earlier neighbour, at least
+    as strong as every later one).
     """
     if min_len <= 1:
         return boundaries
-    T = boundaries.shape[-1]
-    key = torch.where(boundaries, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
-    # stable ascending sort of the reversed row: among equal keys the earlier token ranks higher
-    order = torch.argsort(key.flip(-1), dim=-1, stable=True)
-    rank_rev = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=key.device).expand_as(order))
-    rank = torch.where(boundaries, rank_rev.flip(-1), torch.full_like(order, -1)).float()
-    # pool over positions among valid tokens: compact each row (padding goes to a spare last slot)
-    slot = torch.where(mask.bool(), valid_positions(mask), torch.full_like(order, T))
-    compact = torch.full((rank.shape[0], T + 1), -1.0, device=rank.device).scatter_(-1, slot, rank)
-    pooled = torch.nn.functional.max_pool1d(compact.unsqueeze(1), 2 * min_len - 1, stride=1, padding=min_len - 1)
-    return boundaries & (rank == torch.gather(pooled.squeeze(1), -1, slot))
+    mask = mask.bool()
+    B, T = boundaries.shape
+    key = torch.where(boundaries, scores.float(), -math.inf)
+    # compact each row to its valid tokens: slot = index among valid tokens (padding shares a valid
+    # token's slot and carries -inf, so the max keeps the valid key)
+    slot = _valid_count(mask).sub_(1).clamp_(min=0).long()
+    pad = min_len - 1
+    compact = torch.full((B, T + 2 * pad), -math.inf, device=key.device)
+    compact[:, pad : pad + T].scatter_reduce_(-1, slot, key, "amax")
+    # window max over the pad slots before each slot; slot p's later neighbours are the window at p + min_len
+    before = torch.nn.functional.max_pool1d(compact.unsqueeze(1), pad, stride=1).squeeze(1)
+    own = compact[:, pad : pad + T]
+    keep = (own > before[:, :T]) & (own >= before[:, min_len : min_len + T])
+    return boundaries & torch.gather(keep, -1, slot)
 
 
 def split_long(boundaries: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
     """Add a boundary every ``max_len`` valid tokens inside each segment."""
     if max_len <= 0:
         return boundaries
-    pos = valid_positions(mask)
-    start = torch.cummax(torch.where(boundaries, pos, torch.full_like(pos, -1)), dim=-1).values
-    return boundaries | (mask.bool() & ((pos - start) % max_len == 0))
+    mask = mask.bool()
+    count = _valid_count(mask)  # valid position + 1
+    # distance to the last boundary, in valid tokens (counts below 2**24 are exact in float32)
+    since = count.sub(torch.cummax(count.mul(boundaries), dim=-1).values).float()
+    # since % max_len == 0, without integer division
+    on_grid = since.div(max_len).floor_().mul_(max_len) == since
+    return boundaries | (mask & on_grid)
 
 
 def segment_ids(boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Segment id of each token: 0 on the first valid token, +1 at each boundary; 0 on padding."""
     mask = mask.bool()
     b = (boundaries | first_valid(mask)) & mask
-    return torch.where(mask, torch.cumsum(b.long(), dim=-1) - 1, 0)
+    return torch.cumsum(b, dim=-1, dtype=torch.int32).sub_(1).mul_(mask).long()
 
 
 def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
     """Segment ids of the fixed rule without min/max length effects: (valid position) // W."""
-    return torch.where(mask.bool(), torch.div(valid_positions(mask), window, rounding_mode="floor"), 0)
+    mask = mask.bool()
+    # floor((count - 1) / W) in float32: exact for counts below 2**24; 0 on padding
+    pos = _valid_count(mask).sub_(1).mul_(mask).float()
+    return pos.div_(window).floor_().long()
 
 
 @dataclass

@@ -1,12 +1,16 @@
 """Loss benchmark: forward+backward time, peak memory and host syncs of each loss vs verl's.
 
 Every loss is fetched from verl's registry and called exactly as verl's ``ppo_loss`` calls it:
-``fn(old_log_prob, log_prob, advantages, response_mask, "token-mean", actor_config, None)``, then
-``loss.backward()``. The timed region is that call plus backward, metrics included.
+``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor_config, None)`` with the
+micro-batch's response ids in scope, then ``loss.backward()``. The timed region is that call plus
+backward, metrics included. The losses are the presets as shipped (``hydra_configs/loss/*.yaml``,
+composed like ``python -m maspo_verl.main loss=<preset>``); ``grpo`` (verl's ``vanilla``) is the baseline.
 
 - time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
   a shared machine (the median is also recorded); losses are interleaved within each repetition so
-  load hits them alike; torch runs ``--threads`` intra-op threads (default 1); on a GPU the clock is read after
+  load hits them alike; torch runs ``--threads`` intra-op threads (default 1). On CPU the clock is
+  the process's CPU time (``--clock process``, default: time spent descheduled by other processes
+  does not count) or wall time (``--clock wall``); on a GPU it is wall time read after
   ``torch.cuda.synchronize()``.
 - peak memory: on CPU, the allocator events of ``torch.profiler`` (``profile_memory=True``) during one
   forward+backward, summed in time order; the peak of the running sum is the most memory the call
@@ -23,61 +27,80 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 import maspo_verl.plugin  # noqa: F401  (registers our losses)
+from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.lab import common
+
+# The loss presets as shipped (hydra_configs/loss/*.yaml); the first is the baseline.
+PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo")
+BASELINE = "grpo"
+PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
 
 
 @dataclass(frozen=True)
 class Entry:
     label: str
     loss_mode: str
+    actor: dict = field(default_factory=dict)
     policy_loss: dict = field(default_factory=dict)
 
 
-ENTRIES = [
-    Entry("vanilla (verl)", "vanilla"),
-    Entry("gspo (verl)", "gspo"),
-    Entry("maspo fixed W=15", "maspo", {"segment_rule": "fixed", "segment_window": 15}),
-    Entry("maspo logprob", "maspo", {"segment_rule": "logprob", "logprob_threshold": 1.0, "logprob_per_sample": True}),
-    Entry(
-        "maspo logprob + min/max len", "maspo", {"segment_rule": "logprob", "min_segment_len": 5, "max_segment_len": 50}
-    ),
-    Entry("maspo seg-mean-token-mean", "maspo", {"segment_window": 15, "agg_mode": "seg-mean-token-mean"}),
-    Entry("ctpo cumprod (LA clip)", "ctpo", {"ctpo_mode": "cumprod", "clip_schedule": "log_adaptive"}),
-    Entry(
-        "ctpo geomean (LA clip)",
-        "ctpo",
-        {"ctpo_mode": "geomean", "clip_schedule": "log_adaptive", "clip_exponent": -0.5},
-    ),
-    Entry("pgspo alpha=0.5", "pgspo", {"length_exponent": 0.5}),
-]
+def preset_entries(names=PRESETS) -> list[Entry]:
+    """Each preset's resolved loss section, composed from the trainer config like ``maspo_verl.main``."""
+    from hydra import compose, initialize_config_module
 
+    from maspo_verl.main import loss_section
 
-PROFILED = ("vanilla (verl)", "maspo fixed W=15", "ctpo cumprod (LA clip)")
+    entries = []
+    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
+        for name in names:
+            section = loss_section(compose("maspo_trainer", overrides=[f"loss={name}"]))
+            policy_loss = {k: v for k, v in section.pop("policy_loss").items() if k != "_target_"}
+            actor = {k: section[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")}
+            actor["loss_agg_mode"] = section["loss_agg_mode"]
+            entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
+    return entries
 
 
 def loss_fn(e: Entry):
     return get_policy_loss_fn(e.loss_mode)
 
 
+def entry_config(e: Entry):
+    a = e.actor
+    clips = a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"]
+    return actor_config(*clips, a["loss_agg_mode"], **e.policy_loss)
+
+
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """Log-probs, advantages, a right-padded mask (lengths T/4..T) and speech-like response ids:
+    XCodec2 codes (Llasa-1B offset) that repeat the previous code with probability 0.8, with 1% text
+    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
     new = old + 0.1 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
     mask = torch.arange(T)[None, :] < lengths[:, None]
+    fresh = torch.rand(B, T, generator=g) < 0.2
+    fresh[:, 0] = True
+    draws = torch.randint(0, 65536, (B, T), generator=g)
+    last_fresh = torch.cummax(torch.where(fresh, torch.arange(T), 0), dim=-1).values
+    ids = 128264 + torch.gather(draws, -1, last_fresh)
+    ids[torch.rand(B, T, generator=g) < 0.01] = 198
     to = dict(device=device, dtype=dtype)
-    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device)
+    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device), ids.to(device)
 
 
 SYNC_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
@@ -106,9 +129,11 @@ def count_host_syncs():
 
 
 def call(fn, cfg, inputs):
-    old, new, adv, mask = inputs
+    """One loss call as verl's ``ppo_loss`` makes it (the micro-batch's responses in scope), then backward."""
+    old, new, adv, mask, ids = inputs
     lp = new.detach().requires_grad_()
-    loss, metrics = fn(old, lp, adv, mask, "token-mean", cfg, None)
+    with micro_batch_scope({"responses": ids}):
+        loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return lp
 
@@ -118,7 +143,8 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def peak_memory(fn, cfg, inputs, device) -> float:
+def peak_memory(fn, cfg, inputs, device) -> tuple[float, int | None]:
+    """Peak bytes held during one call beyond its inputs, and the number of aten ops (CPU only)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -149,10 +175,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.cpu_only else [])
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     Ts = [int(x) for x in args.T.split(",")]
-    entries = [e for e in ENTRIES if not args.only or any(s in e.label for s in args.only.split(","))]
-    fns = {e.label: (loss_fn(e), actor_config(loss_mode=e.loss_mode, **e.policy_loss)) for e in entries}
+    names = [n for n in PRESETS if n == BASELINE or not args.only or n in args.only.split(",")]
+    entries = preset_entries(names)
+    fns = {e.label: (loss_fn(e), entry_config(e)) for e in entries}
     rows = []
     for device in devices:
+        clock = time.process_time if device == "cpu" and args.clock == "process" else time.perf_counter
         for T in Ts:
             for dname, dtype in dtypes.items():
                 inputs = make_inputs(args.B, T, dtype, device)
@@ -165,10 +193,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                     for e in entries:
                         fn, cfg = fns[e.label]
                         sync(device)
-                        s = time.perf_counter()
+                        s = clock()
                         call(fn, cfg, inputs)
                         sync(device)
-                        times[e.label].append(time.perf_counter() - s)
+                        times[e.label].append(clock() - s)
                 base = min(times[entries[0].label])
                 base_med = statistics.median(times[entries[0].label])
                 base_mem = None
@@ -193,6 +221,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                             "T": T,
                             "dtype": dname,
                             "loss": e.label,
+                            "loss_mode": e.loss_mode,
                             "ms": best * 1e3,
                             "x_vanilla": best / base,
                             "ms_median": med * 1e3,
@@ -238,8 +267,9 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "# Loss benchmark",
         "",
         f"Made by the command in `COMMAND.txt` ({seconds:.0f} s). B={args.B}, best of {args.reps} "
-        f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s); "
-        "forward + backward + metrics. "
+        f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s), "
+        f"{'process CPU time' if args.clock == 'process' else 'wall time'} on CPU; forward + backward + metrics "
+        "of each loss preset as shipped (`hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, the baseline). "
         "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
         "",
         "- `ms`, `x_vanilla`: best time, and its ratio to verl `vanilla`'s best time in the same setting (<= 1.0 is "
@@ -253,6 +283,8 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "verl's `vanilla` and `gspo` do 3 `.item()` each, ours one `.tolist()` of all metrics.",
         "",
     ]
+    if not any(r["device"] == "cuda" for r in rows):
+        lines += ["No CUDA GPU was available to this run: there is no CUDA table (and no estimate of one).", ""]
     for device in sorted({r["device"] for r in rows}):
         for dname in ("fp32", "bf16"):
             sel = [r for r in rows if r["device"] == device and r["dtype"] == dname]
@@ -279,6 +311,46 @@ def write_report(out, rows, args, seconds, profiled) -> None:
                 "",
             ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
+    render_readme(out)
+
+
+STEPTIME_HEADER = "## End-to-end overhead"
+
+
+def steptime_section(out) -> str:
+    """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
+    from maspo_verl.lab import steptime
+
+    path = Path(out) / "steptime.csv"
+    if not path.exists():
+        return ""
+    with open(path) as f:
+        rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
+    table = steptime.summarise(rows, BASELINE)
+    command_file = Path(out) / "STEPTIME_COMMAND.txt"
+    command = command_file.read_text().strip() if command_file.exists() else ""
+    return "\n".join(
+        [
+            STEPTIME_HEADER,
+            "",
+            f"`{command}`: verl's real trainer in local CPU mode, one run per preset, one after the other "
+            "(same seed, same toy data and tiny model, same steps), on the same shared 2-core machine. "
+            "Each step's `timing_s/step` is verl's own metric; step 1 (trainer warm-up) is left out. "
+            "`x_grpo_*`: the preset's median / minimum step time over `grpo`'s in the same invocation "
+            "(target <= 1.02). Per-step rows: `steptime.csv`.",
+            "",
+            common.markdown_table(table, ["preset", "steps", "median_s", "x_grpo_median", "min_s", "x_grpo_min"]),
+        ]
+    )
+
+
+def render_readme(out) -> None:
+    """Replace the README's end-to-end section with the one from ``steptime.csv``."""
+    path = Path(out) / "README.md"
+    text = path.read_text() if path.exists() else "# Loss benchmark\n"
+    text = text.split(STEPTIME_HEADER)[0].rstrip() + "\n"
+    section = steptime_section(out)
+    path.write_text(text + ("\n" + section if section else ""))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -287,6 +359,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared machine)")
-    p.add_argument("--only", default="", help="comma-separated substrings of loss labels to run (vanilla first)")
+    p.add_argument("--only", default="", help=f"comma-separated presets to run ({BASELINE} always runs, first)")
     p.add_argument("--cpu-only", action="store_true")
+    p.add_argument(
+        "--clock", choices=["process", "wall"], default="process", help="CPU timing: process CPU time or wall time"
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")

@@ -99,6 +99,7 @@ BAD_VALUES = [
     ("min_segment_len", -2, "integer >= 0"),
     ("max_segment_len", 2, ">= min_segment_len"),
     ("length_exponent", 1.5, "<= 1"),
+    ("clip_exponent", 2.0, ">= -1.0 and <= 1.0"),
     ("ctpo_mode", "prod", "cumprod, geomean"),
     ("clip_schedule", "log", "ratio, log_adaptive"),
     ("log_clip_low", 0.0, "> 0"),

@@ -24,11 +24,13 @@ CONFIGS = {
 def run(name, old, new, adv, mask, agg="seq-mean-token-mean"):
     kwargs = dict(CONFIGS[name])
     loss_mode = kwargs.pop("loss_mode", "maspo")
+    return run_config(actor_config(loss_mode=loss_mode, **kwargs), old, new, adv, mask, agg)
+
+
+def run_config(config, old, new, adv, mask, agg="seq-mean-token-mean"):
     ids = 128264 + (torch.arange(mask.numel()).reshape(mask.shape) * 7919) % 65536
     with micro_batch_scope({"responses": ids}):
-        loss, metrics = get_policy_loss_fn(loss_mode)(
-            old, new, adv, mask, agg, actor_config(loss_mode=loss_mode, **kwargs)
-        )
+        loss, metrics = get_policy_loss_fn(config.policy_loss.loss_mode)(old, new, adv, mask, agg, config)
     loss.backward()
     return loss, new.grad, metrics
 
@@ -88,3 +90,19 @@ def test_one_host_transfer_per_call(name):
     with count_host_syncs() as counter:
         run(name, old, new, adv, mask)
     assert counter["by"] == {"tolist": 1}, counter["by"]
+
+
+def test_log_adaptive_bounds_stay_finite_at_the_widest_allowed_settings():
+    """p = 1 on 300 tokens with a wide dual range: finite bounds, finite loss (p = 2 is refused)."""
+    from maspo_verl.losses import clip_bounds
+
+    old, new, adv, mask = random_batch(B=3, T=300, seed=21, lengths=[300, 150, 1])
+    new = (new.detach() + 15.0).requires_grad_()
+    config = actor_config(loss_mode="pgspo", clip_schedule="log_adaptive", clip_exponent=1.0, log_clip_dual=50.0)
+    bounds = clip_bounds(config.policy_loss, config, torch.full(mask.shape, 300.0))
+    for name in ("low", "high", "dual"):
+        assert torch.isfinite(torch.as_tensor(bounds.bound(name))).all(), name
+    loss, grad, metrics = run_config(config, old, new, adv, mask)
+    assert_finite(loss, grad, metrics)
+    with pytest.raises(ValueError, match="clip_exponent=2.0 is invalid"):
+        actor_config(loss_mode="pgspo", clip_schedule="log_adaptive", clip_exponent=2.0)

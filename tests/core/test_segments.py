@@ -1,5 +1,8 @@
 """Segmentation properties over generated inputs (docs/algorithms.md, "Segmentation rules")."""
 
+import math
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -179,3 +182,56 @@ def test_fixed_window_shortcut_equals_boundary_path(data):
     config = GranularLossConfig(segment_window=window, min_segment_len=min_len, max_segment_len=max_len)
     general = segments.segment_ids(segments.compute_boundaries(mask, config), mask)
     assert torch.equal(segments.compute_segment_ids(mask, config), general)
+
+
+def reference_suppress(boundaries, scores, mask, min_len):
+    """Loop reference: a boundary stays when it beats every boundary within min_len - 1 valid tokens
+    (higher score, or an equal score and earlier), suppressed neighbours included."""
+    out = torch.zeros_like(boundaries)
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t]]
+        cands = [(k, t) for k, t in enumerate(valid) if boundaries[i, t]]
+        for k, t in cands:
+            rivals = [(k2, t2) for k2, t2 in cands if t2 != t and abs(k2 - k) < min_len]
+            s = float(scores[i, t])
+            if all(s > float(scores[i, t2]) or (s == float(scores[i, t2]) and k < k2) for k2, t2 in rivals):
+                out[i, t] = True
+    return out
+
+
+@given(st.data())
+def test_suppress_close_matches_loop_reference(data):
+    mask = data.draw(masks(max_t=30))
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 10_000)))
+    boundaries = mask & (torch.rand(B, T, generator=g) < data.draw(st.floats(0.1, 0.9)))
+    scores = torch.randint(0, 4, (B, T), generator=g).float()  # many ties
+    scores[torch.rand(B, T, generator=g) < 0.1] = float("inf")  # forced boundaries
+    min_len = data.draw(st.integers(1, 7))
+    got = segments.suppress_close(boundaries, scores, mask, min_len)
+    assert torch.equal(got, reference_suppress(boundaries, scores, mask, min_len) if min_len > 1 else boundaries)
+
+
+def test_suppress_close_drops_a_boundary_whose_suppressor_is_dropped():
+    """Documented behaviour: 7 . 8 . 9 with min_len 3 keeps only the 9; 9 . 8 . 9 keeps both 9s."""
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    boundaries = torch.tensor([[1, 0, 1, 0, 1]] * 2, dtype=torch.bool)
+    scores = torch.tensor([[7.0, 0, 8, 0, 9], [9.0, 0, 8, 0, 9]])
+    got = segments.suppress_close(boundaries, scores, mask, 3)
+    assert got.tolist() == [[False, False, False, False, True], [True, False, False, False, True]]
+
+
+@pytest.mark.parametrize("levels", [[4] * 8, [8, 5, 5, 5], [2, 3, 5], [300, 7], [2] * 10, [1000], [16] * 4])
+@pytest.mark.parametrize("kind", ["fsq_l1", "fsq_hamming"])
+def test_fsq_distance_matches_digit_definition(levels, kind):
+    """Byte-sized digit groups read from tables equal the digit-by-digit definition."""
+    size = math.prod(levels)
+    g = torch.Generator().manual_seed(len(levels))
+    a, b = torch.randint(0, size, (2, 4, 200), generator=g)
+    expected, radix = torch.zeros_like(a), 1
+    for level in levels:
+        da, db = (a // radix) % level, (b // radix) % level
+        expected += (da - db).abs() if kind == "fsq_l1" else (da != db).long()
+        radix *= level
+    got = segments.fsq_digits_distance(a, b, levels, kind)
+    assert got.dtype == torch.long and torch.equal(got, expected)

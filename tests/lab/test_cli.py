@@ -1,8 +1,11 @@
 """The three lab commands run end to end on tiny settings and leave their outputs."""
 
 import csv
+from pathlib import Path
 
 from maspo_verl.lab.__main__ import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_estimators_command(tmp_path):
@@ -61,9 +64,27 @@ def test_bench_command(tmp_path):
     main(["bench", "--out", str(tmp_path), "--B", "4", "--T", "64", "--reps", "1", "--warmup", "0", "--no-profile"])
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
-    labels = {r["loss"] for r in rows}
-    assert "vanilla (verl)" in labels and "ctpo cumprod (LA clip)" in labels
+    # every shipped preset, grpo (verl's vanilla) first
+    presets = {p.stem for p in (REPO / "maspo_verl" / "hydra_configs" / "loss").glob("*.yaml")}
+    assert {r["loss"] for r in rows} == presets and rows[0]["loss"] == "grpo"
     # verl's losses: 3 .item(); ours: exactly one host transfer per call (the metrics)
-    assert all(r["host_syncs"] == "3" for r in rows if "verl" in r["loss"])
-    ours = [r for r in rows if "verl" not in r["loss"]]
+    verl = [r for r in rows if r["loss_mode"] in ("vanilla", "gspo")]
+    assert {r["loss"] for r in verl} == {"grpo", "gspo"} and all(r["host_syncs"] == "3" for r in verl)
+    ours = [r for r in rows if r["loss_mode"] not in ("vanilla", "gspo")]
     assert ours and all(r["host_syncs"] == "1" for r in ours)
+
+
+def test_steptime_reads_verl_console_lines():
+    from maspo_verl.lab import steptime
+
+    log = (
+        "step:1 - actor/pg_loss:0.5 - timing_s/gen:3.0 - timing_s/step:20.0\n"
+        "(TaskRunner pid=7) step:2 - timing_s/step:2.0 - perf/x:1\n"
+        "step:3 - timing_s/step:4.0\n"
+    )
+    assert steptime.step_times(log) == {1: 20.0, 2: 2.0, 3: 4.0}
+    rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in steptime.step_times(log).items()]
+    rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in steptime.step_times(log).items()]
+    table = {r["preset"]: r for r in steptime.summarise(rows, "grpo")}
+    assert table["grpo"]["median_s"] == 3.0 and table["grpo"]["steps"] == 2  # step 1 left out
+    assert table["ctpo"]["x_grpo_median"] == 2.0 and table["ctpo"]["x_grpo_min"] == 2.0
