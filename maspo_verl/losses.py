@@ -87,8 +87,10 @@ def collect_metrics(
     surrogate: clipping.Surrogate,
     seg_ids: torch.Tensor | None,
     buckets: int,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """All metrics of one call, moved to the host in a single transfer."""
+    """All metrics of one call, moved to the host in a single transfer (``extra``: 0-d tensors, e.g.
+    the segmentation rule's)."""
     clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
     low_n, high_n, dual_n = clips.sum((1, 2)).to(torch.float64).unbind()
     n = mask.sum().to(torch.float64).clamp(min=1.0)
@@ -134,6 +136,9 @@ def collect_metrics(
         num_segments = (seg_ids.max(dim=-1).values + 1).to(torch.float64) * rows
         names += ["actor/ratio/segments_per_seq", "actor/ratio/segment_len_mean"]
         values += [num_segments.sum() / rows.sum().clamp(min=1.0), n / num_segments.sum().clamp(min=1.0)]
+    for name, value in (extra or {}).items():
+        names.append(name)
+        values.append(value.to(device=n.device, dtype=torch.float64))
     host = torch.stack(values).tolist()
     return dict(zip(names, host, strict=True))
 
@@ -161,7 +166,7 @@ def granular_policy_loss(
         bounds = clip_bounds(pl, config, sizes)
     surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights)
     pg_loss = aggregate(surrogate.loss, mask, loss_agg_mode, pl.agg_mode, sizes, sets.seg_ids, config.global_batch_info)
-    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets)
+    metrics = collect_metrics(mask, delta, ratio, surrogate, sets.seg_ids, pl.position_buckets, sets.metrics)
     return pg_loss, metrics
 
 
