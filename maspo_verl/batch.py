@@ -5,6 +5,16 @@ ids, although the micro-batch that ``verl.workers.utils.losses.ppo_loss`` scores
 plugin's wrapper around ``ppo_loss`` (``maspo_verl.plugin``) puts that micro-batch in a context
 variable for the duration of the call; rules that need token ids read it here. Outside verl, wrap the
 call in ``micro_batch_scope({"responses": ids})``.
+
+Word ids (``segment_rule=words``) travel next to the responses under ``WORD_IDS_KEY``: one integer per
+response token, the index of the recognised word the token belongs to, -1 between words and where
+the reward found none. The path through verl 0.9.1's v1 trainer: the reward returns them in
+``reward_extra_info[WORD_IDS_KEY]``; the plugin's hook on ``AgentLoopOutput.as_dict`` (the same hook
+that turns per-token scores into ``rm_scores``) makes them a per-sample tensor field, which the agent
+loop stores with the sample in the TransferQueue; the actor update fetches every field of its
+samples, and verl's data-parallel split, mini-batch iterator and (dynamic) micro-batching index the
+whole TensorDict, so the field arrives in the micro-batch ``ppo_loss`` scores as a jagged tensor,
+row-aligned with ``responses``.
 """
 
 from __future__ import annotations
@@ -13,6 +23,9 @@ import contextvars
 from typing import Any
 
 import torch
+
+WORD_IDS_KEY = "maspo_word_ids"
+NO_WORD = -1
 
 _micro_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_micro_batch", default=None)
 
@@ -48,3 +61,38 @@ def current_response_ids(mask: torch.Tensor) -> torch.Tensor:
     if responses.shape[0] != B or responses.shape[1] < T:
         raise RuntimeError(f"micro-batch responses have shape {tuple(responses.shape)}, loss mask {tuple(mask.shape)}")
     return responses[:, :T].to(mask.device)
+
+
+def current_word_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Word id of each token of the micro-batch being scored, right-padded to ``mask``'s shape.
+
+    ``NO_WORD`` (-1) on padding, between words, and on every token of a row whose ids are absent
+    (no ``WORD_IDS_KEY`` in the micro-batch) or whose length differs from its response's (verl's
+    synthetic padding samples copy another sample's fields): such rows have no words and take the
+    fallback rule. Vectorised, no host sync.
+    """
+    data = _micro_batch.get()
+    if data is None:
+        raise RuntimeError(
+            "segment_rule='words' needs the word ids of verl's micro-batch, but none is in scope: the loss was "
+            "called outside verl's ppo_loss (wrap the call in maspo_verl.batch.micro_batch_scope), or the "
+            "plugin's ppo_loss hook is not installed (run `python -m maspo_verl check`)"
+        )
+    B, T = mask.shape
+    words = data.get(WORD_IDS_KEY, None) if hasattr(data, "get") else None
+    if words is None:
+        return torch.full((B, T), NO_WORD, dtype=torch.long, device=mask.device)
+    if words.is_nested:
+        lengths = words.offsets().diff()
+        responses = data.get("responses", None)
+        same = lengths == responses.offsets().diff() if responses is not None and responses.is_nested else None
+        words = words.to_padded_tensor(NO_WORD, output_size=(B, T))
+        if same is not None:
+            words = torch.where(same.to(words.device).unsqueeze(-1), words, NO_WORD)
+    elif words.shape[-1] >= T:
+        words = words[:, :T]
+    else:
+        words = torch.nn.functional.pad(words, (0, T - words.shape[-1]), value=NO_WORD)
+    if words.shape[0] != B:
+        raise RuntimeError(f"micro-batch word ids have shape {tuple(words.shape)}, loss mask {tuple(mask.shape)}")
+    return words.to(device=mask.device, dtype=torch.long)

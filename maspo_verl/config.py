@@ -89,6 +89,8 @@ class GranularLossConfig(PolicyLossConfig):
     fsq_levels: list[int] = field(default_factory=lambda: [4] * 8)
     min_segment_len: int = 0
     max_segment_len: int = 0
+    # segment_rule=words: the rule of a sample without word times
+    words_fallback_rule: str = "tokenval"
     # normalisation: l_t = sum_{S(t)} delta / |S(t)|^alpha (maspo, pgspo)
     length_exponent: float = 1.0
     ctpo_mode: str = "cumprod"
@@ -126,6 +128,7 @@ class GranularLossConfig(PolicyLossConfig):
                 f"(tokenval_distance={self.tokenval_distance!r} splits codes into FSQ digits)",
             )
         object.__setattr__(self, "fsq_levels", levels)
+        check_choice("words_fallback_rule", self.words_fallback_rule, tuple(r for r in SEGMENT_RULES if r != "words"))
         check_int("min_segment_len", self.min_segment_len, 0)
         check_int("max_segment_len", self.max_segment_len, 0)
         if self.max_segment_len and self.max_segment_len < self.min_segment_len:

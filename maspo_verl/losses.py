@@ -95,13 +95,14 @@ def collect_metrics(
     seg_ids: torch.Tensor | None,
     buckets: int,
     response: torch.Tensor,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """All metrics of one call: the raw sums, counts and extremes are reduced on the device and moved
     to the host in a single transfer; the few divisions between them run in Python (float64).
 
     ``delta`` (zero on padding) may be given as its sum, ``seg_ids`` [B, T] as its row maxima [B, 1].
     ``mask``: the tokens in the loss; ``response``: verl's response mask (``mask`` plus the dropped
-    non-finite tokens).
+    non-finite tokens). ``extra``: more 0-d tensors to report (e.g. the segmentation rule's).
     """
     mask = mask.bool()
     clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
@@ -130,8 +131,10 @@ def collect_metrics(
     if seg_ids is not None:
         rows = lengths > 0
         counts += [rows.sum().view(1), ((seg_ids.amax(dim=-1) + 1) * rows).sum().view(1)]
-    floats = [delta.sum(), *ratio_stats]
-    host = torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats).to(torch.float64)]).tolist()
+    extra = extra or {}
+    floats = [f.to(torch.float64) for f in (delta.sum(), *ratio_stats, *extra.values())]
+    host = torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats)]).tolist()
+    host, extra_values = host[: len(host) - len(extra)], host[len(host) - len(extra) :]
     low_n, high_n, dual_n = host[:3]
     clipped_per_bucket, tokens_per_bucket = host[3 : 3 + buckets], host[3 + buckets : 3 + 2 * buckets]
     n_tokens, nonfinite = host[3 + 2 * buckets : 5 + 2 * buckets]
@@ -155,6 +158,7 @@ def collect_metrics(
         num_rows, num_segments = host[5 + 2 * buckets : 7 + 2 * buckets]
         metrics["actor/ratio/segments_per_seq"] = num_segments / max(num_rows, 1.0)
         metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
+    metrics.update(zip(extra, extra_values, strict=True))
     return metrics
 
 
@@ -191,6 +195,7 @@ def granular_policy_loss(
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
         # the aggregation and metrics need only each row's last segment id
         seg_ids = None if sets.seg_ids is None else sets.seg_ids.amax(dim=-1, keepdim=True)
+        extra = sets.metrics  # the segmentation rule's own metrics, if any
         del sets
         bounds = clip_bounds(pl, config, sizes)
         if pl.agg_mode == "actor":
@@ -198,7 +203,7 @@ def granular_policy_loss(
     surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio)
     del log_ratio, bounds
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
-    metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response)
+    metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
     if metrics["actor/ratio/nonfinite_tokens"]:
         warn_once(
             "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "

@@ -16,6 +16,9 @@ entry point). Importing it:
     ``reward_extra_info[TOKEN_SCORES_KEY]``, one per response token, summing to the score) gets them
     as its ``rm_scores`` row instead: we wrap ``AgentLoopOutput.as_dict``, where the v1 trainer builds
     that row, and drop the list from the extra info so nothing downstream tries to average it.
+    Word ids (``reward_extra_info[WORD_IDS_KEY]``, ``segment_rule=words``) become a per-sample tensor
+    field of their own next to ``rm_scores``, which verl carries to the loss's micro-batch
+    (``maspo_verl.batch``); a list of the wrong length becomes a row without words.
 
 ``run_startup_checks(config)`` checks a composed trainer config before Ray starts. Recipes add their
 own checks with ``register_startup_check``; the module of a ``pkg://`` reward manager named in the
@@ -67,7 +70,7 @@ def _failed_to_load(error: BaseException) -> None:
 # whose plugin loader imports this module while ``maspo_verl.config`` is still half-initialised.
 try:
     from maspo_verl.advantages import SPAN_GRPO, compute_span_grpo_advantage
-    from maspo_verl.batch import micro_batch_scope
+    from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
     from maspo_verl.losses import policy_loss_fn
     from maspo_verl.token_sets import TOKEN_SETS
     from maspo_verl.util import warn_once
@@ -148,12 +151,22 @@ def _with_token_scores(original):
     def as_dict(self):
         out = original(self)
         info = (out.get("extra_fields") or {}).get("reward_extra_info")
-        if not isinstance(info, dict) or TOKEN_SCORES_KEY not in info:
+        if not isinstance(info, dict) or (TOKEN_SCORES_KEY not in info and WORD_IDS_KEY not in info):
             return out
         info = dict(info)  # the info dict is shared by a session's outputs: never mutate it
-        scores = info.pop(TOKEN_SCORES_KEY)
+        has_scores = TOKEN_SCORES_KEY in info
+        scores = info.pop(TOKEN_SCORES_KEY, None)
+        words = info.pop(WORD_IDS_KEY, None)
         out["extra_fields"] = {**out["extra_fields"], "reward_extra_info": info}
+        if words is not None:
+            n = out["responses"].shape[0]
+            fits = len(words) == n
+            if len(words) and not fits:
+                warn_once("word ids do not match the response length: such samples take the fallback", logger=logger)
+            out[WORD_IDS_KEY] = torch.tensor(words, dtype=torch.int64) if fits else torch.full((n,), NO_WORD)
         row = out.get("rm_scores")
+        if not has_scores:
+            return out
         if row is not None and scores is not None and len(scores) == row.shape[0]:
             out["rm_scores"] = torch.tensor(scores, dtype=torch.float32)
         elif row is not None:
@@ -169,7 +182,8 @@ def _with_token_scores(original):
 
 
 def install_token_scores_hook() -> str | None:
-    """Per-token reward scores become ``rm_scores`` rows; None, or why the hook was refused."""
+    """Per-token reward scores become ``rm_scores`` rows, word ids a tensor field; None, or why the hook
+    was refused."""
     try:
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
     except ImportError as exc:
@@ -252,7 +266,30 @@ def _loss_checks(config) -> list[str]:
             )
         if loss_mode == "maspo" and policy_loss.get("segment_rule") == "tokenval" and patch_problem("ppo_loss"):
             raise RuntimeError(f"segment_rule='tokenval' is unavailable: {patch_problem('ppo_loss')}")
+        if loss_mode == "maspo" and policy_loss.get("segment_rule") == "words":
+            return _words_checks(config)
     return []
+
+
+def _words_checks(config) -> list[str]:
+    """Word ids reach the loss through the v1 trainer's agent loop and both hooks (maspo_verl.batch)."""
+    for hook in ("ppo_loss", "token_scores"):
+        if patch_problem(hook):
+            raise RuntimeError(f"segment_rule='words' is unavailable: {patch_problem(hook)}")
+    if not config.get("trainer", {}).get("use_v1", True):
+        raise ValueError(
+            "actor_rollout_ref.actor.policy_loss.segment_rule='words' needs trainer.use_v1=true: word ids reach "
+            "the loss through the v1 trainer's agent loop (the legacy trainer cannot carry them)"
+        )
+    manager = (config.get("reward", {}) or {}).get("reward_manager", {}) or {}
+    if manager.get("source", "register") != "register":
+        return []
+    message = (
+        "segment_rule='words' with one of verl's own reward managers, which return no word ids: every sample "
+        "takes policy_loss.words_fallback_rule (the speech recipe's reward returns them)"
+    )
+    warn_once(message, logger=logger)
+    return [message]
 
 
 def _span_credit_checks(config) -> list[str]:

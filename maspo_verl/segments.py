@@ -16,18 +16,20 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from maspo_verl.batch import current_response_ids
+from maspo_verl.batch import NO_WORD, current_response_ids, current_word_ids
 from maspo_verl.ratios import float_mask
 from maspo_verl.util import registrar
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
 # Per-sample logprob rule: sigma floor (nats) so a sample whose drops are all equal gets no boundaries.
 STD_FLOOR = 1e-3
+# Words rule: share of the rows with valid tokens and no word that took the fallback rule.
+WORDS_FALLBACK_METRIC = "actor/ratio/words_fallback_frac"
 # Drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude.
 MAX_DROP = 1e4
 
@@ -266,12 +268,14 @@ def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
 
 @dataclass
 class Candidates:
-    """What a rule proposes: boundaries, their strength for min-length suppression, and the
-    boundaries that must stay whatever their neighbours (None: only the first valid token)."""
+    """What a rule proposes: boundaries, their strength for min-length suppression, the boundaries
+    that must stay whatever their neighbours (None: only the first valid token), and metrics of the
+    rule (name -> 0-d tensor, moved to the host with the loss's other metrics)."""
 
     boundaries: torch.Tensor
     scores: torch.Tensor
     forced: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class SegmentRule:
@@ -346,19 +350,54 @@ class TokenvalRule(SegmentRule):
         return Candidates(mask & (scores > config.tokenval_threshold), scores, outside)
 
 
+@register_segment_rule
+class WordsRule(SegmentRule):
+    """One segment per recognised word: a new segment wherever the word id (``maspo_verl.batch``:
+    the index of the ASR word a token belongs to, -1 between words) differs from the previous valid
+    token's. Gaps between words (silence, breaths, tokens outside the codec) are segments of their
+    own; a word start outranks a gap start, so with ``min_segment_len`` a gap shorter than that joins
+    the word before it. A row with no word among its valid tokens (no word times: ASR returned
+    none, non-speech, decode failure, ids absent) takes ``words_fallback_rule`` instead, counted in
+    ``actor/ratio/words_fallback_frac``. The fallback's candidates are computed for the whole batch
+    and selected per row (no host sync)."""
+
+    name = "words"
+
+    def candidates(self, config, mask, old_log_prob, token_ids):
+        words = current_word_ids(mask)
+        prev = previous_valid_index(mask)
+        starts = mask & (prev >= 0) & (words != _gather_previous(words, prev))
+        scores = torch.where(words != NO_WORD, 2.0, 1.0)
+        has_words = (mask & (words != NO_WORD)).any(-1, keepdim=True)
+        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, mask, old_log_prob, token_ids)
+        fallback_forced = torch.zeros_like(mask) if fallback.forced is None else fallback.forced
+        rows = mask.any(-1, keepdim=True)
+        fell_back = (rows & ~has_words).sum().to(torch.float64) / rows.sum().clamp(min=1).to(torch.float64)
+        return Candidates(
+            torch.where(has_words, starts, fallback.boundaries),
+            torch.where(has_words, scores, fallback.scores.float()),
+            has_words.logical_not() & fallback_forced,
+            {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back},
+        )
+
+
 def compute_boundaries(
     mask: torch.Tensor,
     config: Any,
     *,
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Boundaries of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``."""
+    """Boundaries of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``; the
+    rule's metrics go into ``metrics`` when given."""
     mask = mask.bool()
     rule = SEGMENT_RULES.get(config.segment_rule)
     if rule is None:
         raise ValueError(f"segment_rule={config.segment_rule!r} is invalid: allowed {', '.join(SEGMENT_RULES)}")
     found = rule.candidates(config, mask, old_log_prob, token_ids)
+    if metrics is not None:
+        metrics.update(found.metrics)
     forced = first_valid(mask) if found.forced is None else first_valid(mask) | found.forced
     scores = torch.where(forced, math.inf, found.scores)
     b = suppress_close(found.boundaries | forced, scores, mask, config.min_segment_len) | forced
@@ -371,11 +410,12 @@ def compute_segment_ids(
     *,
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Segment ids of ``compute_boundaries``, by the rule's closed formula where it has one."""
     rule = SEGMENT_RULES.get(config.segment_rule)
     direct = rule.direct_ids(config, mask) if rule is not None else None
     if direct is not None:
         return direct
-    boundaries = compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids)
+    boundaries = compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids, metrics=metrics)
     return segment_ids(boundaries, mask)

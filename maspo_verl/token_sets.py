@@ -15,7 +15,7 @@ A new loss is one subclass here, decorated with ``@register_token_set``, plus a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +36,8 @@ class SharedSums:
     sizes: torch.Tensor
     alpha: float
     seg_ids: torch.Tensor | None
+    # metrics of the segmentation rule (name -> 0-d tensor), reported with the loss's metrics
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
         return values if self.seg_ids is None else ratios.per_token(values, self.seg_ids)
@@ -68,9 +70,10 @@ class Segments(TokenSet):
     name = "maspo"
 
     def sums(self, config, old_log_prob, mask, delta):
-        seg_ids = segments.compute_segment_ids(mask, config, old_log_prob=old_log_prob)
+        metrics: dict[str, torch.Tensor] = {}
+        seg_ids = segments.compute_segment_ids(mask, config, old_log_prob=old_log_prob, metrics=metrics)
         total, sizes = ratios.segment_totals(delta, seg_ids, mask)
-        return SharedSums(total, sizes, config.length_exponent, seg_ids)
+        return SharedSums(total, sizes, config.length_exponent, seg_ids, metrics)
 
     def token_level(self, config):
         window_one = config.get("segment_rule") == "fixed" and config.get("segment_window") == 1

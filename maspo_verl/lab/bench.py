@@ -38,12 +38,12 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 import maspo_verl.plugin  # noqa: F401  (registers our losses)
-from maspo_verl.batch import micro_batch_scope
+from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.lab import common
 
 # The loss presets as shipped (hydra_configs/loss/*.yaml); the first is the baseline.
-PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo")
+PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "maspo_words", "ctpo", "pgspo")
 BASELINE = "grpo"
 PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
 
@@ -86,7 +86,8 @@ def entry_config(e: Entry):
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
     """Log-probs, advantages, a right-padded mask (lengths T/4..T) and speech-like response ids:
     XCodec2 codes (Llasa-1B offset) that repeat the previous code with probability 0.8, with 1% text
-    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech."""
+    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech; and word ids as an
+    ASR gives them (``maspo_words``): words of 8-20 tokens with 3-token gaps (-1) between them."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
     new = old + 0.1 * torch.randn(B, T, generator=g)
@@ -99,8 +100,12 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
     last_fresh = torch.cummax(torch.where(fresh, torch.arange(T), 0), dim=-1).values
     ids = 128264 + torch.gather(draws, -1, last_fresh)
     ids[torch.rand(B, T, generator=g) < 0.01] = 198
+    span = torch.randint(11, 24, (B, T), generator=g).cumsum(-1)  # word + gap ends
+    word = torch.searchsorted(span, torch.arange(T).expand(B, T).contiguous(), right=True)
+    start = torch.gather(torch.nn.functional.pad(span, (1, 0)), -1, word)
+    words = torch.where(torch.arange(T) - start < span.gather(-1, word) - start - 3, word, NO_WORD)
     to = dict(device=device, dtype=dtype)
-    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device), ids.to(device)
+    return old.to(**to), new.to(**to), adv.to(**to), mask.to(device), ids.to(device), words.to(device)
 
 
 SYNC_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
@@ -130,9 +135,9 @@ def count_host_syncs():
 
 def call(fn, cfg, inputs):
     """One loss call as verl's ``ppo_loss`` makes it (the micro-batch's responses in scope), then backward."""
-    old, new, adv, mask, ids = inputs
+    old, new, adv, mask, ids, words = inputs
     lp = new.detach().requires_grad_()
-    with micro_batch_scope({"responses": ids}):
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
         loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return lp

@@ -210,7 +210,10 @@ def _fit_tokenval_to_embedded(policy_loss) -> None:
     """The embedded tokenizer's ids 0..255 are bytes: use them as 4-digit FSQ "codes" ([4]*4 = 256)."""
     from maspo_verl.local.assets import MODEL_VOCAB
 
-    if policy_loss.get("segment_rule") != "tokenval":
+    rule = policy_loss.get("segment_rule")
+    if rule == "words":  # its fallback rule may be tokenval
+        rule = policy_loss.get("words_fallback_rule")
+    if rule != "tokenval":
         return
     if int(policy_loss.get("codec_offset", 0)) + int(policy_loss.get("codec_size", 1)) <= MODEL_VOCAB:
         return

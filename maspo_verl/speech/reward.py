@@ -19,6 +19,10 @@ code, each error's ``span_penalty`` spread over its span) for the reward manager
 per-token scores. Transcripts without word times (an ASR that gives none) get no penalties and count in
 ``untimed``; ``error_spans`` counts the located errors.
 
+Word ids (``word_ids=True``, MASPO's ``segment_rule=words``; the speech reward manager sets it when the
+policy loss uses that rule): each result gets ``code_words``, the index of the recognised word each
+code belongs to (-1 between words and for every code of a sample without word times).
+
 Long clips (beyond Whisper's 30 s window) are cut at pauses and transcribed in full
 (``maspo_verl.speech.asr``).
 
@@ -55,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
-from maspo_verl.speech.spans import error_spans, token_penalties
+from maspo_verl.speech.spans import error_spans, token_penalties, word_token_ids
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap
 from maspo_verl.validation import FieldError, check_bool, check_choice, check_float, check_int, fail
@@ -109,6 +113,8 @@ class SpeechRewardConfig:
     # span credit: per-code penalties located by the ASR's word times (maspo_verl.speech.spans)
     token_scores: bool = False
     span_penalty: float = 1.0
+    # MASPO segment_rule=words: per-code word ids from the ASR's word times (maspo_verl.speech.spans)
+    word_ids: bool = False
     # non-speech detection
     min_rms: float = 1e-3
     no_speech_threshold: float = 0.6
@@ -255,6 +261,7 @@ _CHECKS = {
     "duration_tolerance": _number(1.0),
     "token_scores": _boolean,
     "span_penalty": _number(0.0),
+    "word_ids": _boolean,
     "min_rms": _number(0.0),
     "no_speech_threshold": _number(0.0, 1.0),
     "min_codes": _integer(1),
@@ -403,6 +410,8 @@ class SpeechScorer:
             r["wer"] = 1.0
             if self.config.token_scores:
                 r["code_penalties"] = [0.0] * len(c)
+            if self.config.word_ids:
+                r["code_words"] = [-1] * len(c)
         try:
             with self.lock:
                 self._score_into(res, codes, texts, extra_infos)
@@ -464,7 +473,7 @@ class SpeechScorer:
                 speech.append(i)
         if not speech:
             return
-        if c.token_scores:
+        if c.token_scores or c.word_ids:
             transcripts = self.asr.transcribe_batch([waves[i] for i in speech], word_timestamps=True)
         else:
             transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
@@ -489,6 +498,8 @@ class SpeechScorer:
                 r["score"] = float(score)
                 if c.token_scores:
                     self._locate_errors(r, texts[i], tr.words, len(codes[i]))
+                if c.word_ids:
+                    r["code_words"] = word_token_ids(tr.words or [], len(codes[i]))
             except Exception:
                 logger.warning("speech reward: scoring sample failed", exc_info=True)
                 r["error"] = 1.0
@@ -607,6 +618,7 @@ async def compute_score(
         codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
         result = await get_batcher(config).score(codes, ground_truth, extra_info)
         result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
+        result.pop("code_words", None)
         return result
     except Exception:
         logger.exception("speech reward: compute_score failed")

@@ -20,12 +20,18 @@ at the codes' positions in the response and returned as per-token scores under
 ``reward_extra_info[TOKEN_SCORES_KEY]``; maspo_verl's hook on verl's agent-loop output turns them into
 the sample's ``rm_scores`` row (``maspo_verl.plugin.install_token_scores_hook``).
 
+With MASPO's ``segment_rule=words`` (preset ``loss=maspo_words``) the manager turns on the reward's
+``word_ids`` itself and returns, per sample, the word id of each response token (the codes' word ids
+placed at their positions, -1 elsewhere) under ``reward_extra_info[WORD_IDS_KEY]``; the same hook
+makes them a tensor field that verl carries to the loss's micro-batch (``maspo_verl.batch``).
+
 Importing this module registers ``speech_startup_checks`` with the plugin; ``maspo_verl.main`` imports
 the manager module a config names before it runs the start-up checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -33,6 +39,7 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from maspo_verl.advantages import SPAN_GRPO
+from maspo_verl.batch import NO_WORD, WORD_IDS_KEY
 from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem, register_startup_check, warn_span_credit_is_grpo
 from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
 from maspo_verl.speech.spans import token_scores
@@ -61,17 +68,38 @@ def settings_from_config(config: Any) -> dict[str, Any]:
         return dict(speech)
 
 
+def loss_uses_words(config: Any) -> bool:
+    """The policy loss segments at words (``loss_mode=maspo``, ``segment_rule=words``)."""
+    try:
+        policy_loss = config.actor_rollout_ref.actor.policy_loss
+        return policy_loss.get("loss_mode") == "maspo" and policy_loss.get("segment_rule") == "words"
+    except Exception:
+        return False
+
+
+def speech_settings(config: Any) -> SpeechRewardConfig:
+    """The reward's settings; ``word_ids`` on when the policy loss segments at words."""
+    speech = SpeechRewardConfig.from_env(settings_from_config(config))
+    return dataclasses.replace(speech, word_ids=True) if loss_uses_words(config) else speech
+
+
 @register_startup_check
 def speech_startup_checks(config: Any) -> list[str]:
-    """The speech reward's settings, and where its per-token scores (span credit) can reach ``rm_scores``."""
+    """The speech reward's settings, and where its per-token scores (span credit) and word ids
+    (``segment_rule=words``) can reach the trainer."""
     reward = config.get("reward", {}) or {}
     if (reward.get("reward_manager", {}) or {}).get("name") != SpeechRewardManager.__name__:
         return []
-    speech = SpeechRewardConfig.from_env(settings_from_config(config))
+    speech = speech_settings(config)
     span_credit = (config.get("algorithm", {}) or {}).get("adv_estimator") == SPAN_GRPO
-    if not speech.token_scores:
+    if not (speech.token_scores or speech.word_ids):
         return [warn_span_credit_is_grpo()] if span_credit else []
-    where = "reward.custom_reward_function.reward_kwargs.token_scores=true"
+    issued = [warn_span_credit_is_grpo()] if span_credit and not speech.token_scores else []
+    where = (
+        "reward.custom_reward_function.reward_kwargs.token_scores=true"
+        if speech.token_scores
+        else "actor_rollout_ref.actor.policy_loss.segment_rule=words (the reward's word ids)"
+    )
     if not config.get("trainer", {}).get("use_v1", True):
         raise ValueError(
             f"{where} needs trainer.use_v1=true: per-token reward scores reach rm_scores "
@@ -86,13 +114,13 @@ def speech_startup_checks(config: Any) -> list[str]:
         )
     if patch_problem("token_scores"):
         raise RuntimeError(f"{where} is unavailable: {patch_problem('token_scores')}")
-    return []
+    return issued
 
 
 class SpeechRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
-        self.speech_config = SpeechRewardConfig.from_env(settings_from_config(config))
+        self.speech_config = speech_settings(config)
         try:
             self.token_map = LlasaTokenMap.from_tokenizer(tokenizer)
         except Exception as exc:
@@ -112,14 +140,21 @@ class SpeechRewardManager(RewardManagerBase):
                 await get_batcher(self.speech_config).score(codes, text, extra if isinstance(extra, dict) else None)
             )
             code_penalties = result.pop("code_penalties", None)
+            code_words = result.pop("code_words", None)
         except Exception:
             logger.exception("speech reward manager: sample failed")
             result = dict.fromkeys(METRIC_KEYS, 0.0)
             result["error"] = 1.0
-            n, positions, code_penalties = 0, [], None
+            n, positions, code_penalties, code_words = 0, [], None, None
         if self.speech_config.token_scores:
             penalties = [0.0] * n
             for pos, p in zip(positions, code_penalties or [0.0] * len(positions), strict=True):
                 penalties[pos] = p
             result[TOKEN_SCORES_KEY] = token_scores(float(result["score"]), penalties)
+        if self.speech_config.word_ids:
+            # an empty list (a failed sample) becomes a row without words in the hook
+            words = [NO_WORD] * n
+            for pos, w in zip(positions, code_words or [NO_WORD] * len(positions), strict=True):
+                words[pos] = w
+            result[WORD_IDS_KEY] = words
         return {"reward_score": float(result["score"]), "reward_extra_info": result}

@@ -16,6 +16,8 @@ codec tokens [floor(50 start), ceil(50 end)) at XCodec2's 50 Hz.
 - ``token_scores``: the per-token scores handed to verl (``rm_scores``): the penalties centred over the
   response's valid tokens, plus the utterance score on the last token, so they sum to the utterance
   score (verl's GRPO, which sums them, sees exactly the utterance score).
+- ``word_token_ids``: the index of the recognised word each token belongs to (-1 between words), the
+  segments of MASPO's ``segment_rule=words`` (docs/algorithms.md §3).
 """
 
 from __future__ import annotations
@@ -107,4 +109,22 @@ def token_scores(score: float, penalties: Sequence[float]) -> list[float]:
     mean = sum(penalties) / n
     out = [p - mean for p in penalties]
     out[-1] += score
+    return out
+
+
+def word_token_ids(words: Sequence[TimedWord], n_tokens: int, rate: float = FRAMES_PER_SECOND) -> list[int]:
+    """Per token, the index in ``words`` (the ASR output, in order) of the word it belongs to; -1 in gaps.
+
+    Word k covers tokens [floor(rate start), ceil(rate end)) clipped to the utterance, at least one
+    token (a word shorter than a token keeps the token it starts in). A word that starts at or after
+    the end of the utterance, or ends before its start, has no token. Where words overlap (the
+    rounding makes neighbours share a token), the token goes to the later word.
+    """
+    out = [-1] * max(n_tokens, 0)
+    for k, w in enumerate(words):
+        a = max(math.floor(rate * w.start), 0)
+        if a >= n_tokens or math.ceil(rate * w.end) <= 0:
+            continue
+        b = min(max(math.ceil(rate * w.end), a + 1), n_tokens)
+        out[a:b] = [k] * (b - a)
     return out

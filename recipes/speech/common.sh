@@ -5,7 +5,7 @@
 
 # ---- what to train ---------------------------------------------------------------------------
 MODEL_PATH=${MODEL_PATH:-HKUSTAudio/Llasa-1B}          # local folder recommended (see README, "Stop token")
-LOSS=${LOSS:-maspo_fixed}                             # maspo_fixed maspo_logprob maspo_tokenval grpo gspo
+LOSS=${LOSS:-maspo_fixed}                             # maspo_fixed maspo_logprob maspo_tokenval maspo_words grpo gspo
 SEGMENT_WINDOW=${SEGMENT_WINDOW:-15}                  # maspo_fixed: 5 phoneme / 15 syllable / 50 phrase (50 tokens/s)
 CONFIG_NAME=${CONFIG_NAME:-maspo_trainer}
 DATA_DIR=${DATA_DIR:-$HOME/data/maspo_speech}         # written by python -m maspo_verl.speech.prepare data

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llasa TTS RL, one or more nodes, FSDP2 training + vLLM rollout + XCodec2/Whisper reward, any loss preset:
-#   LOSS=<maspo_fixed|maspo_logprob|maspo_tokenval|grpo|gspo> bash recipes/speech/run.sh [hydra overrides]
+#   LOSS=<maspo_fixed|maspo_logprob|maspo_tokenval|maspo_words|grpo|gspo> bash recipes/speech/run.sh [hydra overrides]
 # Knobs (environment): see recipes/speech/common.sh and README.md. DRY_RUN=1 composes and validates only.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

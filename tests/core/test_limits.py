@@ -64,6 +64,38 @@ def test_maspo_window_at_least_length_is_verl_gspo(agg, window, per_token):
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_one_word_over_everything_is_verl_gspo(agg, per_token):
+    """segment_rule=words, one word covering each whole response (padding included): verl's GSPO."""
+    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
+
+    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
+    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="words", words_fallback_rule="fixed")
+    with micro_batch_scope({WORD_IDS_KEY: torch.zeros(mask.shape, dtype=torch.long)}):
+        ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
+    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+    assert ours[2]["actor/ratio/words_fallback_frac"] == 0.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_maspo_one_word_per_token_is_verl_vanilla(agg):
+    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
+
+    old, new, adv, mask = random_batch(scale=0.6, seed=1)
+    words = torch.arange(mask.shape[1]).expand(mask.shape)
+    with micro_batch_scope({WORD_IDS_KEY: words}):
+        config = actor_config(segment_rule="words", words_fallback_rule="fixed")
+        ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
+    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/pg_clipfrac"] > 0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_pgspo_alpha_one_is_verl_gspo(agg):
     old, new, adv, mask = random_batch(scale=0.02, seed=3)
     ours = loss_and_grad("pgspo", actor_config(3e-4, 4e-4, loss_mode="pgspo"), old, new, adv, mask, gspo_agg_mode(agg))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl.batch import micro_batch_scope
+from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.lab.bench import count_host_syncs
 from tests.helpers import actor_config, random_batch
 
@@ -12,6 +12,7 @@ CONFIGS = {
     "maspo_fixed": dict(segment_window=4),
     "maspo_logprob": dict(segment_rule="logprob", logprob_per_sample=True, min_segment_len=2, max_segment_len=6),
     "maspo_tokenval": dict(segment_rule="tokenval", min_segment_len=2),
+    "maspo_words": dict(segment_rule="words", min_segment_len=2, max_segment_len=6),
     "maspo_log_clip_segmean": dict(
         segment_window=3, clip_schedule="log_adaptive", clip_exponent=-0.5, agg_mode="seg-mean-token-mean"
     ),
@@ -29,7 +30,10 @@ def run(name, old, new, adv, mask, agg="seq-mean-token-mean"):
 
 def run_config(config, old, new, adv, mask, agg="seq-mean-token-mean"):
     ids = 128264 + (torch.arange(mask.numel()).reshape(mask.shape) * 7919) % 65536
-    with micro_batch_scope({"responses": ids}):
+    # words of 3 tokens, the first row without words (tokenval fallback)
+    words = (torch.arange(mask.numel()).reshape(mask.shape) % mask.shape[1]) // 3
+    words[0] = NO_WORD
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
         loss, metrics = get_policy_loss_fn(config.policy_loss.loss_mode)(old, new, adv, mask, agg, config)
     loss.backward()
     return loss, new.grad, metrics

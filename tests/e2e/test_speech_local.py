@@ -73,3 +73,32 @@ def test_span_credit_two_steps(speech_assets, local_run):
         assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
     assert "do not match the response length" not in run.log, context
     assert "maspo_span_grpo" in run.log, context
+
+
+def test_word_segments_full_setting(speech_assets, local_run):
+    """`loss=maspo_words credit=span`, the recipe's full setting: the speech reward returns per-token
+    scores and word ids (turned on by the loss), our hook carries both, the loss segments at the words
+    Whisper found and falls back to tokenval where it found none (a random model's codes are noise)."""
+    run = local_run(
+        [f"{k}={v}" for k, v in speech_assets.items()]
+        + [
+            "loss=maspo_words",
+            "credit=span",
+            "trainer.total_training_steps=1",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+        ]
+    )
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
+    metrics = run.steps[1]
+    assert math.isfinite(metrics["actor/pg_loss"]), context
+    # a sample Whisper transcribed scores 1 - tanh(3 WER) > 0 and has word times; one it did not
+    # (non-speech, invalid) scores 0 and has none: every sample fell back exactly when all scored 0
+    fallback = metrics["actor/ratio/words_fallback_frac"]
+    assert 0.0 <= fallback <= 1.0, context
+    assert (fallback == 1.0) == (metrics["critic/score/max"] == 0.0), context
+    per_seq, seg_len = metrics["actor/ratio/segments_per_seq"], metrics["actor/ratio/segment_len_mean"]
+    assert 1.0 <= per_seq <= RESPONSE_LEN, context
+    assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
+    assert "do not match the response length" not in run.log, context

@@ -17,6 +17,7 @@ SCRIPTS = {
     "maspo_fixed": "recipes/speech/run_maspo_fixed.sh",
     "maspo_logprob": "recipes/speech/run_maspo_logprob.sh",
     "maspo_tokenval": "recipes/speech/run_maspo_tokenval.sh",
+    "maspo_words": "recipes/speech/run_maspo_words.sh",
     "grpo": "recipes/speech/run_grpo.sh",
     "gspo": "recipes/speech/run_gspo.sh",
 }
@@ -31,9 +32,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(script: str, **env: str) -> subprocess.CompletedProcess:
+def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(REPO / script)], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=300
+        ["bash", str(REPO / script), *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=300
     )
 
 
@@ -81,6 +82,8 @@ def test_script_composes_and_validates(loss, template_file, llasa_tokenizer):
         assert pl.segment_rule == "fixed" and pl.segment_window == 50
     if loss == "maspo_tokenval":
         assert (pl.segment_rule, pl.tokenval_distance, pl.codec_offset) == ("tokenval", "fsq_l1", 128264)
+    if loss == "maspo_words":
+        assert (pl.segment_rule, pl.words_fallback_rule, pl.codec_offset) == ("words", "tokenval", 128264)
     if loss == "maspo_logprob":
         assert pl.segment_rule == "logprob"
     assert cfg.data.max_response_length == 2048 and cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -114,6 +117,23 @@ def test_dry_run_subprocess_and_windows():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loss section:" in p.stdout and "segment_window: 5" in p.stdout and "bypass_mode: true" in p.stdout
     assert "SPEECH_CHAT_TEMPLATE=auto is not derived" in p.stderr
+
+
+def test_dry_run_words_full_setting():
+    """DRY_RUN=1 of the word-segment script with span credit: the speech start-up checks pass (the reward
+    turns its word ids on by itself) and the loss section shows the words rule."""
+    p = _run(
+        SCRIPTS["maspo_words"],
+        "credit=span",
+        DRY_RUN="1",
+        MODEL_PATH="/nonexistent/Llasa-1B",
+        DATA_DIR="/nonexistent",
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "segment_rule: words" in p.stdout and "words_fallback_rule: tokenval" in p.stdout, p.stdout[-3000:]
+    # the legacy trainer cannot carry the word ids: refused at start-up, before Ray
+    p = _run(SCRIPTS["maspo_words"], "trainer.use_v1=false", DRY_RUN="1", MODEL_PATH="/x", DATA_DIR="/x")
+    assert p.returncode != 0 and "needs trainer.use_v1=true" in p.stderr, p.stderr[-3000:]
 
 
 def test_bad_window_fails_loudly():

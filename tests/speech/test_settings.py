@@ -53,6 +53,7 @@ BAD = [
     ("duration_tolerance", 0, "a finite number >= 1.0"),
     ("token_scores", "false", "true or false"),
     ("span_penalty", -1, "a finite number >= 0.0"),
+    ("word_ids", 1, "true or false"),
     ("min_rms", NAN, "a finite number >= 0.0"),
     ("no_speech_threshold", 1.5, "a finite number >= 0.0 and <= 1.0"),
     ("min_codes", 0, "an integer >= 1"),
