@@ -182,11 +182,10 @@ def granular_policy_loss(
     pl = policy_loss_config(config, loss_mode)
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         response = response_mask.bool()
-        mask = response & torch.isfinite(log_prob) & torch.isfinite(old_log_prob)
+        delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
         advantages = torch.where(mask, advantages, 0.0)
         if rollout_is_weights is not None:
             rollout_is_weights = torch.where(mask, rollout_is_weights, 0.0)
-        delta = ratios.token_log_ratios(log_prob, old_log_prob, mask)
         sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
         delta = delta.sum()  # only the sum is reported: free the [B, T] tensor early (peak memory)
         log_ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha))

@@ -16,21 +16,22 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 
 
-def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """delta_t = clamp(log pi - log pi_old, +-20), detached, zero on padding, at least float32.
-
-    Non-finite log-probs (-inf old log-prob on a masked-in token) clamp instead of producing NaN.
-    """
+def token_log_ratios(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, kept): delta_t = clamp(log pi - log pi_old, +-20), detached, at least float32, zero
+    outside ``kept``; ``kept`` = ``mask`` without the tokens whose log-prob or old log-prob is not
+    finite (their difference is not finite: log-probs are <= 0, so no finite pair overflows)."""
     dtype = torch.promote_types(log_prob.dtype, torch.float32)
     new, old = log_prob.detach(), old_log_prob.detach()
     if torch.promote_types(old.dtype, dtype) != dtype:
         old = old.to(dtype)
     # one new tensor, then in place (a narrower old_log_prob is widened exactly inside the subtraction)
     delta = torch.sub(new, old) if new.dtype == dtype else new.to(dtype).sub_(old)
-    delta.nan_to_num_(nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
-    delta.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    # zero on padding (as a product: finite values, a cheaper kernel than a select)
-    return delta.mul_(float_mask(mask, dtype))
+    kept = torch.isfinite(delta).logical_and_(mask)
+    delta.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # zero outside kept (as a product of finite values: a cheaper kernel than a select)
+    return delta.mul_(float_mask(kept, dtype)), kept
 
 
 def float_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

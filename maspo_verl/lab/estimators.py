@@ -132,7 +132,7 @@ def estimator_weights(est: Estimator, lp_new: torch.Tensor, lp_old: torch.Tensor
     if est.token_set == "none":
         return mask.to(DTYPE)
     loss_mode, config = loss_config(est)
-    delta = ratios.token_log_ratios(lp_new, lp_old, mask)
+    delta, _ = ratios.token_log_ratios(lp_new, lp_old, mask)
     sets = TOKEN_SETS[loss_mode].sums(config, lp_old, mask, delta)
     ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp()
     return torch.where(mask, ratio, torch.zeros_like(ratio))

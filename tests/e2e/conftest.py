@@ -41,6 +41,17 @@ class LocalRun:
         return "\n".join(self.log.splitlines()[-n:])
 
 
+def manager_overrides(module: Path, name: str) -> list[str]:
+    """One training step of full-length responses scored by the test reward manager ``name`` in ``module``."""
+    return [
+        "reward.reward_manager.source=importlib",
+        f"reward.reward_manager.name={name}",
+        f"reward.reward_manager.module.path={module}",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "trainer.total_training_steps=1",
+    ]
+
+
 def parse_steps(log: str) -> dict[int, dict[str, float]]:
     """verl's console logger prints ``step:N - key:value - key:value ...`` once per step."""
     steps: dict[int, dict[str, float]] = {}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import manager_overrides
+
 pytestmark = pytest.mark.e2e
 
 STEPS = 2
@@ -118,11 +120,7 @@ def test_per_token_scores_reach_the_span_credit_estimator(lam, local_run):
         [
             "algorithm.adv_estimator=maspo_span_grpo",
             f"algorithm.span_credit.lam={lam}",
-            "reward.reward_manager.source=importlib",
-            "reward.reward_manager.name=HalfSpanRewardManager",
-            f"reward.reward_manager.module.path={manager}",
-            "actor_rollout_ref.rollout.ignore_eos=true",
-            "trainer.total_training_steps=1",
+            *manager_overrides(manager, "HalfSpanRewardManager"),
         ]
     )
     context = f"\n--- trainer log tail ---\n{run.tail()}"

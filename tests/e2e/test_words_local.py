@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import manager_overrides
+
 pytestmark = pytest.mark.e2e
 
 
@@ -29,11 +31,7 @@ def test_word_ids_reach_the_loss_aligned_with_the_tokens(local_run):
             f"{pl}.segment_window={WINDOW}",
             f"{pl}.min_segment_len=0",
             f"{pl}.max_segment_len=0",
-            "reward.reward_manager.source=importlib",
-            "reward.reward_manager.name=KnownWordsRewardManager",
-            f"reward.reward_manager.module.path={manager}",
-            "actor_rollout_ref.rollout.ignore_eos=true",
-            "trainer.total_training_steps=1",
+            *manager_overrides(manager, "KnownWordsRewardManager"),
         ]
     )
     context = f"\n--- trainer log tail ---\n{run.tail()}"
