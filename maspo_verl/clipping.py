@@ -81,8 +81,9 @@ class _PessimisticSurrogate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, log_prob, ratio, log_ratio, advantages, bounds, weights):
-        adv = advantages.to(ratio.dtype)
+    def forward(ctx, log_prob, ratio, log_ratio, advantages, bounds, weights, keep):
+        adv = _zero_outside(advantages, keep, ratio.dtype)
+        weights = None if weights is None else _zero_outside(weights, keep, ratio.dtype)
         positive, negative = adv > 0, adv < 0
         x = ratio if bounds.scale is None else log_ratio
         high = bounds.bound("high")
@@ -113,7 +114,14 @@ class _PessimisticSurrogate(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         (coef,) = ctx.saved_tensors
         grad = torch.empty(coef.shape, dtype=ctx.grad_dtype, device=coef.device)
-        return torch.mul(grad_loss, coef, out=grad), None, None, None, None, None
+        return torch.mul(grad_loss, coef, out=grad), None, None, None, None, None, None
+
+
+def _zero_outside(values: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as ``dtype``, zero outside ``keep`` whatever they hold there (NaN, inf)."""
+    if values.dtype != dtype:  # the conversion already copies: fill that copy
+        return values.to(dtype).masked_fill_(keep.logical_not(), 0.0)
+    return torch.where(keep, values, 0.0)
 
 
 def clipped_surrogate(
@@ -123,10 +131,14 @@ def clipped_surrogate(
     bounds: ClipBounds,
     weights: torch.Tensor | None = None,
     log_ratio: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> Surrogate:
     """Per-token pessimistic PPO loss with the shared ratio ``ratio`` (a value; no graph needed),
     differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient.
-    Log-space bounds (``bounds.scale`` set) need ``log_ratio`` = log(ratio)."""
+    Log-space bounds (``bounds.scale`` set) need ``log_ratio`` = log(ratio). Outside ``keep`` (the
+    tokens in the loss) loss and gradient are zero, whatever advantages and weights hold there."""
+    if keep is None:
+        keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
     if bounds.scale is not None and log_ratio is None:
         raise ValueError("log-space clip bounds need log_ratio")
     loss, low, high, dual = _PessimisticSurrogate.apply(
@@ -136,5 +148,6 @@ def clipped_surrogate(
         advantages,
         bounds,
         weights,
+        keep,
     )
     return Surrogate(loss=loss, clipped_low=low, clipped_high=high, clipped_dual=dual)

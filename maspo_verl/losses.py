@@ -183,9 +183,6 @@ def granular_policy_loss(
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         response = response_mask.bool()
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
-        advantages = torch.where(mask, advantages, 0.0)
-        if rollout_is_weights is not None:
-            rollout_is_weights = torch.where(mask, rollout_is_weights, 0.0)
         sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
         delta = delta.sum()  # only the sum is reported: free the [B, T] tensor early (peak memory)
         log_ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha))
@@ -199,7 +196,7 @@ def granular_policy_loss(
         bounds = clip_bounds(pl, config, sizes)
         if pl.agg_mode == "actor":
             sizes = None
-    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio)
+    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio, mask)
     del log_ratio, bounds
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
     metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
