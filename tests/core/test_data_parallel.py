@@ -58,33 +58,55 @@ def _preset_loss_mode(preset: str) -> str:
     return yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"]
 
 
-def _actor_configs() -> dict[tuple[str, str], object]:
-    """ActorConfig per (preset, agg mode), composed as the CLI does; KL loss on (verl's low_var_kl)."""
+def actor_configs() -> dict[tuple[str, str], object]:
+    """ActorConfig per (preset, agg mode): our trainer config without a preset, the preset's file merged in (what
+    ``loss=<preset>`` does; one Hydra compose instead of seven), KL loss on (verl's low_var_kl)."""
+    import yaml
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
     from tests.helpers import compose_config
 
+    base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
     configs = {}
-    for preset in PRESETS:
-        actor = compose_config(f"loss={preset}").actor_rollout_ref.actor
-        for mode in dict.fromkeys(m for p, m, _ in cases() if p == preset):
-            node = OmegaConf.create(OmegaConf.to_container(actor, resolve=True))
-            if mode == SEG_MEAN:
-                node.policy_loss.agg_mode = SEG_MEAN
-            else:
-                node.loss_agg_mode = mode
-            node.loss_scale_factor = LOSS_SCALE_FACTOR
-            node.ppo_micro_batch_size_per_gpu = MICRO
-            node.use_kl_loss = True
-            node.kl_loss_coef = 0.05
-            node.kl_loss_type = "low_var_kl"
-            if node.policy_loss.get("segment_rule") == "tokenval":  # byte ids as 4-digit FSQ codes
-                node.policy_loss.codec_offset = 0
-                node.policy_loss.codec_size = VOCAB
-                node.policy_loss.fsq_levels = [4, 4, 4, 4]
-            configs[preset, mode] = node
-    return {key: omega_conf_to_dataclass(node) for key, node in configs.items()}
+    for preset, mode in dict.fromkeys((p, m) for p, m, _ in cases()):
+        path = Path(__file__).parents[2] / "maspo_verl/hydra_configs/loss" / f"{preset}.yaml"
+        node = OmegaConf.merge(base, yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"])
+        if mode == SEG_MEAN:
+            node.policy_loss.agg_mode = SEG_MEAN
+        else:
+            node.loss_agg_mode = mode
+        node.loss_scale_factor = LOSS_SCALE_FACTOR
+        node.ppo_micro_batch_size_per_gpu = MICRO
+        node.use_kl_loss = True
+        node.kl_loss_coef = 0.05
+        node.kl_loss_type = "low_var_kl"
+        if node.policy_loss.get("segment_rule") == "tokenval":  # byte ids as 4-digit FSQ codes
+            node.policy_loss.codec_offset = 0
+            node.policy_loss.codec_size = VOCAB
+            node.policy_loss.fsq_levels = [4, 4, 4, 4]
+        configs[preset, mode] = omega_conf_to_dataclass(node)
+    return configs
+
+
+def test_merged_preset_equals_the_composed_one():
+    """The shortcut above builds what Hydra's ``loss=<preset>`` builds."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from tests.helpers import compose_config
+
+    configs = actor_configs()
+    for preset in ("maspo_tokenval", "gspo"):
+        node = compose_config(f"loss={preset}").actor_rollout_ref.actor
+        node = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+        mode = node.loss_agg_mode
+        node.loss_scale_factor, node.ppo_micro_batch_size_per_gpu = LOSS_SCALE_FACTOR, MICRO
+        node.use_kl_loss, node.kl_loss_coef, node.kl_loss_type = True, 0.05, "low_var_kl"
+        if preset == "maspo_tokenval":
+            node.policy_loss.codec_offset, node.policy_loss.codec_size = 0, VOCAB
+            node.policy_loss.fsq_levels = [4, 4, 4, 4]
+        assert omega_conf_to_dataclass(node) == configs[preset, mode]
 
 
 def full_batch(seed: int = 0):
@@ -176,8 +198,7 @@ def gradient(config, data, dp_group=None) -> torch.Tensor:
     return theta.grad.detach().clone()
 
 
-def all_gradients(rank: int, world: int, dp_group=None) -> dict:
-    configs = _actor_configs()
+def all_gradients(configs: dict, rank: int, world: int, dp_group=None) -> dict:
     samples = full_batch()
     share = B // world
     mine = samples[rank * share : (rank + 1) * share]
@@ -187,7 +208,7 @@ def all_gradients(rank: int, world: int, dp_group=None) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, result_path: str) -> None:
+def _worker(rank: int, world: int, port: int, configs: dict, result_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -198,7 +219,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     local.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        grads = all_gradients(rank, world, dist.group.WORLD)
+        grads = all_gradients(configs, rank, world, dist.group.WORLD)
         for key in sorted(grads):
             dist.all_reduce(grads[key])  # FSDP's gradient reduction: the mean over ranks
             grads[key] /= world
@@ -215,19 +236,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def configs():
+    return actor_configs()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, configs):
     import torch.multiprocessing as mp
 
     path = str(tmp_path_factory.mktemp("dp") / "grads.pt")
-    env_before = os.environ.get("VERL_USE_EXTERNAL_PLUGINS")
-    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2, join=True)
-    assert os.environ.get("VERL_USE_EXTERNAL_PLUGINS") == env_before
+    mp.spawn(_worker, args=(2, _free_port(), configs, path), nprocs=2, join=True)
     return torch.load(path)
 
 
 @pytest.fixture(scope="module")
-def world1():
-    return all_gradients(0, 1)
+def world1(configs):
+    return all_gradients(configs, 0, 1)
 
 
 @pytest.mark.parametrize(("preset", "mode", "dynamic"), cases(), ids=lambda v: str(v))
