@@ -203,7 +203,7 @@ def _mean(values) -> float:
 def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
-    out = prepare_out(args.out or default_out("learn"), ["learn", *argv[1:]] if argv[:1] == ["learn"] else argv)
+    out = prepare_out(args.out or default_out("learn"), argv)
     unknown = [loss for loss in args.losses if loss not in LOSSES]
     if unknown:
         raise SystemExit(f"--losses: unknown {unknown}; allowed {list(LOSSES)}")
