@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from maspo_verl.lab.common import default_out, log, markdown_table, prepare_out, pyplot, write_csv
+from maspo_verl.lab.learn_tasks import FRAMES_PER_WORD, RESPONSE_TOKENS
 
 # name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
 # these responses' words)
@@ -51,9 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--batch", type=int, default=8, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--response-length", type=int, default=12)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--target", type=float, default=0.5, help="reward target for 'steps to target'")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--target", type=float, default=0.45, help="reward target for 'steps to target'")
     p.add_argument("--last", type=int, default=3, help="final reward = mean of the last K steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
 
@@ -139,7 +139,8 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict) -> list[str
         f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
         f"data.train_batch_size={args.batch}",
-        f"data.max_response_length={args.response_length}",
+        f"data.max_response_length={learn_tasks.RESPONSE_TOKENS}",
+        "actor_rollout_ref.rollout.ignore_eos=true",
         f"data.seed={seed}",
         f"maspo.local_seed={seed}",
         f"actor_rollout_ref.rollout.n={args.n}",
@@ -334,11 +335,13 @@ def readme(args, summary: list[dict], runs: list[dict], total_s: float) -> str:
             "",
             "Every run is `python -m maspo_verl.main local=cpu loss=<preset>` (verl's trainer, Ray, FSDP2,"
             " agent-loop rollout) on the embedded tiny random Qwen2 (byte-level, ~91k parameters) with the"
-            " toy tasks of `maspo_verl/lab/learn_tasks.py`: the prompt names 3 of 8 words, word k is the id"
-            " block [32k, 32k+32); *text-like*: each token is a word; *speech-like*: a run of tokens in one"
-            " block is a word (tied neighbours). Reward: 1 - edit distance / max(|hyp|, |ref|) over words"
-            " (a WER normalised to [0, 1]); the word spans give per-token scores, used by `credit=span`.",
-            f"Per step: {args.batch} prompts x {args.n} responses of <= {args.response_length} tokens,"
+            " toy tasks of `maspo_verl/lab/learn_tasks.py`: word k of 4 is the id block [64k, 64k+64); each"
+            " run has one sentence (from the seed) that every prompt asks for; *text-like*: each token is a"
+            f" word, {RESPONSE_TOKENS} words; *speech-like*: a run of tokens in one block is a word (tied"
+            f" neighbours), {RESPONSE_TOKENS // FRAMES_PER_WORD} words of {FRAMES_PER_WORD} frames. Reward:"
+            " 1 - edit distance / max(|hyp|, |ref|) over words (a WER normalised to [0, 1]); the word spans"
+            " give per-token scores, used by `credit=span`.",
+            f"Per step: {args.batch} prompts x {args.n} responses of {RESPONSE_TOKENS} tokens,"
             f" 2 mini-batches, lr {args.lr:g}; seeds set the model initialisation and data order."
             " `maspo_fixed` uses W = 3 tokens. Everything else equal.",
             "",

@@ -1,12 +1,17 @@
 """Toy tasks for ``python -m maspo_verl.lab learn``: verl datasets, their reward and per-token scores.
 
 Both tasks use the local mode's embedded byte-level model (ids 0..255 are bytes, which the local
-``tokenval`` rule treats as 4-digit FSQ codes). A prompt names 3 words of an 8-word vocabulary
-("Say: ka mi ro"); word k is the id block ``[32 k, 32 k + 32)``. The response is decoded into words:
+``tokenval`` rule treats as 4-digit FSQ codes) and fixed-length responses (``RESPONSE_TOKENS``, EOS
+ignored). Word k of a 4-word vocabulary is the id block ``[64 k, 64 k + 64)``. Each run has one
+sentence (drawn from the seed), which every prompt asks for ("Say: ka mi ..."): a tiny random model
+can learn to say it within a few dozen steps, while reading the prompt would take far longer. The
+response is decoded into words:
 
-- ``text``: every response token is one word (neighbouring tokens independent);
+- ``text``: every response token is one word (neighbouring tokens independent); the sentence has
+  ``RESPONSE_TOKENS`` words;
 - ``speech``: a maximal run of tokens in the same block is one word (a word is "held" over several
-  frames, so neighbouring tokens are tied, as codec frames are).
+  frames, so neighbouring tokens are tied, as codec frames are); the sentence has
+  ``RESPONSE_TOKENS // FRAMES_PER_WORD`` words, no word twice in a row.
 
 Special tokens (ids >= 256) decode to nothing. The reward is sequence level:
 ``1 - edit_distance(hyp, ref) / max(|hyp|, |ref|)`` (a WER normalised by the longer word sequence, so
@@ -21,10 +26,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-WORDS = ("ka", "lo", "mi", "nu", "pe", "ro", "su", "ti")
-BLOCK = 32  # ids per word
+WORDS = ("ka", "lo", "mi", "nu")
+BLOCK = 64  # ids per word
 NUM_CODES = 256
-TARGET_WORDS = 3
+RESPONSE_TOKENS = 12
+FRAMES_PER_WORD = 3
 TASKS = ("text", "speech")
 DATA_SOURCE = "maspo_learn_{task}"
 
@@ -71,20 +77,26 @@ def token_scores_of(task: str, ids: list[int], reference: str) -> tuple[float, l
     return value, token_scores(value, token_penalties(spans, len(ids)))
 
 
-def rows(task: str, n: int, rng: random.Random, split: str) -> list[dict]:
-    out = []
-    for i in range(n):
-        target = " ".join(rng.choice(WORDS) for _ in range(TARGET_WORDS))
-        out.append(
-            {
-                "data_source": DATA_SOURCE.format(task=task),
-                "prompt": [{"role": "user", "content": f"Say: {target}"}],
-                "ability": task,
-                "reward_model": {"style": "rule", "ground_truth": target},
-                "extra_info": {"split": split, "index": i, "task": task},
-            }
-        )
-    return out
+def sentence(task: str, rng: random.Random) -> str:
+    if task == "text":
+        return " ".join(rng.choice(WORDS) for _ in range(RESPONSE_TOKENS))
+    words = [rng.choice(WORDS)]
+    while len(words) < RESPONSE_TOKENS // FRAMES_PER_WORD:
+        words.append(rng.choice([w for w in WORDS if w != words[-1]]))
+    return " ".join(words)
+
+
+def rows(task: str, n: int, target: str, split: str) -> list[dict]:
+    return [
+        {
+            "data_source": DATA_SOURCE.format(task=task),
+            "prompt": [{"role": "user", "content": f"Say: {target}"}],
+            "ability": task,
+            "reward_model": {"style": "rule", "ground_truth": target},
+            "extra_info": {"split": split, "index": i, "task": task},
+        }
+        for i in range(n)
+    ]
 
 
 def write_dataset(folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16) -> dict:
@@ -92,11 +104,11 @@ def write_dataset(folder: str | Path, task: str, seed: int = 0, n_train: int = 2
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    paths = {}
+    target = sentence(task, random.Random(f"{task}-{seed}"))
+    paths = {"sentence": target}
     for split, n in (("train", n_train), ("val", n_val)):
         paths[split] = str(folder / f"{task}_{split}.parquet")
-        pd.DataFrame(rows(task, n, rng, split)).to_parquet(paths[split], index=False)
+        pd.DataFrame(rows(task, n, target, split)).to_parquet(paths[split], index=False)
     return paths
 
 
