@@ -50,7 +50,7 @@ def test_dataset(tmp_path):
     assert {r["ground_truth"] for r in train["reward_model"]} == {paths["sentence"]}  # one sentence per run
     words = paths["sentence"].split()
     assert len(words) == lt.RESPONSE_TOKENS // lt.FRAMES_PER_WORD and set(words) <= set(lt.WORDS)
-    assert all(a != b for a, b in zip(words, words[1:]))  # a held word is one word
+    assert all(a != b for a, b in zip(words, words[1:], strict=False))  # a held word is one word
     row = train.iloc[0]
     assert row["prompt"][0]["content"] == "Say: " + paths["sentence"]
     assert row["data_source"] == "maspo_learn_speech"
