@@ -306,7 +306,6 @@ def plot(table: list[dict], lengths: list[int], drifts: list[float], out) -> Non
         plt.close(fig)
 
 
-
 # relative bias below this is float64 round-off: the estimator is unbiased
 UNBIASED_TOL = 1e-9
 

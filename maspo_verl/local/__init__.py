@@ -20,7 +20,8 @@ import logging
 import os
 import tempfile
 
-from maspo_verl.plugin import patch
+# Nothing of verl or of the plugin at import time: a Ray worker may import this package first (to
+# unpickle the HF rollout actor), and ``import verl`` then runs ``autoload``, which needs ``activate``.
 
 logger = logging.getLogger("maspo_verl.local")
 
@@ -123,6 +124,7 @@ def activate() -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from maspo_verl.local.platform import PlatformCPU
+    from maspo_verl.plugin import patch
 
     platform_manager.PlatformRegistry.register(platform="cpu")(PlatformCPU)
     current = platform_manager._current_platform
@@ -143,7 +145,25 @@ def activate() -> None:
     )
     if problem:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
+    _unpin_fsdp2_offload()
     _activated = True
+
+
+def _unpin_fsdp2_offload() -> None:
+    """verl's FSDP2 engine shards forward-only models (the reference policy of ``use_kl_loss``) with
+    ``CPUOffloadPolicy(pin_memory=True)``; pinning host memory needs an accelerator. On the host the
+    parameters live in host memory anyway: the same policy, unpinned."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from maspo_verl.plugin import patch
+
+    def _unpinned(original):
+        def policy(pin_memory: bool = True, **kwargs):
+            return original(pin_memory=False, **kwargs)
+
+        return policy
+
+    patch("fsdp2_offload_unpinned", transformer_impl, "CPUOffloadPolicy", _unpinned)  # logs if refused
 
 
 def _is_unset(value) -> bool:
@@ -192,7 +212,9 @@ def prepare(config) -> dict:
         # Ray: the given cluster (RAY_ADDRESS, set inside `ray job submit`), else a private one in
         # its own temp dir; the local env in every worker.
         new_temp_dir = None if config.maspo.get("dry_run") else _private_temp_dir
-        ray_cluster.configure_ray_init(config.ray_kwargs.ray_init, env, new_temp_dir)
+        address = ray_cluster.configure_ray_init(config.ray_kwargs.ray_init, env, new_temp_dir)
+        if address is None:
+            _fit_private_cluster(config)
     ray_init = config.ray_kwargs.ray_init
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
@@ -200,6 +222,15 @@ def prepare(config) -> dict:
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _fit_private_cluster(config) -> None:
+    """A private cluster gets at least one logical GPU per trainer worker (``trainer.nnodes *
+    n_gpus_per_node``; the ranks run FSDP on gloo), for verl's resource-pool checks."""
+    ray_init = config.ray_kwargs.ray_init
+    workers = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    if int(ray_init.get("num_gpus") or 0) < workers:
+        ray_init.num_gpus = workers
 
 
 def _private_temp_dir() -> str:

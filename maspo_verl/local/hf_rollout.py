@@ -31,6 +31,9 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 logger = logging.getLogger("maspo_verl.local")
 
+# a folder: the server saves each weight sync it receives there (``sync<k>_step<global_steps>.pt``)
+WEIGHTS_DUMP_ENV = "MASPO_VERL_WEIGHTS_DUMP"
+
 
 def server_name(replica_rank: int, suffix: str = "") -> str:
     return f"maspo_hf_server_{replica_rank}{suffix}"
@@ -80,6 +83,10 @@ class HFServer:
             self.model.tie_weights()
         self.global_steps = global_steps
         self.weight_version += 1
+        dump = os.environ.get(WEIGHTS_DUMP_ENV)
+        if dump and self.replica_rank == 0:  # debugging aid: every weight sync as the rollout received it
+            os.makedirs(dump, exist_ok=True)
+            torch.save(state, os.path.join(dump, f"sync{self.weight_version}_step{global_steps}.pt"))
         return len(state)
 
     # -- generation ------------------------------------------------------------------------

@@ -200,6 +200,25 @@ def test_prepare_keeps_user_paths(local_env, tmp_path, built):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize(("gpus", "joined"), [(2, False), (1, False), (2, True)])
+def test_prepare_gives_a_private_cluster_a_gpu_per_worker(local_env, tmp_path, gpus, joined, monkeypatch):
+    """trainer.n_gpus_per_node=2: the private cluster gets 2 logical GPUs; a joined cluster gets none
+    (Ray refuses num_gpus when connecting)."""
+    if joined:
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = _compose(
+        ["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}", f"trainer.n_gpus_per_node={gpus}"]
+    )
+    local.prepare(config)
+    ray_init = config.ray_kwargs.ray_init
+    if joined:
+        assert "num_gpus" not in ray_init
+    else:
+        assert ray_init.num_gpus == gpus
+
+
 def test_local_yaml_overrides():
     config = _compose(["local=cpu"])
     assert config.maspo.local == "cpu"
@@ -252,3 +271,18 @@ def test_hf_server_load_weights(built):
     assert out.extra_fields["global_steps"] == 3
     with pytest.raises(KeyError, match="unknown parameter"):
         server.load_weights({"not.a.param": torch.zeros(1)})
+
+
+def test_worker_that_imports_the_rollout_first_activates_cleanly(tmp_path):
+    """A Ray worker unpickling the HF actor imports ``maspo_verl.local.hf_rollout`` before verl: the
+    ``maspo_verl_local`` entry point must then activate the local mode, with no import-cycle error."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, **local.LOCAL_ENV}
+    env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
+    probe = "import maspo_verl.local.hf_rollout, maspo_verl.local as L; print(L._activated)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+    assert "failed to activate" not in out.stderr

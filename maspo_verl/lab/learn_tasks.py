@@ -1,0 +1,138 @@
+"""Toy tasks for ``python -m maspo_verl.lab learn``: verl datasets, their reward and per-token scores.
+
+Both tasks use the local mode's embedded byte-level model (ids 0..255 are bytes, which the local
+``tokenval`` rule treats as 4-digit FSQ codes) and fixed-length responses (``RESPONSE_TOKENS``, EOS
+ignored). Word k of a 4-word vocabulary is the id block ``[64 k, 64 k + 64)``. Each run has one
+sentence (drawn from the seed), which every prompt asks for ("Say: ka mi ..."): a tiny random model
+can learn to say it within a few dozen steps, while reading the prompt would take far longer. The
+response is decoded into words:
+
+- ``text``: every response token is one word (neighbouring tokens independent); the sentence has
+  ``RESPONSE_TOKENS`` words;
+- ``speech``: a maximal run of tokens in the same block is one word (a word is "held" over several
+  frames, so neighbouring tokens are tied, as codec frames are); the sentence has
+  ``RESPONSE_TOKENS // FRAMES_PER_WORD`` words, no word twice in a row.
+
+Special tokens (ids >= 256) decode to nothing. The reward is sequence level:
+``1 - edit_distance(hyp, ref) / max(|hyp|, |ref|)`` (a WER normalised by the longer word sequence, so
+it stays in [0, 1] and ranks a group of responses from the start). The word spans are known, so the
+reward manager also returns per-token scores (``maspo_verl.speech.spans``: each substituted or
+inserted word's tokens, each deleted word's neighbours, penalised; centred; plus the score on the
+last token), which ``credit=span`` turns into per-token advantages inside verl.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+WORDS = ("ka", "lo", "mi", "nu")
+BLOCK = 64  # ids per word
+NUM_CODES = 256
+RESPONSE_TOKENS = 12
+FRAMES_PER_WORD = 3
+TASKS = ("text", "speech")
+DATA_SOURCE = "maspo_learn_{task}"
+
+
+def decode(task: str, ids: list[int]) -> list[tuple[str, int, int]]:
+    """(word, first token, one past the last token) of each decoded word."""
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: allowed {TASKS}")
+    words: list[tuple[str, int, int]] = []
+    for t, token in enumerate(ids):
+        if not 0 <= token < NUM_CODES:
+            continue
+        word = WORDS[token // BLOCK]
+        if task == "speech" and words and words[-1][0] == word and words[-1][2] == t:
+            words[-1] = (word, words[-1][1], t + 1)
+        else:
+            words.append((word, t, t + 1))
+    return words
+
+
+def edit_distance(a: list[str], b: list[str]) -> int:
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+def score(task: str, ids: list[int], reference: str) -> tuple[float, list[tuple[str, int, int]]]:
+    words = decode(task, ids)
+    hyp, ref = [w for w, _, _ in words], reference.split()
+    return 1.0 - edit_distance(hyp, ref) / max(len(hyp), len(ref), 1), words
+
+
+def token_scores_of(task: str, ids: list[int], reference: str) -> tuple[float, list[float]]:
+    """The sequence score and the per-token scores (summing to it) over the response's tokens."""
+    from maspo_verl.speech.asr import TimedWord
+    from maspo_verl.speech.spans import error_spans, token_penalties, token_scores
+
+    value, words = score(task, ids, reference)
+    timed = [TimedWord(w, float(a), float(b)) for w, a, b in words]
+    spans = error_spans(reference, timed, len(ids), rate=1.0)
+    return value, token_scores(value, token_penalties(spans, len(ids)))
+
+
+def sentence(task: str, rng: random.Random) -> str:
+    if task == "text":
+        return " ".join(rng.choice(WORDS) for _ in range(RESPONSE_TOKENS))
+    words = [rng.choice(WORDS)]
+    while len(words) < RESPONSE_TOKENS // FRAMES_PER_WORD:
+        words.append(rng.choice([w for w in WORDS if w != words[-1]]))
+    return " ".join(words)
+
+
+def rows(task: str, n: int, target: str, split: str) -> list[dict]:
+    return [
+        {
+            "data_source": DATA_SOURCE.format(task=task),
+            "prompt": [{"role": "user", "content": f"Say: {target}"}],
+            "ability": task,
+            "reward_model": {"style": "rule", "ground_truth": target},
+            "extra_info": {"split": split, "index": i, "task": task},
+        }
+        for i in range(n)
+    ]
+
+
+def write_dataset(folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16) -> dict:
+    import pandas as pd
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = sentence(task, random.Random(f"{task}-{seed}"))
+    paths = {"sentence": target}
+    for split, n in (("train", n_train), ("val", n_val)):
+        paths[split] = str(folder / f"{task}_{split}.parquet")
+        pd.DataFrame(rows(task, n, target, split)).to_parquet(paths[split], index=False)
+    return paths
+
+
+try:  # the reward manager runs in verl's reward workers; the rest of this module needs no verl
+    from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+except ImportError:  # pragma: no cover
+    RewardManagerBase = object
+
+
+class LearnRewardManager(RewardManagerBase):
+    """verl reward manager of the learn tasks: the score, and per-token scores for span credit."""
+
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer, compute_score)
+
+    async def run_single(self, data) -> dict:
+        from maspo_verl.plugin import TOKEN_SCORES_KEY
+
+        item = data[-1:][0]
+        responses = item.batch["responses"]
+        n = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
+        ids = [int(t) for t in responses[:n].tolist()]
+        reference = str(item.non_tensor_batch["reward_model"]["ground_truth"])
+        task = str(item.non_tensor_batch["data_source"]).removeprefix("maspo_learn_")
+        value, per_token = token_scores_of(task, ids, reference)
+        info = {"score": value, "words": float(len(decode(task, ids))), TOKEN_SCORES_KEY: per_token}
+        return {"reward_score": value, "reward_extra_info": info}
