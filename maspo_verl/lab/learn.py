@@ -79,7 +79,7 @@ def parse_steps(log_text: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def _stop(proc: subprocess.Popen, ray_dir: str) -> None:
+def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
     """Stop the run's process group, then any process of its private Ray cluster (named by its temp dir)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -124,7 +124,7 @@ def run_trainer(overrides: list[str], log_path: Path, timeout: float) -> tuple[i
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            _stop(proc, ray_dir)
+            stop_run(proc, ray_dir)
     import shutil
 
     shutil.rmtree(ray_dir, ignore_errors=True)

@@ -8,11 +8,8 @@ that run is touched, so other Ray clusters on the machine survive.
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
+# verl's step-line parser and the process-group/Ray-cluster stopper are the lab's (``lab learn``)
+from maspo_verl.lab.learn import ANSI, STEP_LINE, parse_steps, stop_run  # noqa: F401
 
 
 @dataclass
@@ -50,73 +46,6 @@ def manager_overrides(module: Path, name: str) -> list[str]:
         "actor_rollout_ref.rollout.ignore_eos=true",
         "trainer.total_training_steps=1",
     ]
-
-
-def parse_steps(log: str) -> dict[int, dict[str, float]]:
-    """verl's console logger prints ``step:N - key:value - key:value ...`` once per step."""
-    steps: dict[int, dict[str, float]] = {}
-    for raw in log.splitlines():
-        line = ANSI.sub("", raw)
-        m = STEP_LINE.search(line)
-        if not m:
-            continue
-        metrics: dict[str, float] = {}
-        for item in m.group(2).split(" - "):
-            key, sep, value = item.rpartition(":")
-            if not sep:
-                continue
-            value = WRAPPED.sub(r"\1", value.strip())  # the legacy trainer prints np.float64(x)
-            try:
-                metrics[key.strip()] = float(ast.literal_eval(value))
-            except (ValueError, SyntaxError, TypeError):
-                try:
-                    metrics[key.strip()] = float(value)
-                except ValueError:
-                    continue
-        steps[int(m.group(1))] = metrics
-    return steps
-
-
-def _pids_naming(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
-    """Stop the trainer's process group, then every leftover process of this run's Ray cluster."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=15)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    deadline = time.monotonic() + 20
-    while True:
-        leftovers = _pids_naming(ray_dir)
-        if not leftovers:
-            return
-        sig = signal.SIGTERM if time.monotonic() < deadline - 10 else signal.SIGKILL
-        for pid in leftovers:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if time.monotonic() > deadline:
-            return
-        time.sleep(1)
 
 
 def run_local(overrides: list[str], log_path: Path, timeout_s: float = 420, cache_dir: str | None = None) -> LocalRun:
