@@ -38,6 +38,8 @@ LOSSES = {
     "ctpo": ["loss=ctpo"],
     "pgspo": ["loss=pgspo"],
     "maspo_fixed+span": ["loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.segment_window=3", "credit=span"],
+    # one ratio per decoded word (the reward manager returns the words' token spans)
+    "maspo_words": ["loss=maspo_words"],
 }
 STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

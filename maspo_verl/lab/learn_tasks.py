@@ -51,6 +51,17 @@ def decode(task: str, ids: list[int]) -> list[tuple[str, int, int]]:
     return words
 
 
+def word_ids(words: list[tuple[str, int, int]], n: int) -> list[int]:
+    """Per token, the index of the decoded word it belongs to (-1 outside words): the words' spans
+    stand in for an ASR's word times in ``segment_rule=words``."""
+    from maspo_verl.batch import NO_WORD
+
+    ids = [NO_WORD] * n
+    for k, (_, start, end) in enumerate(words):
+        ids[start:end] = [k] * (end - start)
+    return ids
+
+
 def edit_distance(a: list[str], b: list[str]) -> int:
     row = list(range(len(b) + 1))
     for i, x in enumerate(a, 1):
@@ -125,6 +136,7 @@ class LearnRewardManager(RewardManagerBase):
         super().__init__(config, tokenizer, compute_score)
 
     async def run_single(self, data) -> dict:
+        from maspo_verl.batch import WORD_IDS_KEY
         from maspo_verl.plugin import TOKEN_SCORES_KEY
 
         item = data[-1:][0]
@@ -134,5 +146,7 @@ class LearnRewardManager(RewardManagerBase):
         reference = str(item.non_tensor_batch["reward_model"]["ground_truth"])
         task = str(item.non_tensor_batch["data_source"]).removeprefix("maspo_learn_")
         value, per_token = token_scores_of(task, ids, reference)
-        info = {"score": value, "words": float(len(decode(task, ids))), TOKEN_SCORES_KEY: per_token}
+        words = decode(task, ids)
+        info = {"score": value, "words": float(len(words)), TOKEN_SCORES_KEY: per_token}
+        info[WORD_IDS_KEY] = word_ids(words, n)
         return {"reward_score": value, "reward_extra_info": info}

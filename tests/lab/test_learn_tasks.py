@@ -70,3 +70,11 @@ def test_parse_verl_step_lines():
     )
     assert parse_steps(log) == {1: {"critic/score/mean": 0.25, "timing_s/step": 3.5}, 2: {"critic/score/mean": 0.5}}
     assert steps_to([0.1, 0.6, 0.4], 0.5) == 2 and steps_to([0.1], 0.5) is None
+
+
+def test_word_ids_follow_the_decoded_words():
+    from maspo_verl.lab.learn_tasks import decode, word_ids
+
+    ids = [0, 1, 64, 65, 65, 999, 130]  # block 0 twice, block 1 three times, an unknown id, block 2
+    assert word_ids(decode("speech", ids), len(ids)) == [0, 0, 1, 1, 1, -1, 2]
+    assert word_ids(decode("text", ids), len(ids)) == [0, 1, 2, 3, 4, -1, 5]
