@@ -3,7 +3,7 @@
 Every loss is fetched from verl's registry and called exactly as verl's ``ppo_loss`` calls it:
 ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor_config, None)`` with the
 micro-batch's response ids in scope, then ``loss.backward()``. The timed region is that call plus
-backward, metrics included. The losses are the presets as shipped (``hydra_configs/loss/*.yaml``,
+backward, metrics included. The losses are the presets as shipped (``maspo_verl/hydra_configs/loss/*.yaml``,
 composed like ``python -m maspo_verl.main loss=<preset>``); ``grpo`` (verl's ``vanilla``) is the baseline.
 
 - time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
@@ -42,7 +42,7 @@ from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.lab import common
 
-# The loss presets as shipped (hydra_configs/loss/*.yaml); the first is the baseline.
+# The loss presets as shipped (maspo_verl/hydra_configs/loss/*.yaml); the first is the baseline.
 PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "maspo_words", "ctpo", "pgspo")
 BASELINE = "grpo"
 PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
@@ -274,7 +274,8 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         f"Made by the command in `COMMAND.txt` ({seconds:.0f} s). B={args.B}, best of {args.reps} "
         f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s), "
         f"{'process CPU time' if args.clock == 'process' else 'wall time'} on CPU; forward + backward + metrics "
-        "of each loss preset as shipped (`hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, the baseline). "
+        "of each loss preset as shipped (`maspo_verl/hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, "
+        "the baseline). "
         "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
         "",
         "- `ms`, `x_vanilla`: best time, and its ratio to verl `vanilla`'s best time in the same setting (<= 1.0 is "
