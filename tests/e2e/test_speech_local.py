@@ -17,8 +17,8 @@ from maspo_verl.speech.local_assets import build
 pytestmark = pytest.mark.e2e
 
 RESPONSE_LEN = 30
+# (maspo_fixed runs on the text model in test_local_cpu.py and in the Ray job tests)
 PRESETS = {
-    "maspo_fixed": ["actor_rollout_ref.actor.policy_loss.segment_window=5"],
     "maspo_logprob": [],
     "maspo_tokenval": [],
 }
@@ -54,31 +54,18 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
     for metrics in run.steps.values():
         assert metrics["response_length/mean"] == pytest.approx(RESPONSE_LEN), context
         seg_len, per_seq = metrics["actor/ratio/segment_len_mean"], metrics["actor/ratio/segments_per_seq"]
-        if preset == "maspo_fixed":
-            assert per_seq == pytest.approx(math.ceil(RESPONSE_LEN / 5)), context
-            assert seg_len == pytest.approx(RESPONSE_LEN / math.ceil(RESPONSE_LEN / 5)), context
-        else:
-            # verl averages both over micro-batches; with per-batch counts p_k, mean(30 / p_k) * mean(p_k)
-            # is at least 30 (AM-HM) and equals it when every micro-batch has the same count
-            assert 1.0 <= per_seq <= RESPONSE_LEN, context
-            assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
+        # verl averages both over micro-batches; with per-batch counts p_k, mean(30 / p_k) * mean(p_k)
+        # is at least 30 (AM-HM) and equals it when every micro-batch has the same count
+        assert 1.0 <= per_seq <= RESPONSE_LEN, context
+        assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
     assert "SpeechRewardManager" in run.log or "tiny.en" in run.log, context
-
-
-def test_span_credit_two_steps(speech_assets, local_run):
-    """`credit=span`: the reward returns per-token scores (token_scores=true), verl's agent loop carries
-    them into rm_scores through our hook, and maspo_span_grpo computes the advantages."""
-    run, context = two_steps(speech_assets, local_run, "loss=maspo_fixed", "credit=span")
-    for metrics in run.steps.values():
-        assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
-    assert "do not match the response length" not in run.log, context
-    assert "maspo_span_grpo" in run.log, context
 
 
 def test_word_segments_full_setting(speech_assets, local_run):
     """`loss=maspo_words credit=span`, the recipe's full setting: the speech reward returns per-token
-    scores and word ids (turned on by the loss), our hook carries both, the loss segments at the words
-    Whisper found and falls back to tokenval where it found none (a random model's codes are noise)."""
+    scores and word ids (turned on by the loss), our hook carries both into rm_scores and the batch,
+    maspo_span_grpo computes the advantages, and the loss segments at the words Whisper found and falls
+    back to tokenval where it found none (a random model's codes are noise)."""
     run = local_run(
         [f"{k}={v}" for k, v in speech_assets.items()]
         + [
@@ -102,3 +89,5 @@ def test_word_segments_full_setting(speech_assets, local_run):
     assert 1.0 <= per_seq <= RESPONSE_LEN, context
     assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
     assert "do not match the response length" not in run.log, context
+    assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
+    assert "maspo_span_grpo" in run.log, context
