@@ -105,10 +105,12 @@ def test_kl_validation_checkpoint_and_resume(local_run, tmp_path, monkeypatch):
     run = local_run(COMMON + features + [f"trainer.default_local_dir={full}"])
     context = _check_trained(run, [1, 2])
 
-    # reference policy + KL loss: the actor moves away from the reference within step 1 (2 mini-batches)
+    # reference policy + KL loss. Step 1 starts at the reference, so its KL is 0 or tiny (it is 0 when the
+    # first mini-batch's advantages are all 0, as the toy reward often gives); step 2 starts from the
+    # step-1 weights, which differ from the reference (checked below), so its KL is positive.
     for step in (1, 2):
         assert run.steps[step]["actor/kl_coef"] == pytest.approx(0.1), context
-        assert 0 < run.steps[step]["actor/kl_loss"] < 1, context
+    assert 0 <= run.steps[1]["actor/kl_loss"] < run.steps[2]["actor/kl_loss"] < 1, context
     # validation before training (step 0) and after every step
     val = "val-core/maspo_local_toy/acc/mean@1"
     assert all(val in run.steps[s] for s in (0, 1, 2)), context
