@@ -69,6 +69,34 @@ def _clamped(x: torch.Tensor, bound: torch.Tensor | float, upper: bool) -> torch
     return x.clamp(max=bound) if upper else x.clamp(min=bound)
 
 
+def _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep):
+    """The loss values, the clip masks, and d loss / d log pi (see ``_PessimisticSurrogate``)."""
+    adv = _zero_outside(advantages, keep, ratio.dtype)
+    weights = None if weights is None else _zero_outside(weights, keep, ratio.dtype)
+    positive, negative = adv > 0, adv < 0
+    x = ratio if bounds.scale is None else log_ratio
+    high = bounds.bound("high")
+    clipped_high = positive & (x > high)
+    effective = _clamped(x, high, upper=True)  # A > 0
+    low = bounds.bound("low")
+    clipped_low = negative & (x < low)
+    floored = _clamped(x, low, upper=False)
+    dual = bounds.bound("dual")
+    clipped_dual = negative & (floored > dual)
+    floored = _clamped(floored, dual, upper=True) if isinstance(dual, torch.Tensor) else floored.clamp_(max=dual)
+    effective = torch.where(positive, effective, floored, out=effective)
+    if bounds.scale is not None:
+        effective.exp_()
+    # where no clip is active the clipped value is r itself: gradient -A r there, 0 elsewhere
+    active = clipped_low | clipped_high | clipped_dual
+    coef = float_mask(~active, ratio.dtype).mul_(ratio).mul_(adv).neg_()
+    loss = effective.mul_(adv).neg_()
+    if weights is not None:
+        loss.mul_(weights)
+        coef.mul_(weights)
+    return loss, clipped_low, clipped_high, clipped_dual, coef
+
+
 class _PessimisticSurrogate(torch.autograd.Function):
     """loss_t = max(-A r, -A clip(r, lo, hi)), and min(., -A c) where A < 0, in closed form:
 
@@ -82,29 +110,9 @@ class _PessimisticSurrogate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_prob, ratio, log_ratio, advantages, bounds, weights, keep):
-        adv = _zero_outside(advantages, keep, ratio.dtype)
-        weights = None if weights is None else _zero_outside(weights, keep, ratio.dtype)
-        positive, negative = adv > 0, adv < 0
-        x = ratio if bounds.scale is None else log_ratio
-        high = bounds.bound("high")
-        clipped_high = positive & (x > high)
-        effective = _clamped(x, high, upper=True)  # A > 0
-        low = bounds.bound("low")
-        clipped_low = negative & (x < low)
-        floored = _clamped(x, low, upper=False)
-        dual = bounds.bound("dual")
-        clipped_dual = negative & (floored > dual)
-        floored = _clamped(floored, dual, upper=True) if isinstance(dual, torch.Tensor) else floored.clamp_(max=dual)
-        effective = torch.where(positive, effective, floored, out=effective)
-        if bounds.scale is not None:
-            effective.exp_()
-        # where no clip is active the clipped value is r itself: gradient -A r there, 0 elsewhere
-        active = clipped_low | clipped_high | clipped_dual
-        coef = float_mask(~active, ratio.dtype).mul_(ratio).mul_(adv).neg_()
-        loss = effective.mul_(adv).neg_()
-        if weights is not None:
-            loss.mul_(weights)
-            coef.mul_(weights)
+        loss, clipped_low, clipped_high, clipped_dual, coef = _surrogate_values(
+            ratio, log_ratio, advantages, bounds, weights, keep
+        )
         ctx.save_for_backward(coef)
         ctx.grad_dtype = log_prob.dtype
         ctx.mark_non_differentiable(clipped_low, clipped_high, clipped_dual)
@@ -141,6 +149,13 @@ def clipped_surrogate(
         keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
     if bounds.scale is not None and log_ratio is None:
         raise ValueError("log-space clip bounds need log_ratio")
+    if torch.compiler.is_compiling():
+        # The same values and gradient in stop-gradient form: torch.compile's tracer (seen with torch
+        # 2.11) loses the gradient of the Function below, whose forward never reads log_prob.
+        with torch.no_grad():
+            loss, low, high, dual, coef = _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep)
+        zero = torch.where(keep, log_prob - log_prob.detach(), 0.0)  # 0, with gradient 1 at kept tokens
+        return Surrogate(loss=loss + coef * zero, clipped_low=low, clipped_high=high, clipped_dual=dual)
     loss, low, high, dual = _PessimisticSurrogate.apply(
         log_prob,
         ratio.detach(),

@@ -105,6 +105,9 @@ class GranularLossConfig(PolicyLossConfig):
     agg_mode: str = "actor"
     # number of equal position buckets for the clip-fraction-by-position metrics
     position_buckets: int = 4
+    # run the loss through torch.compile (fewer, fused kernels: for GPUs, where the eager loss is
+    # bound by kernel launches); the first call of each shape family compiles (seconds to a minute)
+    compile: bool = False
 
     def __post_init__(self):
         check_loss_mode(self.loss_mode)
@@ -146,6 +149,7 @@ class GranularLossConfig(PolicyLossConfig):
         # |p| <= 1 covers CTPO (+-0.5) and P-GSPO (1 - alpha); beyond, n^p makes bounds that never clip
         check_float("clip_exponent", self.clip_exponent, -1.0, 1.0)
         check_choice("agg_mode", self.agg_mode, AGG_MODES)
+        check_bool("compile", self.compile)
         token_set = TOKEN_SETS.get(self.loss_mode)
         if self.agg_mode != "actor" and token_set is not None and not token_set.partition:
             fail("agg_mode", self.agg_mode, f"'actor' with loss_mode={self.loss_mode!r} (its sets are not a partition)")

@@ -11,7 +11,7 @@ loads the plugin, which imports this module, so importing this module must not i
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,7 +87,7 @@ def aggregate(
     return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info)
 
 
-def collect_metrics(
+def metric_sums(
     mask: torch.Tensor,
     delta: torch.Tensor,
     ratio: torch.Tensor,
@@ -95,10 +95,10 @@ def collect_metrics(
     seg_ids: torch.Tensor | None,
     buckets: int,
     response: torch.Tensor,
-    extra: dict[str, torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """All metrics of one call: the raw sums, counts and extremes are reduced on the device and moved
-    to the host in a single transfer; the few divisions between them run in Python (float64).
+    extra: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """All metrics of one call as raw sums, counts and extremes, reduced on the device into one float64
+    vector (``metrics_from_sums`` reads it back after a single transfer).
 
     ``delta`` (zero on padding) may be given as its sum, ``seg_ids`` [B, T] as its row maxima [B, 1].
     ``mask``: the tokens in the loss; ``response``: verl's response mask (``mask`` plus the dropped
@@ -131,10 +131,12 @@ def collect_metrics(
     if seg_ids is not None:
         rows = lengths > 0
         counts += [rows.sum().view(1), ((seg_ids.amax(dim=-1) + 1) * rows).sum().view(1)]
-    extra = extra or {}
-    floats = [f.to(torch.float64) for f in (delta.sum(), *ratio_stats, *extra.values())]
-    host = torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats)]).tolist()
-    host, extra_values = host[: len(host) - len(extra)], host[len(host) - len(extra) :]
+    floats = [f.to(torch.float64) for f in (*extra.values(), delta.sum(), *ratio_stats)]
+    return torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats)])
+
+
+def metrics_from_sums(host: list[float], buckets: int, segments: bool, extra: tuple[str, ...]) -> dict[str, float]:
+    """The metrics from ``metric_sums``'s vector, moved to the host; the few divisions run in Python."""
     low_n, high_n, dual_n = host[:3]
     clipped_per_bucket, tokens_per_bucket = host[3 : 3 + buckets], host[3 + buckets : 3 + 2 * buckets]
     n_tokens, nonfinite = host[3 + 2 * buckets : 5 + 2 * buckets]
@@ -154,10 +156,11 @@ def collect_metrics(
     }
     for b in range(buckets):
         metrics[f"actor/ratio/clipfrac_pos{b + 1}of{buckets}"] = clipped_per_bucket[b] / max(tokens_per_bucket[b], 1.0)
-    if seg_ids is not None:
+    if segments:
         num_rows, num_segments = host[5 + 2 * buckets : 7 + 2 * buckets]
         metrics["actor/ratio/segments_per_seq"] = num_segments / max(num_rows, 1.0)
         metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
+    extra_values = host[len(host) - 4 - len(extra) : len(host) - 4]
     metrics.update(zip(extra, extra_values, strict=True))
     return metrics
 
@@ -180,6 +183,26 @@ def granular_policy_loss(
     ratio either), counted in ``actor/ratio/nonfinite_tokens`` and warned about.
     """
     pl = policy_loss_config(config, loss_mode)
+    body = compiled_loss_body(loss_mode) if pl.compile else partial(loss_body, loss_mode=loss_mode)
+    pg_loss, sums, segments, extra = body(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights
+    )
+    # the one device-to-host transfer of the call
+    metrics = metrics_from_sums(sums.tolist(), pl.position_buckets, segments, extra)
+    if metrics["actor/ratio/nonfinite_tokens"]:
+        warn_once(
+            "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "
+            "in bypass mode?); such tokens are dropped from the loss and counted in actor/ratio/nonfinite_tokens",
+            RuntimeWarning,
+        )
+    return pg_loss, metrics
+
+
+def loss_body(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights, *, loss_mode
+):
+    """The loss, the metric sums (``metric_sums``), whether there are segments, and the names of the
+    rule's own metrics: everything of ``granular_policy_loss`` that runs on the device."""
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         response = response_mask.bool()
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
@@ -199,14 +222,15 @@ def granular_policy_loss(
     surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio, mask)
     del log_ratio, bounds
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
-    metrics = collect_metrics(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
-    if metrics["actor/ratio/nonfinite_tokens"]:
-        warn_once(
-            "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "
-            "in bypass mode?); such tokens are dropped from the loss and counted in actor/ratio/nonfinite_tokens",
-            RuntimeWarning,
-        )
-    return pg_loss, metrics
+    sums = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
+    return pg_loss, sums, seg_ids is not None, tuple(extra)
+
+
+@cache
+def compiled_loss_body(loss_mode: str):
+    """``loss_body`` of one token set through ``torch.compile`` (built on first use). Shapes are
+    dynamic, so micro-batches of other lengths reuse the compiled kernels."""
+    return torch.compile(partial(loss_body, loss_mode=loss_mode), dynamic=True)
 
 
 def policy_loss_fn(loss_mode: str):

@@ -73,6 +73,10 @@ def preset_entries(names=PRESETS) -> list[Entry]:
     return entries
 
 
+def compiled(e: Entry) -> Entry:
+    return Entry(f"{e.label}+compile", e.loss_mode, e.actor, {**e.policy_loss, "compile": True})
+
+
 def loss_fn(e: Entry):
     return get_policy_loss_fn(e.loss_mode)
 
@@ -177,11 +181,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     out = common.prepare_out(args.out or common.default_out("bench"), argv)
     t0 = time.time()
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.cpu_only else [])
+    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise SystemExit("bench: --devices names cuda, but torch sees no CUDA GPU")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     Ts = [int(x) for x in args.T.split(",")]
     names = [n for n in PRESETS if n == BASELINE or not args.only or n in args.only.split(",")]
     entries = preset_entries(names)
+    if args.compile:  # the same presets with policy_loss.compile=true, next to the eager ones
+        from maspo_verl.token_sets import TOKEN_SETS
+
+        entries += [compiled(e) for e in entries if e.loss_mode in TOKEN_SETS]
     fns = {e.label: (loss_fn(e), entry_config(e)) for e in entries}
     rows = []
     for device in devices:
@@ -290,7 +300,7 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "",
     ]
     if not any(r["device"] == "cuda" for r in rows):
-        lines += ["No CUDA GPU was available to this run: there is no CUDA table (and no estimate of one).", ""]
+        lines += ["No CUDA GPU was available to this run: no CUDA table here (`docs/results/bench_cuda/` has one).", ""]
     for device in sorted({r["device"] for r in rows}):
         for dname in ("fp32", "bf16"):
             sel = [r for r in rows if r["device"] == device and r["dtype"] == dname]
@@ -366,8 +376,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared machine)")
     p.add_argument("--only", default="", help=f"comma-separated presets to run ({BASELINE} always runs, first)")
-    p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--devices", default="", help="comma-separated (cpu, cuda); default: cpu, and cuda if there is one")
     p.add_argument(
         "--clock", choices=["process", "wall"], default="process", help="CPU timing: process CPU time or wall time"
     )
+    p.add_argument("--compile", action="store_true", help="add each of our presets with policy_loss.compile=true")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")

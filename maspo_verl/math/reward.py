@@ -190,8 +190,6 @@ def is_equivalent(answer: str, ground_truth: str) -> bool:
         return False
 
 
-
-
 def compute_score(
     data_source: str | None = None,
     solution_str: str | None = None,

@@ -1,0 +1,45 @@
+"""``policy_loss.compile=true`` on CPU: the compiled loss equals the eager one (loss, gradient and every
+metric), across micro-batch lengths, and once compiled with the one host transfer of the eager loss.
+
+Inductor compiles C++ kernels here (a C compiler is needed), ~15-30 s per preset and dtype; the CUDA
+counterpart is ``tests/core/test_cuda.py``. Outside ``tests/core`` so that CI runs it once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maspo_verl.lab import bench
+
+CASES = [("maspo_logprob", torch.float64), ("ctpo", torch.float32)]  # segments with min/max length; prefixes
+
+
+def _run(entry, inputs):
+    fn, cfg = bench.loss_fn(entry), bench.entry_config(entry)
+    old, new, adv, mask, ids, words = inputs
+    lp = new.detach().requires_grad_()
+    with bench.micro_batch_scope({"responses": ids, bench.WORD_IDS_KEY: words}):
+        loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+@pytest.mark.parametrize(("preset", "dtype"), CASES, ids=[c[0] for c in CASES])
+def test_compiled_equals_eager(preset, dtype):
+    entry = bench.preset_entries([preset])[0]
+    compiled = bench.compiled(entry)
+    assert bench.entry_config(compiled).policy_loss.compile is True
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
+    for T in (96, 160):  # a second length reuses the dynamic-shape kernels
+        inputs = bench.make_inputs(6, T, dtype, "cpu", seed=T)
+        loss, grad, metrics = _run(entry, inputs)
+        _run(compiled, inputs)  # compiles on first use (tracing reads some values on the host)
+        with bench.count_host_syncs() as syncs:
+            loss_c, grad_c, metrics_c = _run(compiled, inputs)
+        assert syncs["by"] == {"tolist": 1}, syncs
+        torch.testing.assert_close(loss_c, loss, **tol)
+        torch.testing.assert_close(grad_c, grad, **tol)
+        assert list(metrics_c) == list(metrics)
+        for key, value in metrics.items():
+            assert metrics_c[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
