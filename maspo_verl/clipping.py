@@ -84,6 +84,7 @@ def _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep):
     dual = bounds.bound("dual")
     clipped_dual = negative & (floored > dual)
     floored = _clamped(floored, dual, upper=True) if isinstance(dual, torch.Tensor) else floored.clamp_(max=dual)
+    del low, dual  # a tensor low bound held the previous `floored`: free it (peak memory)
     effective = torch.where(positive, effective, floored, out=effective)
     if bounds.scale is not None:
         effective.exp_()

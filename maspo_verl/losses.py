@@ -105,7 +105,7 @@ def metric_sums(
     non-finite tokens). ``extra``: more 0-d tensors to report (e.g. the segmentation rule's).
     """
     mask = mask.bool()
-    clips = torch.stack([surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual]) & mask
+    clips = [c & mask for c in (surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual)]
     lengths = mask.sum(-1, dtype=torch.int32)  # [B]
     # ratio over valid tokens: zero on padding for the sum and max (r > 0), the largest float for the min
     valid = ratios.float_mask(mask, ratio.dtype)
@@ -122,7 +122,8 @@ def metric_sums(
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
     before = clipped_seen.gather(-1, (first_at - 1).clamp_(min=0)).mul_(first_at > 0)
     counts = [
-        clips.sum(-1, dtype=torch.int32).sum(-1),  # low, high, dual
+        # low, high, dual; one by one, as a bool sum first converts its input to the sum's dtype (peak memory)
+        torch.stack([c.sum(dtype=torch.int32) for c in clips]),
         (before[:, 1:] - before[:, :-1]).sum(0),  # clipped per bucket
         (starts[:, 1:] - starts[:, :-1]).sum(0),  # tokens per bucket
         lengths.sum().view(1),

@@ -364,18 +364,24 @@ class WordsRule(SegmentRule):
     name = "words"
 
     def candidates(self, config, mask, old_log_prob, token_ids):
+        # the fallback first, so that its temporaries are freed before ours exist (peak memory)
+        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, mask, old_log_prob, token_ids)
         words = current_word_ids(mask)
         prev = previous_valid_index(mask)
-        starts = mask & (prev >= 0) & (words != _gather_previous(words, prev))
-        scores = torch.where(words != NO_WORD, 2.0, 1.0)
-        has_words = (mask & (words != NO_WORD)).any(-1, keepdim=True)
-        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, mask, old_log_prob, token_ids)
+        starts = mask & (prev >= 0)
+        starts &= words != torch.gather(words, -1, prev.clamp_(min=0))
+        del prev
+        is_word = words != NO_WORD
+        del words
+        has_words = (mask & is_word).any(-1, keepdim=True)
+        scores = torch.where(has_words, torch.where(is_word, 2.0, 1.0), fallback.scores.float())
+        del is_word
         fallback_forced = torch.zeros_like(mask) if fallback.forced is None else fallback.forced
         rows = mask.any(-1, keepdim=True)
         fell_back = (rows & ~has_words).sum().to(torch.float64) / rows.sum().clamp(min=1).to(torch.float64)
         return Candidates(
             torch.where(has_words, starts, fallback.boundaries),
-            torch.where(has_words, scores, fallback.scores.float()),
+            scores,
             has_words.logical_not() & fallback_forced,
             {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back},
         )

@@ -16,13 +16,8 @@ CASES = [("maspo_logprob", torch.float64), ("ctpo", torch.float32)]  # segments 
 
 
 def _run(entry, inputs):
-    fn, cfg = bench.loss_fn(entry), bench.entry_config(entry)
-    old, new, adv, mask, ids, words = inputs
-    lp = new.detach().requires_grad_()
-    with bench.micro_batch_scope({"responses": ids, bench.WORD_IDS_KEY: words}):
-        loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
-    loss.backward()
-    return loss.detach(), lp.grad, metrics
+    loss, lp, metrics = bench.loss_grad_metrics(bench.loss_fn(entry), bench.entry_config(entry), inputs)
+    return loss, lp.grad, metrics
 
 
 @pytest.mark.parametrize(("preset", "dtype"), CASES, ids=[c[0] for c in CASES])

@@ -139,12 +139,17 @@ def count_host_syncs():
 
 def call(fn, cfg, inputs):
     """One loss call as verl's ``ppo_loss`` makes it (the micro-batch's responses in scope), then backward."""
+    return loss_grad_metrics(fn, cfg, inputs)[1]
+
+
+def loss_grad_metrics(fn, cfg, inputs):
+    """``call``'s loss (detached), the log-prob leaf (with its gradient) and the metrics."""
     old, new, adv, mask, ids, words = inputs
     lp = new.detach().requires_grad_()
     with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
         loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
-    return lp
+    return loss.detach(), lp, metrics
 
 
 def sync(device):

@@ -22,13 +22,8 @@ VERL_OWN = ("grpo", "gspo")  # verl's vanilla and gspo, the references
 
 
 def _loss_and_grad(entry, inputs):
-    fn, cfg = bench.loss_fn(entry), bench.entry_config(entry)
-    old, new, adv, mask, ids, words = inputs
-    lp = new.detach().requires_grad_()
-    with bench.micro_batch_scope({"responses": ids, bench.WORD_IDS_KEY: words}):
-        loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
-    loss.backward()
-    return loss.detach().double().cpu(), lp.grad.double().cpu(), metrics
+    loss, lp, metrics = bench.loss_grad_metrics(bench.loss_fn(entry), bench.entry_config(entry), inputs)
+    return loss.double().cpu(), lp.grad.double().cpu(), metrics
 
 
 def _inputs(dtype, device, seed=3):
