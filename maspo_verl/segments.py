@@ -2,13 +2,16 @@
 
 A rule (a ``SegmentRule`` in ``SEGMENT_RULES``, selected by ``policy_loss.segment_rule``) turns
 [B, T] inputs into a boolean *boundary* tensor (True where a new segment starts), a boundary
-*score* used by ``min_segment_len`` suppression and the boundaries that must stay; ``segment_ids``
-turns boundaries into ids. Rules read their settings from the policy-loss config
+*score* used by ``min_segment_len`` suppression and the boundaries that must stay; the boundaries'
+running count gives the segment ids. Rules read their settings from the policy-loss config
 (``maspo_verl.config.GranularLossConfig``), the one source of defaults. All functions are vectorised
 over [B, T]: no Python loop over tokens or samples, no host sync.
 
 Masks may be right- or left-padded and may contain holes (multi-turn tool outputs); "previous
-token" always means the previous *valid* token, and positions count valid tokens only.
+token" always means the previous *valid* token, and positions count valid tokens only. Rules
+work on *packed* rows (``Packed``): each row's valid tokens moved to its front, so the previous
+valid token is the previous column and a position is a column index; the segment ids go back to
+token order at the end.
 """
 
 from __future__ import annotations
@@ -32,67 +35,74 @@ STD_FLOOR = 1e-3
 WORDS_FALLBACK_METRIC = "actor/ratio/words_fallback_frac"
 # Drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude.
 MAX_DROP = 1e4
+# min-length suppression: the key of a token that is no boundary
+_FLOOR = torch.finfo(torch.float32).max
 
 
-def valid_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Index of each token among the valid tokens of its row (0-based; padding gets garbage >= -1)."""
-    return torch.cumsum(mask.long(), dim=-1) - 1
+class Packed:
+    """The valid tokens of each row of a [B, T] mask moved to the front of the row, in order.
+
+    Column p of a packed tensor holds the row's valid token number p, so the previous valid token is
+    the previous column and a position counted in valid tokens is the column index; columns from the
+    row's length on are padding. ``pack`` is one scatter, ``unpack`` one gather.
+    """
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask = mask.bool()  # token order
+        B, T = mask.shape
+        count = torch.cumsum(mask, dim=-1, dtype=torch.int32)  # int32: several times faster than int64 on CPU
+        self.lengths = count[:, -1:].clone() if T else count.new_zeros(B, 1)
+        # each token's column; padding goes to a dump column T, cut off after packing
+        self.slot = torch.where(mask, count.sub_(1), T).long()
+        self.columns = torch.arange(T, device=mask.device, dtype=torch.int32)
+        self.valid = self.columns < self.lengths
+        # valid tokens with a previous valid token: all but column 0
+        self.has_previous = self.valid.clone()
+        self.has_previous[:, :1] = False
+
+    def pack(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """x [B, T] in token order -> packed [B, T] (``fill`` past each row's length)."""
+        B, T = x.shape
+        return x.new_full((B, T + 1), fill).scatter_(-1, self.slot, x)[:, :T]
+
+    def unpack(self, y: torch.Tensor, fill=0) -> torch.Tensor:
+        """Packed y -> token order, ``fill`` on padding."""
+        B, T = y.shape
+        ext = y.new_empty((B, T + 1))
+        ext[:, T] = fill
+        ext[:, :T] = y
+        return torch.gather(ext, -1, self.slot)
 
 
-def _valid_count(mask: torch.Tensor) -> torch.Tensor:
-    """Number of valid tokens up to and including each position, int32 (cheaper than int64 on CPU;
-    rows are far shorter than 2**31)."""
-    return torch.cumsum(mask, dim=-1, dtype=torch.int32)
+def previous(x: torch.Tensor, fill=0) -> torch.Tensor:
+    """Packed x shifted by one column: each valid token sees the previous valid token's value."""
+    out = torch.empty_like(x)
+    out[:, :1] = fill
+    out[:, 1:] = x[:, :-1]
+    return out
 
 
-def first_valid(mask: torch.Tensor) -> torch.Tensor:
-    """True on the first valid token of each row."""
-    mask = mask.bool()
-    return mask & (_valid_count(mask) == 1)
+def fixed_boundaries(packed: Packed, window: int) -> torch.Tensor:
+    """Boundary where (index among valid tokens) mod W == 0."""
+    return packed.valid & (packed.columns % window == 0)
 
 
-def previous_valid_index(mask: torch.Tensor) -> torch.Tensor:
-    """For each position, the index of the previous valid token in its row (-1 when there is none)."""
-    mask = mask.bool()
-    # (index + 1) on valid tokens, 0 elsewhere; its running max, shifted by one, is the previous valid index + 1
-    idx = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=torch.int32).mul(mask)
-    last = torch.cummax(idx, dim=-1).values
-    prev = torch.empty(mask.shape, dtype=torch.long, device=mask.device)
-    prev[..., 0] = -1
-    torch.sub(last[..., :-1], 1, out=prev[..., 1:])
-    return prev
-
-
-def _gather_previous(x: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    return torch.gather(x, -1, prev.clamp(min=0))
-
-
-def fixed_boundaries(mask: torch.Tensor, window: int) -> torch.Tensor:
-    """Boundary where (index among valid tokens) mod W == 0 (``arange(T) // W`` on valid tokens)."""
-    mask = mask.bool()
-    if window == 1:
-        return mask
-    pos = _valid_count(mask).sub_(1).float()  # exact below 2**24
-    return mask & (pos.div(window).floor_().mul_(window) == pos)
-
-
-def logprob_drops(old_log_prob: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """d_t = lp_prev - lp_t over valid neighbours; returns (drops, has_previous)."""
-    mask = mask.bool()
-    lp = torch.nan_to_num(old_log_prob.float(), nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
-    prev = previous_valid_index(mask)
-    has_prev = mask & (prev >= 0)
-    drop = _gather_previous(lp, prev).sub_(lp).clamp_(-MAX_DROP, MAX_DROP)
+def logprob_drops(old_log_prob: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_p = lp_{p-1} - lp_p over valid neighbours (packed), zero where there is no previous token;
+    returns (drops, has_previous as 0/1 floats)."""
+    lp = packed.pack(old_log_prob).float().nan_to_num_(nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
+    drop = torch.zeros_like(lp)
+    torch.sub(lp[:, :-1], lp[:, 1:], out=drop[:, 1:])
     # zero where there is no previous valid token (a product: finite drops, cheaper than a select)
-    return drop.mul_(float_mask(has_prev)), has_prev
+    w = float_mask(packed.has_previous)
+    return drop.clamp_(-MAX_DROP, MAX_DROP).mul_(w), w
 
 
-def logprob_scores(old_log_prob: torch.Tensor, mask: torch.Tensor, per_sample: bool) -> torch.Tensor:
-    """Boundary score of the logprob rule: the drop, or its per-sample z-score."""
-    drop, has_prev = logprob_drops(old_log_prob, mask)
+def logprob_scores(old_log_prob: torch.Tensor, packed: Packed, per_sample: bool) -> torch.Tensor:
+    """Boundary score of the logprob rule: the drop, or its per-sample z-score (packed)."""
+    drop, w = logprob_drops(old_log_prob, packed)
     if not per_sample:
         return drop
-    w = float_mask(has_prev, drop.dtype)
     n = w.sum(-1, keepdim=True).clamp(min=1.0)
     mu = drop.sum(-1, keepdim=True) / n  # drop is zero where w is
     centred = drop.sub_(mu)
@@ -145,15 +155,22 @@ def _digit_groups(levels: Sequence[int]) -> list[tuple[int, ...]]:
 
 def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
     """Distance between FSQ codes a, b in [0, prod(levels)) split into mixed-radix digits (digit 0
-    least significant).
+    least significant), as int64.
 
     ``fsq_l1``: sum_k |a_k - b_k|; ``fsq_hamming``: sum_k [a_k != b_k]. For XCodec2's [4]*8,
     digit k is (c >> 2k) & 3. Digits are taken a byte's worth at a time (four 2-bit digits) and
     their distance read from a table of all pairs, so [4]*8 costs two lookups; never loops over tokens.
     """
+    return _fsq_distance(a, b, levels, kind).long()
+
+
+def _fsq_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
+    """``fsq_digits_distance`` in the narrowest integer type that holds it (uint8 for [4]*8)."""
     levels = list(levels)
     # int32 when the codes fit: several times faster than int64 on CPU
     dtype = torch.int32 if math.prod(levels) < 2**31 else torch.long
+    largest = sum(level - 1 for level in levels) if kind == "fsq_l1" else len(levels)
+    out_dtype = torch.uint8 if largest < 256 else dtype
     a, b = a.to(dtype), b.to(dtype)
     dist = None
     ga, gb = torch.empty_like(a), torch.empty_like(b)
@@ -168,109 +185,109 @@ def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int],
             pair = ga.mul_(size).add_(gb)
             table = _pair_table(group, kind, str(a.device))
             part = table.index_select(0, pair.reshape(-1)).view(a.shape)
-        dist = part.to(dtype) if dist is None else dist.add_(part)
+        dist = part.to(out_dtype) if dist is None else dist.add_(part)
         radix *= size
-    return dist.long()
+    return dist
 
 
 def tokenval_scores(
     token_ids: torch.Tensor,
-    mask: torch.Tensor,
+    packed: Packed,
     *,
     codec_offset: int,
     codec_size: int,
     distance: str,
     fsq_levels: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distance between neighbouring codec codes; returns (distance, outside_codec_boundary).
+    """Distance between neighbouring codec codes (packed, an integer type); returns (distance,
+    outside_codec_boundary).
 
     A token outside [codec_offset, codec_offset + codec_size) (text, special tokens), and the
     token after it, start segments of their own: the second tensor marks them.
     """
-    mask = mask.bool()
-    ids = token_ids.long()
-    in_codec = (ids >= codec_offset) & (ids < codec_offset + codec_size)
-    # code + 1 inside the codec, 0 outside: one gather brings the previous token's code and membership
-    dtype = torch.int32 if codec_size < 2**31 else torch.long
-    code1 = (ids - (codec_offset - 1)).to(dtype).mul_(in_codec)
-    prev = previous_valid_index(mask)
-    has_prev = mask & (prev >= 0)
-    prev_code1 = _gather_previous(code1, prev)
-    both = mask & in_codec & has_prev & (prev_code1 > 0)
+    # int32 when the ids fit: several times faster than int64 on CPU
+    dtype = torch.int32 if codec_offset + codec_size < 2**31 else torch.long
+    ids = packed.pack(token_ids.to(dtype))
+    in_codec = (ids >= codec_offset).logical_and_(ids < codec_offset + codec_size)
+    # code + 1 inside the codec, 0 outside: the previous column brings the previous code and membership
+    code1 = ids.sub_(codec_offset - 1).mul_(in_codec)
+    prev_code1 = previous(code1)
+    has_prev = packed.has_previous
+    both = (prev_code1 > 0).logical_and_(in_codec).logical_and_(has_prev)
     if distance == "id":
-        dist = (code1 - prev_code1).abs_().long()
+        dist = (code1 - prev_code1).abs_()
     else:
-        dist = fsq_digits_distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
+        dist = _fsq_distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
     return dist.mul_(both), has_prev & ~both
 
 
-def suppress_close(boundaries: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, min_len: int) -> torch.Tensor:
-    """Non-maximum suppression: drop a boundary within ``min_len - 1`` tokens of a stronger one.
+def suppress_close(
+    boundaries: torch.Tensor, scores: torch.Tensor, min_len: int, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-maximum suppression on packed rows: drop a boundary within ``min_len - 1`` tokens of a
+    stronger one.
 
-    Distances count valid tokens. Boundaries are ordered by score, ties going to the earlier one
-    (a strict total order); boundaries that must stay (the first valid token, tokens outside the
-    codec) carry score +inf. A boundary survives when it is the strongest of all boundaries within
-    ``min_len - 1`` valid tokens on either side, *suppressed ones included*, so no two survivors
-    are closer than ``min_len``. Two consequences: a boundary can be dropped by a stronger neighbour
-    that is itself dropped (in 9 . 8 . 9 with min_len 3 the 9s survive, the 8 goes, but in 7 . 8 . 9
-    only the 9 survives: the 7 is dropped by the 8, which the 9 drops), and the row's last segment may
-    be shorter than ``min_len``.
+    Boundaries are ordered by score, ties going to the earlier one (a strict total order);
+    boundaries that must stay (the first valid token, tokens outside the codec: ``forced``, a subset
+    of ``boundaries``) carry score +inf; ``scores`` are otherwise finite. A boundary survives when it
+    is the strongest of all boundaries within ``min_len - 1`` valid tokens on either side,
+    *suppressed ones included*, so no two survivors are closer than ``min_len``. Two consequences: a
+    boundary can be dropped by a stronger neighbour that is itself dropped (in 9 . 8 . 9 with
+    min_len 3 the 9s survive, the 8 goes, but in 7 . 8 . 9 only the 9 survives: the 7 is dropped by
+    the 8, which the 9 drops), and the row's last segment may be shorter than ``min_len``. Forced
+    boundaries next to each other suppress each other like equal scores (the caller keeps them).
 
     Linear in T: the strongest earlier and later neighbours come from one sliding-window max over
-    each row compacted to its valid tokens (strictly stronger than every earlier neighbour, at least
-    as strong as every later one).
+    the packed rows (strictly stronger than every earlier neighbour, at least as strong as every
+    later one).
     """
     if min_len <= 1:
         return boundaries
-    mask = mask.bool()
     B, T = boundaries.shape
-    key = torch.where(boundaries, scores.float(), -math.inf)
-    # compact each row to its valid tokens: slot = index among valid tokens (padding shares a valid
-    # token's slot and carries -inf, so the max keeps the valid key)
-    slot = _valid_count(mask).sub_(1).clamp_(min=0).long()
     pad = min_len - 1
-    compact = torch.full((B, T + 2 * pad), -math.inf, device=key.device)
-    compact[:, pad : pad + T].scatter_reduce_(-1, slot, key, "amax")
-    # window max over the pad slots before each slot; slot p's later neighbours are the window at p + min_len
-    before = torch.nn.functional.max_pool1d(compact.unsqueeze(1), pad, stride=1).squeeze(1)
-    own = compact[:, pad : pad + T]
-    keep = (own > before[:, :T]) & (own >= before[:, min_len : min_len + T])
-    return boundaries & torch.gather(keep, -1, slot)
+    keys = torch.empty((B, T + 2 * pad), device=boundaries.device)
+    keys[:, :pad] = -math.inf
+    keys[:, pad + T :] = -math.inf
+    own = keys[:, pad : pad + T]
+    # the score on boundaries, the float32 floor elsewhere, as arithmetic (faster than a select)
+    on = float_mask(boundaries)
+    torch.addcmul(on.sub(1.0).mul_(_FLOOR), scores, on, out=own)
+    if forced is not None:  # + inf where forced (0 * inf is nan: made 0)
+        own.add_(float_mask(forced).mul_(math.inf).nan_to_num_(nan=0.0, posinf=math.inf))
+    # window max over the pad columns before each column; column p's later neighbours are the window at p + min_len
+    window = torch.nn.functional.max_pool1d(keys.unsqueeze(1), pad, stride=1).squeeze(1)
+    keep = (own > window[:, :T]).logical_and_(own >= window[:, min_len : min_len + T])
+    return keep.logical_and_(boundaries)
 
 
-def split_long(boundaries: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Add a boundary every ``max_len`` valid tokens inside each segment."""
+def split_long(boundaries: torch.Tensor, packed: Packed, max_len: int) -> torch.Tensor:
+    """Add a boundary every ``max_len`` valid tokens inside each segment (packed; the first valid
+    token must be a boundary; what it adds past a row's length is never unpacked)."""
     if max_len <= 0:
         return boundaries
-    mask = mask.bool()
-    count = _valid_count(mask)  # valid position + 1
-    # distance to the last boundary, in valid tokens (counts below 2**24 are exact in float32)
-    since = count.sub(torch.cummax(count.mul(boundaries), dim=-1).values).float()
-    # since % max_len == 0, without integer division
-    on_grid = since.div(max_len).floor_().mul_(max_len) == since
-    return boundaries | (mask & on_grid)
-
-
-def segment_ids(boundaries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Segment id of each token: 0 on the first valid token, +1 at each boundary; 0 on padding."""
-    mask = mask.bool()
-    b = (boundaries | first_valid(mask)) & mask
-    return torch.cumsum(b, dim=-1, dtype=torch.int32).sub_(1).mul_(mask).long()
+    columns = packed.columns
+    # distance to the last boundary, in valid tokens (exact in float32 below 2**24); a multiple of
+    # max_len when its quotient is a whole number
+    last = torch.cummax(float_mask(boundaries, torch.int32).mul_(columns), dim=-1).values
+    since = torch.sub(columns.float(), last).div_(max_len)
+    return boundaries | (since.frac_() == 0)
 
 
 def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
     """Segment ids of the fixed rule without min/max length effects: (valid position) // W."""
     mask = mask.bool()
     # floor((count - 1) / W) in float32: exact for counts below 2**24; 0 on padding
-    pos = _valid_count(mask).sub_(1).mul_(mask).float()
+    pos = torch.cumsum(mask, dim=-1, dtype=torch.int32).sub_(1).mul_(mask).float()
     return pos.div_(window).floor_().long()
 
 
 @dataclass
 class Candidates:
-    """What a rule proposes: boundaries, their strength for min-length suppression, the boundaries
-    that must stay whatever their neighbours (None: only the first valid token), and metrics of the
-    rule (name -> 0-d tensor, moved to the host with the loss's other metrics)."""
+    """What a rule proposes on the packed rows: boundaries, their strength for min-length
+    suppression, the boundaries that must stay whatever their neighbours (None: only the first valid
+    token), and metrics of the rule (name -> 0-d tensor, moved to the host with the loss's other
+    metrics). Boundaries stand on valid tokens only; scores are finite. The tensors are the rule's
+    own: the segmentation modifies them in place."""
 
     boundaries: torch.Tensor
     scores: torch.Tensor
@@ -279,15 +296,16 @@ class Candidates:
 
 
 class SegmentRule:
-    """A segmentation rule: ``candidates`` from the [B, T] inputs and the policy-loss config."""
+    """A segmentation rule: ``candidates`` on the packed rows (``Packed``) from the [B, T] inputs (token
+    order) and the policy-loss config. Boundaries may stand on valid tokens only."""
 
     name: ClassVar[str]
 
-    def candidates(self, config: Any, mask: torch.Tensor, old_log_prob, token_ids) -> Candidates:
+    def candidates(self, config: Any, packed: Packed, old_log_prob, token_ids) -> Candidates:
         raise NotImplementedError
 
     def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
-        """Segment ids by a closed formula when there is one (None: go through the boundaries)."""
+        """Segment ids (token order) by a closed formula when there is one (None: go through the boundaries)."""
         return None
 
 
@@ -302,8 +320,9 @@ class FixedRule(SegmentRule):
 
     name = "fixed"
 
-    def candidates(self, config, mask, old_log_prob, token_ids):
-        return Candidates(fixed_boundaries(mask, config.segment_window), torch.ones(mask.shape, device=mask.device))
+    def candidates(self, config, packed, old_log_prob, token_ids):
+        boundaries = fixed_boundaries(packed, config.segment_window)
+        return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device))
 
     def direct_ids(self, config, mask):
         # min/max lengths cannot move boundaries that are W apart when min <= W and (max 0 or >= W)
@@ -320,11 +339,11 @@ class LogprobRule(SegmentRule):
 
     name = "logprob"
 
-    def candidates(self, config, mask, old_log_prob, token_ids):
+    def candidates(self, config, packed, old_log_prob, token_ids):
         if old_log_prob is None:
             raise ValueError("segment_rule='logprob' needs old_log_prob")
-        scores = logprob_scores(old_log_prob, mask, config.logprob_per_sample)
-        return Candidates(mask & (scores > config.logprob_threshold), scores)
+        scores = logprob_scores(old_log_prob, packed, config.logprob_per_sample)
+        return Candidates(packed.valid & (scores > config.logprob_threshold), scores)
 
 
 @register_segment_rule
@@ -335,19 +354,19 @@ class TokenvalRule(SegmentRule):
 
     name = "tokenval"
 
-    def candidates(self, config, mask, old_log_prob, token_ids):
+    def candidates(self, config, packed, old_log_prob, token_ids):
         if token_ids is None:
-            token_ids = current_response_ids(mask)
+            token_ids = current_response_ids(packed.mask)
         dist, outside = tokenval_scores(
             token_ids,
-            mask,
+            packed,
             codec_offset=config.codec_offset,
             codec_size=config.codec_size,
             distance=config.tokenval_distance,
             fsq_levels=config.fsq_levels,
         )
         scores = dist.float()
-        return Candidates(mask & (scores > config.tokenval_threshold), scores, outside)
+        return Candidates(packed.valid & (scores > config.tokenval_threshold), scores, outside)
 
 
 @register_segment_rule
@@ -363,65 +382,74 @@ class WordsRule(SegmentRule):
 
     name = "words"
 
-    def candidates(self, config, mask, old_log_prob, token_ids):
+    def candidates(self, config, packed, old_log_prob, token_ids):
         # the fallback first, so that its temporaries are freed before ours exist (peak memory)
-        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, mask, old_log_prob, token_ids)
-        words = current_word_ids(mask)
-        prev = previous_valid_index(mask)
-        starts = mask & (prev >= 0)
-        starts &= words != torch.gather(words, -1, prev.clamp_(min=0))
-        del prev
+        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, packed, old_log_prob, token_ids)
+        words = packed.pack(current_word_ids(packed.mask).to(torch.int32), NO_WORD)
+        starts = packed.has_previous & (words != previous(words))
         is_word = words != NO_WORD
         del words
-        has_words = (mask & is_word).any(-1, keepdim=True)
-        scores = torch.where(has_words, torch.where(is_word, 2.0, 1.0), fallback.scores.float())
+        has_words = (packed.valid & is_word).any(-1, keepdim=True)
+        # per row: the words' candidates (score 2 on a word start, 1 on a gap start) or the fallback's,
+        # selected by 0/1 products (exact, faster than selects)
+        use = float_mask(has_words)
+        scores = float_mask(is_word).add_(1.0).mul_(use).add_(fallback.scores.float().mul_(1.0 - use))
         del is_word
-        fallback_forced = torch.zeros_like(mask) if fallback.forced is None else fallback.forced
-        rows = mask.any(-1, keepdim=True)
+        boundaries = (starts & has_words) | (fallback.boundaries & ~has_words)
+        forced = None if fallback.forced is None else fallback.forced & ~has_words
+        rows = packed.lengths > 0
         fell_back = (rows & ~has_words).sum().to(torch.float64) / rows.sum().clamp(min=1).to(torch.float64)
-        return Candidates(
-            torch.where(has_words, starts, fallback.boundaries),
-            scores,
-            has_words.logical_not() & fallback_forced,
-            {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back},
-        )
+        return Candidates(boundaries, scores, forced, {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back})
 
 
-def compute_boundaries(
-    mask: torch.Tensor,
-    config: Any,
-    *,
-    old_log_prob: torch.Tensor | None = None,
-    token_ids: torch.Tensor | None = None,
-    metrics: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Boundaries of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``; the
-    rule's metrics go into ``metrics`` when given."""
-    mask = mask.bool()
+def _rule(config: Any) -> SegmentRule:
     rule = SEGMENT_RULES.get(config.segment_rule)
     if rule is None:
         raise ValueError(f"segment_rule={config.segment_rule!r} is invalid: allowed {', '.join(SEGMENT_RULES)}")
-    found = rule.candidates(config, mask, old_log_prob, token_ids)
-    if metrics is not None:
-        metrics.update(found.metrics)
-    forced = first_valid(mask) if found.forced is None else first_valid(mask) | found.forced
-    scores = torch.where(forced, math.inf, found.scores)
-    b = suppress_close(found.boundaries | forced, scores, mask, config.min_segment_len) | forced
-    return split_long(b, mask, config.max_segment_len) & mask
+    return rule
 
 
-def compute_segment_ids(
-    mask: torch.Tensor,
+def packed_boundaries(
+    packed: Packed,
     config: Any,
     *,
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Segment ids of ``compute_boundaries``, by the rule's closed formula where it has one."""
-    rule = SEGMENT_RULES.get(config.segment_rule)
-    direct = rule.direct_ids(config, mask) if rule is not None else None
+    """Boundaries (packed) of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``;
+    the rule's metrics go into ``metrics`` when given. The inputs are in token order. Boundaries past
+    a row's length are left as they fall (never unpacked)."""
+    found = _rule(config).candidates(config, packed, old_log_prob, token_ids)
+    if metrics is not None:
+        metrics.update(found.metrics)
+    forced = found.forced
+    b = found.boundaries if forced is None else found.boundaries | forced
+    b[:, :1] = packed.valid[:, :1]  # the first valid token starts a segment
+    if config.min_segment_len > 1:
+        # forced boundaries outrank every other (+inf) and stay even next to each other
+        scores = found.scores.float()
+        scores[:, :1].masked_fill_(b[:, :1], math.inf)
+        b = suppress_close(b, scores, config.min_segment_len, forced)
+        if forced is not None:
+            b |= forced
+    return split_long(b, packed, config.max_segment_len)
+
+
+def compute_boundaries(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
+    """``packed_boundaries`` in token order (``inputs``: its keyword arguments)."""
+    packed = Packed(mask)
+    return packed.unpack(packed_boundaries(packed, config, **inputs), False)
+
+
+def compute_segment_ids(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
+    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (``inputs``: its keyword
+    arguments), by the rule's closed formula where it has one."""
+    direct = _rule(config).direct_ids(config, mask)
     if direct is not None:
         return direct
-    boundaries = compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids, metrics=metrics)
-    return segment_ids(boundaries, mask)
+    packed = Packed(mask)
+    ids = torch.cumsum(packed_boundaries(packed, config, **inputs), dim=-1, dtype=torch.int32).sub_(1)
+    ids = packed.unpack(ids)
+    del packed  # its int64 index before the int64 ids exist (peak memory)
+    return ids.long()

@@ -64,6 +64,11 @@ def boundaries_of(mask, segment_rule, old_log_prob=None, token_ids=None, **field
     return segments.compute_boundaries(mask, config, old_log_prob=old_log_prob, token_ids=token_ids)
 
 
+def ids_of(mask, segment_rule, old_log_prob=None, token_ids=None, **fields):
+    config = GranularLossConfig(segment_rule=segment_rule, **fields)
+    return segments.compute_segment_ids(mask, config, old_log_prob=old_log_prob, token_ids=token_ids)
+
+
 def valid_ids(ids, mask, i):
     return ids[i][mask[i]].tolist()
 
@@ -73,7 +78,7 @@ def test_ids_contiguous_start_at_zero_and_ignore_padding(data):
     mask = data.draw(masks())
     kwargs = rule_kwargs(data.draw, mask)
     boundaries = boundaries_of(mask, **kwargs)
-    ids = segments.segment_ids(boundaries, mask)
+    ids = ids_of(mask, **kwargs)
     assert not (boundaries & ~mask).any(), "boundary on padding"
     assert (ids[~mask] == 0).all()
     for i in range(mask.shape[0]):
@@ -93,8 +98,7 @@ def test_max_len_always_and_min_len_between_rule_boundaries(data):
     mask = data.draw(masks())
     kwargs = rule_kwargs(data.draw, mask)
     kwargs["segment_rule"] = data.draw(st.sampled_from(["fixed", "logprob"]))  # tokenval forces extra boundaries
-    boundaries = boundaries_of(mask, **kwargs)
-    ids = segments.segment_ids(boundaries, mask)
+    ids = ids_of(mask, **kwargs)
     for i in range(mask.shape[0]):
         seq = valid_ids(ids, mask, i)
         sizes = torch.bincount(torch.tensor(seq, dtype=torch.long)).tolist() if seq else []
@@ -109,9 +113,9 @@ def test_max_len_always_and_min_len_between_rule_boundaries(data):
 def test_window_extremes(data):
     mask = data.draw(masks())
     T = mask.shape[1]
-    one = segments.segment_ids(boundaries_of(mask, "fixed", segment_window=1), mask)
-    whole = segments.segment_ids(boundaries_of(mask, "fixed", segment_window=T + data.draw(st.integers(0, 5))), mask)
-    positions = segments.valid_positions(mask)
+    one = ids_of(mask, "fixed", segment_window=1)
+    whole = ids_of(mask, "fixed", segment_window=T + data.draw(st.integers(0, 5)))
+    positions = mask.long().cumsum(-1) - 1
     assert torch.equal(one[mask], positions[mask])
     assert (whole == 0).all()
 
@@ -122,7 +126,7 @@ def test_logprob_threshold_extremes(data):
     lp = -torch.rand(mask.shape) * 4
     huge = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1e9)
     tiny = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=-1e9)
-    assert torch.equal(huge, segments.first_valid(mask))  # GSPO-like: one segment
+    assert torch.equal(huge, mask & (mask.long().cumsum(-1) == 1))  # GSPO-like: one segment
     assert torch.equal(tiny, mask)  # GRPO-like: every token
 
 
@@ -166,7 +170,7 @@ def test_tokenval_text_tokens_are_their_own_segments():
 def test_min_len_keeps_the_stronger_boundary():
     lp = torch.tensor([[0.0, -1.5, 0.0, -4.0, 0.0, 0.0, 0.0, -2.0]])
     mask = torch.ones_like(lp, dtype=torch.bool)
-    drops = segments.logprob_drops(lp, mask)[0]
+    drops = segments.logprob_drops(lp, segments.Packed(mask))[0]  # no padding: packed is token order
     assert drops.tolist()[0][1] == 1.5
     b = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_segment_len=3)
     # drop 1.5 at t=1 is within 3 of the forced start; 4.0 at t=3 survives; 2.0 at t=7 is 4 away: kept
@@ -180,8 +184,22 @@ def test_fixed_window_shortcut_equals_boundary_path(data):
     min_len = data.draw(st.integers(0, window))
     max_len = data.draw(st.sampled_from([0, window, window + 3]))
     config = GranularLossConfig(segment_window=window, min_segment_len=min_len, max_segment_len=max_len)
-    general = segments.segment_ids(segments.compute_boundaries(mask, config), mask)
+    # the boundary path's ids: the running count of boundaries (the first valid token is one)
+    general = (segments.compute_boundaries(mask, config).long().cumsum(-1) - 1).clamp(min=0) * mask
     assert torch.equal(segments.compute_segment_ids(mask, config), general)
+
+
+def suppress(boundaries, scores, mask, min_len):
+    """``segments.suppress_close`` in token order: the +inf scores of boundaries given as ``forced``."""
+    packed = segments.Packed(mask)
+    forced = boundaries & scores.isinf()
+    kept = segments.suppress_close(
+        packed.pack(boundaries & mask, False),
+        packed.pack(scores.masked_fill(scores.isinf(), 0.0)),
+        min_len,
+        packed.pack(forced, False),
+    )
+    return packed.unpack(kept, False)
 
 
 def reference_suppress(boundaries, scores, mask, min_len):
@@ -208,7 +226,7 @@ def test_suppress_close_matches_loop_reference(data):
     scores = torch.randint(0, 4, (B, T), generator=g).float()  # many ties
     scores[torch.rand(B, T, generator=g) < 0.1] = float("inf")  # forced boundaries
     min_len = data.draw(st.integers(1, 7))
-    got = segments.suppress_close(boundaries, scores, mask, min_len)
+    got = suppress(boundaries, scores, mask, min_len)
     assert torch.equal(got, reference_suppress(boundaries, scores, mask, min_len) if min_len > 1 else boundaries)
 
 
@@ -217,7 +235,7 @@ def test_suppress_close_drops_a_boundary_whose_suppressor_is_dropped():
     mask = torch.ones(2, 5, dtype=torch.bool)
     boundaries = torch.tensor([[1, 0, 1, 0, 1]] * 2, dtype=torch.bool)
     scores = torch.tensor([[7.0, 0, 8, 0, 9], [9.0, 0, 8, 0, 9]])
-    got = segments.suppress_close(boundaries, scores, mask, 3)
+    got = suppress(boundaries, scores, mask, 3)
     assert got.tolist() == [[False, False, False, False, True], [True, False, False, False, True]]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from maspo_verl.config import GranularLossConfig
-from maspo_verl.segments import compute_boundaries, fsq_digits_distance, segment_ids
+from maspo_verl.segments import compute_boundaries, compute_segment_ids, fsq_digits_distance
 from maspo_verl.speech.tokens import (
     DEFAULT_CODEC_OFFSET,
     LlasaTokenMap,
@@ -170,7 +170,7 @@ def test_tokenval_segments_on_realistic_ids(llasa_tokenizer):
     b = compute_boundaries(mask, config, token_ids=tok)
     starts = torch.nonzero(b[0]).flatten().tolist()
     assert starts == [0, 12, 24, 36], starts  # three sound segments + END on its own
-    seg = segment_ids(b, mask)[0]
+    seg = compute_segment_ids(mask, config, token_ids=tok)[0]
     assert seg[:36].tolist() == [0] * 12 + [1] * 12 + [2] * 12 and seg[36].item() == 3
     # with the small-base tokenizer the same codes sit elsewhere; the rule follows the derived offset
     assert DEFAULT_CODEC_OFFSET == m.codec_offset
