@@ -297,7 +297,7 @@ class Candidates:
 
 class SegmentRule:
     """A segmentation rule: ``candidates`` on the packed rows (``Packed``) from the [B, T] inputs (token
-    order) and the policy-loss config. Boundaries may stand on valid tokens only."""
+    order) and the policy-loss config."""
 
     name: ClassVar[str]
 
