@@ -110,6 +110,22 @@ def test_max_len_always_and_min_len_between_rule_boundaries(data):
 
 
 @given(st.data())
+def test_packing_moves_each_rows_valid_tokens_to_its_front_in_order(data):
+    mask = data.draw(masks())
+    B, T = mask.shape
+    x = torch.arange(B * T, dtype=torch.float32).view(B, T)
+    packed = segments.Packed(mask)
+    p = packed.pack(x, -1.0)
+    for i in range(B):
+        n = int(mask[i].sum())
+        assert p[i, :n].tolist() == x[i][mask[i]].tolist()
+        assert (p[i, n:] == -1.0).all()
+        assert packed.valid[i].tolist() == [c < n for c in range(T)]
+        assert packed.has_previous[i].tolist() == [0 < c < n for c in range(T)]
+    assert torch.equal(packed.unpack(p, -2.0), torch.where(mask, x, -2.0))
+
+
+@given(st.data())
 def test_window_extremes(data):
     mask = data.draw(masks())
     T = mask.shape[1]
