@@ -74,10 +74,11 @@ class Packed:
         return torch.gather(ext, -1, self.slot)
 
 
-def previous(x: torch.Tensor, fill=0) -> torch.Tensor:
-    """Packed x shifted by one column: each valid token sees the previous valid token's value."""
+def previous(x: torch.Tensor) -> torch.Tensor:
+    """Packed x shifted by one column: each valid token sees the previous valid token's value (0 in
+    column 0, which has none)."""
     out = torch.empty_like(x)
-    out[:, :1] = fill
+    out[:, :1] = 0
     out[:, 1:] = x[:, :-1]
     return out
 
