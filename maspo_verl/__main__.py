@@ -2,7 +2,8 @@
 
 Each finding is reported on its own, never as a raw traceback: verl importable, our entry points,
 whether a fresh ``import verl`` (as in a Ray worker) registers our losses and estimator, whether the
-plugin module imports (the exception and the file where it failed, if not), and the two hooks.
+plugin module imports (the exception and the file where it failed, if not), the two hooks, and
+whether the segmentation's C library builds here (informational: without it the torch ops run).
 This module imports only the standard library at the top, so it runs even when the package is broken.
 """
 
@@ -60,6 +61,11 @@ def check() -> int:
         expected = plugin.registered()
         report["registered"] = expected
         report["hooks"] = {name: problem or "installed" for name, problem in plugin.PATCHES.items()}
+        from maspo_verl import native
+
+        # informational: without the C library the segmentation runs on torch ops (same ids, slower on CPU)
+        reason = native.unavailable()
+        report["segmentation_on_cpu"] = "C library" if reason is None else f"torch ops ({reason})"
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report["import_plugin"] = _failure(exc)
     want = expected and expected["policy_losses"] + expected["advantage_estimators"]

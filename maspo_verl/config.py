@@ -19,7 +19,7 @@ from typing import Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from maspo_verl.segments import SEGMENT_RULES, TOKENVAL_DISTANCES
+from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail
 
@@ -91,6 +91,10 @@ class GranularLossConfig(PolicyLossConfig):
     max_segment_len: int = 0
     # segment_rule=words: the rule of a sample without word times
     words_fallback_rule: str = "tokenval"
+    # how segment ids are computed: "auto" = by the C library (maspo_verl.native) for CPU tensors in
+    # eager mode when a C compiler can build it, by torch ops otherwise (GPU, torch.compile);
+    # "torch" = always by torch ops. Both give the same ids.
+    segment_kernel: str = "auto"
     # normalisation: l_t = sum_{S(t)} delta / |S(t)|^alpha (maspo, pgspo)
     length_exponent: float = 1.0
     ctpo_mode: str = "cumprod"
@@ -132,6 +136,7 @@ class GranularLossConfig(PolicyLossConfig):
             )
         object.__setattr__(self, "fsq_levels", levels)
         check_choice("words_fallback_rule", self.words_fallback_rule, tuple(r for r in SEGMENT_RULES if r != "words"))
+        check_choice("segment_kernel", self.segment_kernel, SEGMENT_KERNELS)
         check_int("min_segment_len", self.min_segment_len, 0)
         check_int("max_segment_len", self.max_segment_len, 0)
         if self.max_segment_len and self.max_segment_len < self.min_segment_len:

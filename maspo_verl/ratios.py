@@ -47,9 +47,12 @@ def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tenso
 
     ``delta`` must be zero on padding (``token_log_ratios`` is).
     """
-    sums = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta)
-    counts = torch.zeros_like(delta).scatter_add_(-1, seg_ids, float_mask(mask, delta.dtype))
-    return sums, counts
+    return segment_sums(delta, seg_ids), segment_sums(float_mask(mask, delta.dtype), seg_ids)
+
+
+def segment_sums(values: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` per segment id (indexed like the tokens, [B, T])."""
+    return torch.zeros_like(values).scatter_add_(-1, seg_ids, values)
 
 
 def per_token(per_segment: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:

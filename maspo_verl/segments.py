@@ -11,7 +11,8 @@ Masks may be right- or left-padded and may contain holes (multi-turn tool output
 token" always means the previous *valid* token, and positions count valid tokens only. Rules
 work on *packed* rows (``Packed``): each row's valid tokens moved to its front, so the previous
 valid token is the previous column and a position is a column index; the segment ids go back to
-token order at the end.
+token order at the end. For CPU tensors ``compute_segments`` runs the built-in rules in C instead
+(``maspo_verl.native``, the same ids); these torch ops are the definition and the GPU path.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from maspo_verl import native
 from maspo_verl.batch import NO_WORD, current_response_ids, current_word_ids
 from maspo_verl.ratios import float_mask
-from maspo_verl.util import registrar
+from maspo_verl.util import registrar, warn_once
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
+# policy_loss.segment_kernel: the C library where it applies, or always torch ops
+SEGMENT_KERNELS = ("auto", "torch")
 # Per-sample logprob rule: sigma floor (nats) so a sample whose drops are all equal gets no boundaries.
 STD_FLOOR = 1e-3
 # Words rule: share of the rows with valid tokens and no word that took the fallback rule.
@@ -99,16 +103,33 @@ def logprob_drops(old_log_prob: torch.Tensor, packed: Packed) -> tuple[torch.Ten
     return drop.clamp_(-MAX_DROP, MAX_DROP).mul_(w), w
 
 
-def logprob_scores(old_log_prob: torch.Tensor, packed: Packed, per_sample: bool) -> torch.Tensor:
-    """Boundary score of the logprob rule: the drop, or its per-sample z-score (packed)."""
+def per_sample_cutoffs(drop: torch.Tensor, w: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each row's drop cutoff mu + threshold * max(sigma, ``STD_FLOOR``) [B, 1], float64: mu and sigma
+    the mean and population standard deviation of the row's drops (``w``: 0/1, which are drops)."""
+    n = w.sum(-1, keepdim=True, dtype=torch.float64).clamp(min=1.0)
+    mu = drop.sum(-1, keepdim=True, dtype=torch.float64) / n
+    var = drop.double().sub_(mu).mul_(w).square_().sum(-1, keepdim=True) / n
+    return mu + threshold * var.sqrt().clamp(min=STD_FLOOR)
+
+
+def above(x: torch.Tensor, cutoffs: torch.Tensor) -> torch.Tensor:
+    """float32 x > float64 cutoffs exactly, compared in float32: against each cutoff rounded down to a
+    float32 (a float32 exceeds c exactly when it exceeds the largest float32 <= c)."""
+    low = cutoffs.float()
+    low = torch.where(low.double() > cutoffs, torch.nextafter(low, low.new_tensor(-math.inf)), low)
+    return x > low
+
+
+def logprob_candidates(
+    old_log_prob: torch.Tensor, packed: Packed, threshold: float, per_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, scores) of the logprob rule (packed): a boundary where the drop exceeds
+    ``threshold``, or with ``per_sample`` the row's cutoff (``per_sample_cutoffs``: a z-score above
+    ``threshold``, decided in float64). The score is the drop itself, which orders a row's boundaries
+    as their z-scores do."""
     drop, w = logprob_drops(old_log_prob, packed)
-    if not per_sample:
-        return drop
-    n = w.sum(-1, keepdim=True).clamp(min=1.0)
-    mu = drop.sum(-1, keepdim=True) / n  # drop is zero where w is
-    centred = drop.sub_(mu)
-    var = centred.square().mul_(w).sum(-1, keepdim=True) / n
-    return centred.div_(var.sqrt().clamp(min=STD_FLOOR))
+    above_cut = above(drop, per_sample_cutoffs(drop, w, threshold)) if per_sample else drop > threshold
+    return above_cut.logical_and_(packed.valid), drop
 
 
 def _digits_slice(x: torch.Tensor, radix: int, size: int, out: torch.Tensor) -> torch.Tensor:
@@ -343,8 +364,10 @@ class LogprobRule(SegmentRule):
     def candidates(self, config, packed, old_log_prob, token_ids):
         if old_log_prob is None:
             raise ValueError("segment_rule='logprob' needs old_log_prob")
-        scores = logprob_scores(old_log_prob, packed, config.logprob_per_sample)
-        return Candidates(packed.valid & (scores > config.logprob_threshold), scores)
+        boundaries, scores = logprob_candidates(
+            old_log_prob, packed, config.logprob_threshold, config.logprob_per_sample
+        )
+        return Candidates(boundaries, scores)
 
 
 @register_segment_rule
@@ -443,14 +466,126 @@ def compute_boundaries(mask: torch.Tensor, config: Any, **inputs) -> torch.Tenso
     return packed.unpack(packed_boundaries(packed, config, **inputs), False)
 
 
-def compute_segment_ids(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
-    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (``inputs``: its keyword
-    arguments), by the rule's closed formula where it has one."""
+def compute_segments(
+    mask: torch.Tensor,
+    config: Any,
+    *,
+    old_log_prob: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+    metrics: dict[str, torch.Tensor] | None = None,
+    sizes_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (same arguments), and each
+    segment's number of valid tokens at its id ([B, T] in ``sizes_dtype``) when the C library computed
+    them along (None otherwise). By the C library for CPU tensors (``maspo_verl.native``;
+    ``segment_kernel``), else by the rule's closed formula where it has one, else by the torch ops above."""
+    spec = native_config(config) if _native_wanted(config, mask) else None
+    if spec is not None:
+        return _native_ids(mask, config, spec, old_log_prob, token_ids, metrics, sizes_dtype)
     direct = _rule(config).direct_ids(config, mask)
     if direct is not None:
-        return direct
+        return direct, None
     packed = Packed(mask)
+    inputs = dict(old_log_prob=old_log_prob, token_ids=token_ids, metrics=metrics)
     ids = torch.cumsum(packed_boundaries(packed, config, **inputs), dim=-1, dtype=torch.int32).sub_(1)
     ids = packed.unpack(ids)
     del packed  # its int64 index before the int64 ids exist (peak memory)
-    return ids.long()
+    return ids.long(), None
+
+
+def compute_segment_ids(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
+    """The segment ids of ``compute_segments`` (``inputs``: its keyword arguments)."""
+    return compute_segments(mask, config, **inputs)[0]
+
+
+def _native_wanted(config: Any, mask: torch.Tensor) -> bool:
+    """The C path is wanted: ``segment_kernel=auto``, CPU tensors, eager mode, and the library builds
+    (warned once when it does not)."""
+    if getattr(config, "segment_kernel", "auto") != "auto" or mask.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():  # traced as torch ops
+        return False
+    reason = native.unavailable()
+    if reason is not None:
+        warn_once(f"segmentation runs on torch ops: the C path is unavailable ({reason})")
+    return reason is None
+
+
+def native_config(config: Any) -> native.Config | None:
+    """The C library's settings for ``config`` (None: a rule or setting it does not implement)."""
+    return _native_config(
+        config.segment_rule,
+        config.words_fallback_rule,
+        int(config.segment_window),
+        bool(config.logprob_per_sample),
+        int(config.min_segment_len),
+        int(config.max_segment_len),
+        float(config.logprob_threshold),
+        float(config.tokenval_threshold),
+        int(config.codec_offset),
+        int(config.codec_size),
+        config.tokenval_distance,
+        tuple(int(level) for level in config.fsq_levels),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _native_config(
+    rule, fallback, window, per_sample, min_len, max_len, lp_threshold, tv_threshold, offset, size, distance, levels
+) -> native.Config | None:
+    used = (rule, fallback) if rule == "words" else (rule,)
+    groups = _digit_groups(levels) if levels else []
+    if any(r not in native.RULES for r in used) or len(groups) > native.MAX_GROUPS or math.prod(levels) >= 2**62:
+        return None
+    spec = native.Config(
+        rule=native.RULES[rule],
+        fallback_rule=native.RULES.get(fallback, 0),
+        window=window,
+        per_sample=per_sample,
+        min_len=min_len,
+        max_len=max_len,
+        logprob_threshold=lp_threshold,
+        tokenval_threshold=tv_threshold,
+        std_floor=STD_FLOOR,
+        max_drop=MAX_DROP,
+        codec_offset=offset,
+        codec_size=size,
+        distance=native.DISTANCES[distance],
+        n_groups=len(groups) if distance != "id" else 0,
+    )
+    spec.tables = []  # kept alive with the struct that points at them
+    radix = 1
+    for g, group in enumerate(groups if distance != "id" else []):
+        width = math.prod(group)
+        spec.group_radix[g], spec.group_size[g] = radix, width
+        powers = radix & (radix - 1) == 0 and width & (width - 1) == 0
+        spec.group_shift[g] = radix.bit_length() - 1 if powers else -1
+        if width <= _GROUP_CODES:
+            table = _pair_table(group, distance, "cpu").contiguous()
+            spec.tables.append(table)
+            spec.group_table[g] = table.data_ptr()
+        radix *= width
+    return spec
+
+
+def _native_ids(mask, config, spec, old_log_prob, token_ids, metrics, sizes_dtype):
+    """``compute_segments`` through the C library (the rule's inputs gathered as the rules do)."""
+    used = {config.segment_rule} | ({config.words_fallback_rule} if config.segment_rule == "words" else set())
+    if "logprob" in used and old_log_prob is None:
+        raise ValueError("segment_rule='logprob' needs old_log_prob")
+    if "tokenval" in used and token_ids is None:
+        token_ids = current_response_ids(mask)
+    words = current_word_ids(mask) if "words" in used else None
+    ids, rows, sizes = native.segment_ids(
+        mask,
+        spec,
+        old_log_prob=old_log_prob.detach() if "logprob" in used else None,
+        token_ids=token_ids if "tokenval" in used else None,
+        word_ids=words,
+        sizes_dtype=sizes_dtype,
+    )
+    if metrics is not None and config.segment_rule == "words":
+        nonempty = len(rows) - rows.count(native.ROW_EMPTY)
+        fell_back = rows.count(native.ROW_FALLBACK) / max(nonempty, 1)
+        metrics[WORDS_FALLBACK_METRIC] = torch.tensor(fell_back, dtype=torch.float64)
+    return ids, sizes

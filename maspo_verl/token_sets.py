@@ -71,8 +71,13 @@ class Segments(TokenSet):
 
     def sums(self, config, old_log_prob, mask, delta):
         metrics: dict[str, torch.Tensor] = {}
-        seg_ids = segments.compute_segment_ids(mask, config, old_log_prob=old_log_prob, metrics=metrics)
-        total, sizes = ratios.segment_totals(delta, seg_ids, mask)
+        seg_ids, sizes = segments.compute_segments(
+            mask, config, old_log_prob=old_log_prob, metrics=metrics, sizes_dtype=delta.dtype
+        )
+        if sizes is None:
+            total, sizes = ratios.segment_totals(delta, seg_ids, mask)
+        else:
+            total = ratios.segment_sums(delta, seg_ids)
         return SharedSums(total, sizes, config.length_exponent, seg_ids, metrics)
 
     def token_level(self, config):

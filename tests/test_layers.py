@@ -27,6 +27,7 @@ CORE = {
     "advantages",
     "batch",
     "util",
+    "native",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {

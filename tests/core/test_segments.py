@@ -199,7 +199,9 @@ def test_fixed_window_shortcut_equals_boundary_path(data):
     window = data.draw(st.integers(1, 8))
     min_len = data.draw(st.integers(0, window))
     max_len = data.draw(st.sampled_from([0, window, window + 3]))
-    config = GranularLossConfig(segment_window=window, min_segment_len=min_len, max_segment_len=max_len)
+    config = GranularLossConfig(
+        segment_window=window, min_segment_len=min_len, max_segment_len=max_len, segment_kernel="torch"
+    )
     # the boundary path's ids: the running count of boundaries (the first valid token is one)
     general = (segments.compute_boundaries(mask, config).long().cumsum(-1) - 1).clamp(min=0) * mask
     assert torch.equal(segments.compute_segment_ids(mask, config), general)

@@ -76,6 +76,7 @@ def test_check_command_reports_ok():
     report = json.loads(out.stdout)
     assert report["autoload_registers"] == ["maspo", "ctpo", "pgspo", "maspo_span_grpo"]
     assert report["hooks"] == {"ppo_loss": "installed", "token_scores": "installed"}
+    assert report["segmentation_on_cpu"] == "C library"  # CI has a C compiler
 
 
 def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
