@@ -39,6 +39,8 @@ STD_FLOOR = 1e-3
 WORDS_FALLBACK_METRIC = "actor/ratio/words_fallback_frac"
 # Drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude.
 MAX_DROP = 1e4
+# the logprob rule (own or as the words fallback) without old log-probs
+NEEDS_OLD_LOG_PROB = "segment_rule='logprob' needs old_log_prob"
 # min-length suppression: the key of a token that is no boundary
 _FLOOR = torch.finfo(torch.float32).max
 
@@ -363,7 +365,7 @@ class LogprobRule(SegmentRule):
 
     def candidates(self, config, packed, old_log_prob, token_ids):
         if old_log_prob is None:
-            raise ValueError("segment_rule='logprob' needs old_log_prob")
+            raise ValueError(NEEDS_OLD_LOG_PROB)
         boundaries, scores = logprob_candidates(
             old_log_prob, packed, config.logprob_threshold, config.logprob_per_sample
         )
@@ -529,11 +531,16 @@ def native_config(config: Any) -> native.Config | None:
     )
 
 
+def _rules_in_use(rule: str, fallback: str) -> tuple[str, ...]:
+    """The rules a segmentation runs: its own, and for ``words`` its fallback."""
+    return (rule, fallback) if rule == "words" else (rule,)
+
+
 @functools.lru_cache(maxsize=64)
 def _native_config(
     rule, fallback, window, per_sample, min_len, max_len, lp_threshold, tv_threshold, offset, size, distance, levels
 ) -> native.Config | None:
-    used = (rule, fallback) if rule == "words" else (rule,)
+    used = _rules_in_use(rule, fallback)
     groups = _digit_groups(levels) if levels else []
     if any(r not in native.RULES for r in used) or len(groups) > native.MAX_GROUPS or math.prod(levels) >= 2**62:
         return None
@@ -570,9 +577,9 @@ def _native_config(
 
 def _native_ids(mask, config, spec, old_log_prob, token_ids, metrics, sizes_dtype):
     """``compute_segments`` through the C library (the rule's inputs gathered as the rules do)."""
-    used = {config.segment_rule} | ({config.words_fallback_rule} if config.segment_rule == "words" else set())
+    used = _rules_in_use(config.segment_rule, config.words_fallback_rule)
     if "logprob" in used and old_log_prob is None:
-        raise ValueError("segment_rule='logprob' needs old_log_prob")
+        raise ValueError(NEEDS_OLD_LOG_PROB)
     if "tokenval" in used and token_ids is None:
         token_ids = current_response_ids(mask)
     words = current_word_ids(mask) if "words" in used else None

@@ -38,7 +38,7 @@ typedef struct {
 } config;
 
 typedef struct {
-    int64_t B, T;
+    int64_t T;
     const uint8_t *mask;
     const void *logp;
     int64_t logp_dtype;
@@ -175,29 +175,22 @@ typedef struct {
     const int64_t *code;
     int64_t n, size;
     float threshold;
-    const int64_t *shift, *bits;
-    const uint8_t *const *table;
+    int64_t shift[8], bits[8];
+    const uint8_t *table[8];
     uint8_t *flags;
     float *score;
 } tokenval_args;
 
 /* The tokenval candidates of codes (id - codec_offset): with groups >= 0, FSQ digit groups by shift,
- * mask and table; with groups < 0, fsq_distance or the id distance. */
-static inline void tokenval_loop(const tokenval_args *p, int64_t groups, int whole_bytes) {
-    const int64_t *restrict code = p->code;
-    uint8_t *restrict flags = p->flags;
-    float *restrict score = p->score;
-    /* local copies: stores to flags may alias anything, so fields read through p would be reloaded */
-    int64_t shift[8], bits[8];
-    const uint8_t *table[8];
-    for (int64_t g = 0; g < groups && g < 8; g++) {
-        shift[g] = p->shift[g];
-        bits[g] = p->bits[g];
-        table[g] = p->table[g];
-    }
-    const uint64_t size = (uint64_t)p->size;
-    const float threshold = p->threshold;
-    const int64_t n = p->n;
+ * mask and table; with groups < 0, fsq_distance or the id distance. The arguments come by value: a
+ * copy of the caller's whose fields stores to flags cannot alias, so they stay in registers. */
+static inline void tokenval_loop(const tokenval_args p, int64_t groups, int whole_bytes) {
+    const int64_t *restrict code = p.code;
+    uint8_t *restrict flags = p.flags;
+    float *restrict score = p.score;
+    const uint64_t size = (uint64_t)p.size;
+    const float threshold = p.threshold;
+    const int64_t n = p.n;
     for (int64_t k = 1; k < n; k++) {
         const int64_t a = code[k], b = code[k - 1];
         const int both = ((uint64_t)a < size) & ((uint64_t)b < size);
@@ -205,14 +198,14 @@ static inline void tokenval_loop(const tokenval_args *p, int64_t groups, int who
         if (groups >= 0) { /* masked digits index the table whatever the codes: computed for every token */
             for (int64_t g = 0; g < groups; g++) {
                 if (whole_bytes) { /* group g is byte g: constant shifts once unrolled */
-                    dist += table[g][(((a >> (8 * g)) & 255) << 8) | ((b >> (8 * g)) & 255)];
+                    dist += p.table[g][(((a >> (8 * g)) & 255) << 8) | ((b >> (8 * g)) & 255)];
                 } else {
-                    const int64_t mask = ((int64_t)1 << bits[g]) - 1;
-                    dist += table[g][(((a >> shift[g]) & mask) << bits[g]) | ((b >> shift[g]) & mask)];
+                    const int64_t mask = ((int64_t)1 << p.bits[g]) - 1;
+                    dist += p.table[g][(((a >> p.shift[g]) & mask) << p.bits[g]) | ((b >> p.shift[g]) & mask)];
                 }
             }
         } else if (both) {
-            dist = p->c->distance == DIST_ID ? llabs(a - b) : fsq_distance(p->c, a, b);
+            dist = p.c->distance == DIST_ID ? llabs(a - b) : fsq_distance(p.c, a, b);
         }
         const float sk = both ? (float)dist : 0.0f;
         score[k] = sk;
@@ -267,28 +260,25 @@ static int candidates(const job *j, const config *c, int64_t rule, int64_t row, 
         for (int64_t k = 0; k < n; k++) code[k] -= c->codec_offset;
         score[0] = 0.0f;
         flags[0] = 0;
-        /* digit groups read by shift and mask and looked up in a table (XCodec2's [4]*8: two bytes) */
-        int by_table = c->distance != DIST_ID && c->n_groups <= 8;
-        int64_t shift[8] = {0}, bits[8] = {0};
-        const uint8_t *table[8] = {0};
+        /* digit groups read by shift and mask and looked up in a table; the loop with the group count
+         * a constant (unrolled) for the usual one to four groups, and constant shifts when each group
+         * is a whole byte (XCodec2's [4]*8: two bytes) */
+        tokenval_args args = {c, code, n, size, threshold, {0}, {0}, {0}, flags, score};
+        int by_table = c->distance != DIST_ID && c->n_groups <= 8, whole_bytes = by_table;
         for (int64_t g = 0; by_table && g < c->n_groups; g++) {
             by_table = c->group_shift[g] >= 0 && c->group_table[g] != NULL;
-            shift[g] = c->group_shift[g];
-            bits[g] = __builtin_ctzll((unsigned long long)c->group_size[g]);
-            table[g] = c->group_table[g];
+            whole_bytes &= by_table && c->group_size[g] == 256 && c->group_shift[g] == 8 * g;
+            args.shift[g] = c->group_shift[g];
+            args.bits[g] = __builtin_ctzll((unsigned long long)c->group_size[g]);
+            args.table[g] = c->group_table[g];
         }
-        /* the loop with the group count a constant (unrolled) for the usual one to four groups; with
-         * constant shifts when each group is a whole byte (XCodec2's [4]*8: two bytes) */
-        int whole_bytes = by_table;
-        for (int64_t g = 0; g < c->n_groups; g++) whole_bytes &= c->group_size[g] == 256 && c->group_shift[g] == 8 * g;
         const int64_t groups = by_table ? c->n_groups : -1;
-        const tokenval_args args = {c, code, n, size, threshold, shift, bits, table, flags, score};
         switch (whole_bytes ? groups : groups + 16) {
-        case 1: tokenval_loop(&args, 1, 1); break;
-        case 2: tokenval_loop(&args, 2, 1); break;
-        case 3: tokenval_loop(&args, 3, 1); break;
-        case 4: tokenval_loop(&args, 4, 1); break;
-        default: tokenval_loop(&args, groups, 0);
+        case 1: tokenval_loop(args, 1, 1); break;
+        case 2: tokenval_loop(args, 2, 1); break;
+        case 3: tokenval_loop(args, 3, 1); break;
+        case 4: tokenval_loop(args, 4, 1); break;
+        default: tokenval_loop(args, groups, 0);
         }
     } else { /* RULE_WORDS: a boundary where the word id changes; score 2 on a word, 1 on a gap */
         int64_t *restrict w = sc->ints;
@@ -475,7 +465,7 @@ int maspo_segment_ids(int64_t B, int64_t T, const uint8_t *mask, const void *log
                       const void *tokens, int64_t tokens_dtype, const void *words, int64_t words_dtype,
                       const config *cfg, int64_t *ids, int8_t *row_state, void *sizes, int64_t sizes_dtype,
                       int64_t threads) {
-    job j = {B, T, mask, logp, logp_dtype, tokens, tokens_dtype, words, words_dtype, cfg, ids, row_state, sizes,
+    job j = {T, mask, logp, logp_dtype, tokens, tokens_dtype, words, words_dtype, cfg, ids, row_state, sizes,
              sizes_dtype};
     if (threads > B) threads = B;
     if (threads <= 1) {
