@@ -21,7 +21,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES
 from maspo_verl.token_sets import TOKEN_SETS
-from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail
+from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail, reject_unknown
 
 CTPO_MODES = ("cumprod", "geomean")
 CLIP_SCHEDULES = ("ratio", "log_adaptive")
@@ -166,10 +166,7 @@ def _reject_unknown_fields(cls) -> None:
     generated = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        allowed = [f.name for f in fields(cls) if f.init]
-        unknown = sorted(set(kwargs) - set(allowed))
-        if unknown:
-            raise TypeError(f"policy_loss has unknown fields {unknown}: allowed {', '.join(allowed)}")
+        reject_unknown("policy_loss", kwargs, [f.name for f in fields(cls) if f.init], TypeError, "fields")
         generated(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -216,8 +213,5 @@ class SpanCreditConfig:
         if isinstance(section, SpanCreditConfig):
             return section
         values = {k: v for k, v in dict(section).items() if k != "_target_"}
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            raise ValueError(f"algorithm.span_credit has unknown keys {unknown}: allowed {', '.join(names)}")
+        reject_unknown("algorithm.span_credit", values, [f.name for f in fields(cls)])
         return cls(**values)

@@ -27,6 +27,15 @@ def fail(name: str, value: Any, allowed: str) -> None:
     raise FieldError(path, f"{path}={value!r} is invalid: allowed {allowed}")
 
 
+def reject_unknown(section: str, given, allowed, error: type[Exception] = ValueError, kind: str = "keys") -> None:
+    """Raise ``error`` naming the keys of ``given`` not in ``allowed`` (``kind``: what they are called),
+    and the allowed ones."""
+    allowed = list(allowed)
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise error(f"{section} has unknown {kind} {unknown}: allowed {', '.join(allowed)}")
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
     if not isinstance(value, str) or value not in choices:
         fail(name, value, "one of " + ", ".join(choices))

@@ -62,7 +62,7 @@ from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
 from maspo_verl.speech.spans import error_spans, token_penalties, word_token_ids
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.validation import FieldError, check_bool, check_choice, check_float, check_int, fail
+from maspo_verl.validation import FieldError, check_bool, check_choice, check_float, check_int, fail, reject_unknown
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,7 @@ class SpeechRewardConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SpeechRewardConfig:
         d = dict(d or {})
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(
-                f"unknown speech reward settings {sorted(unknown)} under {PREFIX.rstrip('.')}; allowed: {sorted(names)}"
-            )
+        reject_unknown(PREFIX.rstrip("."), d, sorted(f.name for f in fields(cls)))
         return cls(**d)
 
     @classmethod

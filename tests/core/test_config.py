@@ -193,7 +193,7 @@ def test_span_credit_preset_with_the_speech_recipe_passes_start_up():
         (["+reward.custom_reward_function.reward_kwargs.span_penalty=-1"], "span_penalty=-1 is invalid"),
         (
             ["+reward.custom_reward_function.reward_kwargs.span_weight=1"],
-            r"unknown speech reward settings \['span_weight'\]",
+            r"reward_kwargs has unknown keys \['span_weight'\]",
         ),
     ],
 )

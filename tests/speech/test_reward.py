@@ -45,7 +45,7 @@ def test_normalize_and_wer_units():
 
 
 def test_config_rejects_unknown_keys():
-    with pytest.raises(ValueError, match="unknown speech reward settings"):
+    with pytest.raises(ValueError, match=r"has unknown keys \[.asr_modle.\]"):
         SpeechRewardConfig.from_dict({"asr_modle": "tiny"})
 
 
