@@ -1,6 +1,6 @@
 """``python -m maspo_verl.main <hydra overrides>``: verl's ``main_ppo`` on our config directory.
 
-Composes ``maspo_verl/hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
+Composes ``hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
 runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry.
 
 - ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then.
@@ -14,8 +14,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from maspo_verl.plugin import run_startup_checks
+from maspo_verl.util import config_dir
 
-CONFIG_PATH = "pkg://maspo_verl.hydra_configs"
+CONFIG_PATH = str(config_dir())
 
 LOSS_KEYS = (
     "clip_ratio",

@@ -10,7 +10,7 @@ Each registered ``TokenSet`` is one loss of this package: the plugin registers e
 | `pgspo` | whole response          | `length_exponent` (1 = GSPO)                                |
 
 A new loss is one subclass here, decorated with ``@register_token_set``, plus a preset in
-``maspo_verl/hydra_configs/loss/`` (and its fields in ``maspo_verl.config`` if it needs new ones).
+``hydra_configs/loss/`` (and its fields in ``maspo_verl.config`` if it needs new ones).
 """
 
 from __future__ import annotations

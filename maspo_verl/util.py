@@ -1,12 +1,31 @@
-"""Small helpers shared across layers (no verl, no torch): one-time warnings, parquet files."""
+"""Small helpers shared across layers (no verl, no torch): the config folder, one-time warnings, parquet files."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from pathlib import Path
 
 _warned: set[str] = set()
+
+
+def config_dir() -> Path:
+    """The Hydra config folder: ``maspo_verl/hydra_configs`` in an installed wheel, else ``hydra_configs/``
+    beside the package (a checkout, an editable install, or a checkout uploaded as a Ray job's
+    ``working_dir``, whose package shadows an installed one)."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "hydra_configs", package.parent / "hydra_configs"):
+        if (folder / "maspo_trainer.yaml").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"no hydra_configs/ beside {package}: reinstall maspo-verl (the wheel ships maspo_verl/hydra_configs)"
+    )
+
+
+def preset_names(group: str = "loss") -> list[str]:
+    """The presets of a config group (``loss=<name>``): the YAML files of ``hydra_configs/<group>/``."""
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
 def warn_once(message: str, category: type[Warning] = UserWarning, logger: logging.Logger | None = None) -> None:

@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared by recipes/*/common.sh (sourced after they set their variables): the Hydra overrides that
 # every recipe derives from the same environment variables, and the launcher. Settings that are
-# not knobs live in the Hydra presets (maspo_verl/hydra_configs/recipe/, maspo_verl/hydra_configs/loss/).
+# not knobs live in the Hydra presets (hydra_configs/recipe/, hydra_configs/loss/).
 
 RESUME_MODE=${RESUME_MODE:-auto}                      # auto | disable | resume_path
 

@@ -1,9 +1,10 @@
 """Shared test helpers: composing our Hydra config, verl actor configs, random [B, T] batches."""
 
 import torch
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 
 from maspo_verl.config import actor_config  # noqa: F401  (re-exported for the tests)
+from maspo_verl.util import config_dir
 
 # batch sizes small enough for verl's micro-batch checks in a dry run
 SMALL = [
@@ -15,8 +16,8 @@ SMALL = [
 
 
 def compose_config(*overrides, config_name="maspo_trainer"):
-    """Our trainer config (``maspo_verl.hydra_configs``) with Hydra overrides, as the CLI composes it."""
-    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
+    """Our trainer config (``hydra_configs/``) with Hydra overrides, as the CLI composes it."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         return compose(config_name=config_name, overrides=list(overrides))
 
 

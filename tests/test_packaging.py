@@ -54,9 +54,11 @@ def test_installed_copy_composes_without_the_checkout(installed_wheel, tmp_path)
     target, _ = installed_wheel
     probe = (
         "import maspo_verl\n"
-        "from hydra import compose, initialize_config_module\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from maspo_verl.util import config_dir\n"
         f"assert maspo_verl.__file__.startswith({str(target)!r}), maspo_verl.__file__\n"
-        "with initialize_config_module(config_module='maspo_verl.hydra_configs', version_base=None):\n"
+        f"assert str(config_dir()).startswith({str(target)!r}), config_dir()\n"
+        "with initialize_config_dir(str(config_dir()), version_base=None):\n"
         "    cfg = compose(config_name='maspo_trainer', overrides=['loss=ctpo'])\n"
         "print(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)\n"
     )
@@ -95,16 +97,17 @@ def uploaded_checkout(tmp_path_factory):
 
 @pytest.mark.parametrize("install", ["wheel", "editable"])
 def test_uploaded_checkout_shadowing_an_install_composes(install, installed_wheel, uploaded_checkout):
-    """The configs live inside the package, so the uploaded copy that shadows the installed package has
-    them too. `wheel`: the wheel's files on a plain sys.path (python -S: no .pth files, so the test venv's
+    """The uploaded copy that shadows the installed package composes from its own configs (`hydra_configs/`
+    beside its package). `wheel`: the wheel's files on a plain sys.path (python -S: no .pth files, so the test venv's
     editable finder cannot supply what the copy lacks); `editable`: this venv as it is."""
     target, _ = installed_wheel
     probe = (
-        "import maspo_verl, maspo_verl.hydra_configs as h\n"
-        "from hydra import compose, initialize_config_module\n"
-        "with initialize_config_module(config_module='maspo_verl.hydra_configs', version_base=None):\n"
+        "import maspo_verl\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from maspo_verl.util import config_dir\n"
+        "with initialize_config_dir(str(config_dir()), version_base=None):\n"
         "    cfg = compose(config_name='maspo_trainer', overrides=['loss=pgspo', 'local=cpu'])\n"
-        "print(maspo_verl.__file__, h.__file__, cfg.actor_rollout_ref.actor.policy_loss.loss_mode)\n"
+        "print(maspo_verl.__file__, config_dir(), cfg.actor_rollout_ref.actor.policy_loss.loss_mode)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [sys.executable, "-c", probe]

@@ -3,7 +3,7 @@
 Every loss is fetched from verl's registry and called exactly as verl's ``ppo_loss`` calls it:
 ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor_config, None)`` with the
 micro-batch's response ids in scope, then ``loss.backward()``. The timed region is that call plus
-backward, metrics included. The losses are the presets as shipped (``maspo_verl/hydra_configs/loss/*.yaml``,
+backward, metrics included. The losses are the presets as shipped (``hydra_configs/loss/*.yaml``,
 composed like ``python -m maspo_verl.main loss=<preset>``); ``grpo`` (verl's ``vanilla``) is the baseline.
 
 - time: best (minimum) of ``--reps`` repetitions, the estimate least disturbed by other processes on
@@ -41,10 +41,11 @@ import maspo_verl.plugin  # noqa: F401  (registers our losses)
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.lab import common
+from maspo_verl.util import config_dir, preset_names
 
-# The loss presets as shipped (maspo_verl/hydra_configs/loss/*.yaml); the first is the baseline.
-PRESETS = ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "maspo_words", "ctpo", "pgspo")
 BASELINE = "grpo"
+# The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.
+PRESETS = (BASELINE, *(name for name in preset_names() if name != BASELINE))
 PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
 
 
@@ -58,12 +59,12 @@ class Entry:
 
 def preset_entries(names=PRESETS) -> list[Entry]:
     """Each preset's resolved loss section, composed from the trainer config like ``maspo_verl.main``."""
-    from hydra import compose, initialize_config_module
+    from hydra import compose, initialize_config_dir
 
     from maspo_verl.main import loss_section
 
     entries = []
-    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
+    with initialize_config_dir(str(config_dir()), version_base=None):
         for name in names:
             section = loss_section(compose("maspo_trainer", overrides=[f"loss={name}"]))
             policy_loss = {k: v for k, v in section.pop("policy_loss").items() if k != "_target_"}
@@ -289,7 +290,7 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         f"Made by the command in `COMMAND.txt` ({seconds:.0f} s). B={args.B}, best of {args.reps} "
         f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s), "
         f"{'process CPU time' if args.clock == 'process' else 'wall time'} on CPU; forward + backward + metrics "
-        "of each loss preset as shipped (`maspo_verl/hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, "
+        "of each loss preset as shipped (`hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, "
         "the baseline). "
         "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
         "",

@@ -4,7 +4,7 @@ verl ships cuda/npu/rocm platforms only. This one runs everything on the host: d
 process groups on ``gloo``, and a ``torch.cpu``-based device module with the ``torch.cuda``-style
 helpers verl calls (memory statistics, RNG state, streams). It reports the Ray resource ``GPU``
 because verl's resource checks count GPUs only: start Ray with a logical GPU
-(``ray_kwargs.ray_init.num_gpus=1``; maspo_verl/hydra_configs/local/cpu.yaml does).
+(``ray_kwargs.ray_init.num_gpus=1``; hydra_configs/local/cpu.yaml does).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Shared by the recipes/math/run*.sh scripts (sourced, not run): environment variables -> Hydra
-# overrides for `python -m maspo_verl.main`. Loss hyperparameters live in maspo_verl/hydra_configs/loss/<LOSS>.yaml;
+# overrides for `python -m maspo_verl.main`. Loss hyperparameters live in hydra_configs/loss/<LOSS>.yaml;
 # everything here is a knob you can set in the environment. Extra arguments are appended as
 # further Hydra overrides (they win).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Megatron (megatron-core) training + vLLM rollout for a larger model, any loss preset.
-# Composes maspo_verl/hydra_configs/maspo_megatron_trainer.yaml (verl's ppo_megatron_trainer + our presets).
+# Composes hydra_configs/maspo_megatron_trainer.yaml (verl's ppo_megatron_trainer + our presets).
 set -euo pipefail
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-8B}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-7168}

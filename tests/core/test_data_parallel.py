@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 
-PRESETS = sorted(p.stem for p in (Path(__file__).parents[2] / "maspo_verl/hydra_configs/loss").glob("*.yaml"))
+from maspo_verl.util import config_dir, preset_names
+
+PRESETS = preset_names()
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 SEG_MEAN = "seg-mean-token-mean"
 B = 16  # sequences in the mini-batch (ppo_mini_batch_size * n)
@@ -54,7 +55,7 @@ def cases() -> list[tuple[str, str, bool]]:
 def _preset_loss_mode(preset: str) -> str:
     import yaml
 
-    path = Path(__file__).parents[2] / "maspo_verl/hydra_configs/loss" / f"{preset}.yaml"
+    path = config_dir() / "loss" / f"{preset}.yaml"
     return yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"]
 
 
@@ -70,7 +71,7 @@ def actor_configs() -> dict[tuple[str, str], object]:
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
     configs = {}
     for preset, mode in dict.fromkeys((p, m) for p, m, _ in cases()):
-        path = Path(__file__).parents[2] / "maspo_verl/hydra_configs/loss" / f"{preset}.yaml"
+        path = config_dir() / "loss" / f"{preset}.yaml"
         node = OmegaConf.merge(base, yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"])
         if mode == SEG_MEAN:
             node.policy_loss.agg_mode = SEG_MEAN

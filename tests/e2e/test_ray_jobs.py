@@ -88,9 +88,9 @@ def wheel_venv(tmp_path_factory) -> Path:
         capture_output=True,
     )
     probe = (
-        "import json, maspo_verl, maspo_verl.hydra_configs as h, importlib.metadata as md\n"
+        "import json, maspo_verl, maspo_verl.util as u, importlib.metadata as md\n"
         "d = md.distribution('maspo-verl')\n"
-        "print(json.dumps([maspo_verl.__file__, h.__file__, d.read_text('direct_url.json')]))\n"
+        "print(json.dumps([maspo_verl.__file__, str(u.config_dir()), d.read_text('direct_url.json')]))\n"
     )
     out = subprocess.run([python, "-c", probe], cwd=root, env=_clean_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -316,7 +316,7 @@ def test_plain_submit_local_mode_no_overrides(head, tmp_path):
 @pytest.mark.parametrize("working_dir", [False, True])
 def test_which_package_a_job_imports(head, wheel_venv, working_dir):
     """Without a working dir a job imports the venv's wheel; with one, the uploaded copy, which has its configs."""
-    probe = "import maspo_verl.hydra_configs as h; print('CONFIGS_' 'AT=' + h.__file__)"  # not in the echoed command
+    probe = "import maspo_verl.util as u; print('CONFIGS_' 'AT=' + str(u.config_dir()))"  # not in the echoed command
     cmd = [str(MAIN_BIN / "ray"), "job", "submit", "--address", head.address]
     if working_dir:
         cmd += ["--working-dir", str(REPO), "--runtime-env-json", json.dumps({"excludes": [".git", ".venv", "tests"]})]

@@ -4,6 +4,7 @@ import csv
 from pathlib import Path
 
 from maspo_verl.lab.__main__ import main
+from maspo_verl.util import preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def test_bench_command(tmp_path):
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
     # every shipped preset, grpo (verl's vanilla) first
-    presets = {p.stem for p in (REPO / "maspo_verl" / "hydra_configs" / "loss").glob("*.yaml")}
+    presets = set(preset_names())
     assert {r["loss"] for r in rows} == presets and rows[0]["loss"] == "grpo"
     # verl's losses: 3 .item(); ours: exactly one host transfer per call (the metrics)
     verl = [r for r in rows if r["loss_mode"] in ("vanilla", "gspo")]

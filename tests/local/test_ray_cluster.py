@@ -17,6 +17,7 @@ from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
 from maspo_verl import local
 from maspo_verl.local import ray_cluster
+from tests.helpers import compose_config
 from tests.math.conftest import run_script
 
 USER_PATHS = [
@@ -28,10 +29,7 @@ USER_PATHS = [
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module="maspo_verl.hydra_configs", version_base=None):
-        return compose(config_name="maspo_trainer", overrides=overrides)
+    return compose_config(*overrides)
 
 
 @pytest.fixture

@@ -3,15 +3,14 @@ with maspo_trainer.yaml, and every loss preset composes and validates on it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from tests.math.conftest import REPO, compose
+from maspo_verl.util import config_dir, preset_names
+from tests.math.conftest import compose
 
-PRESETS = sorted(p.stem for p in (REPO / "maspo_verl" / "hydra_configs" / "loss").glob("*.yaml"))
+PRESETS = preset_names()
 VALID = [
     "actor_rollout_ref.model.path=/nonexistent/model",  # validate_config opens nothing
     "actor_rollout_ref.rollout.name=vllm",
@@ -22,7 +21,7 @@ VALID = [
 
 
 def _defaults(name: str) -> list:
-    return yaml.safe_load(Path(REPO / "maspo_verl" / "hydra_configs" / name).read_text())["defaults"]
+    return yaml.safe_load((config_dir() / name).read_text())["defaults"]
 
 
 def test_in_step_with_maspo_trainer():

@@ -24,6 +24,7 @@ from maspo_verl.speech.reward import (
     wer_reward,
 )
 from maspo_verl.speech.tokens import codes_to_text
+from tests.helpers import compose_config
 
 PATH = "reward.custom_reward_function.reward_kwargs"
 NAN, INF = float("nan"), float("inf")
@@ -128,12 +129,9 @@ def test_environment_settings_name_the_variable(monkeypatch):
 )
 def test_start_up_fails_before_ray(override, field):
     """The trainer entry point (dry run: start-up checks, no Ray) rejects the setting, naming it."""
-    from hydra import compose, initialize_config_module
-
     from maspo_verl.main import run
 
-    with initialize_config_module("maspo_verl.hydra_configs", version_base=None):
-        cfg = compose("maspo_trainer", overrides=["recipe=speech", "maspo.dry_run=true", f"+{PATH}.{override}"])
+    cfg = compose_config("recipe=speech", "maspo.dry_run=true", f"+{PATH}.{override}")
     with pytest.raises(ValueError, match=rf"{PATH}\.{field}=.* is invalid: allowed a finite number"):
         run(cfg)
 
