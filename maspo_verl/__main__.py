@@ -57,10 +57,11 @@ def check() -> int:
     expected = None
     try:
         from maspo_verl import plugin
+        from maspo_verl.plugin import hooks
 
         expected = plugin.registered()
         report["registered"] = expected
-        report["hooks"] = {name: problem or "installed" for name, problem in plugin.PATCHES.items()}
+        report["hooks"] = {name: problem or "installed" for name, problem in hooks.PATCHES.items()}
         from maspo_verl import native
 
         # informational: without the C library the segmentation runs on torch ops (same ids, slower on CPU)

@@ -1,4 +1,4 @@
-"""The verl micro-batch in scope of a loss call.
+"""The verl micro-batch in scope of a loss call, and the keys that travel through verl's batch.
 
 verl's registered policy losses receive log-probs, advantages and the mask, never the response token
 ids, although the micro-batch that ``verl.workers.utils.losses.ppo_loss`` scores holds them. The
@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+# The keys that travel through verl's batch: per-token reward scores (``reward_extra_info``, which the
+# plugin's hook turns into ``rm_scores``) and word ids (``reward_extra_info``, then a tensor field).
+TOKEN_SCORES_KEY = "maspo_token_scores"
 WORD_IDS_KEY = "maspo_word_ids"
 NO_WORD = -1
 

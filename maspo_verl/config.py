@@ -19,7 +19,7 @@ from typing import Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES
+from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES, fallback_rules
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail, reject_unknown
 
@@ -135,7 +135,7 @@ class GranularLossConfig(PolicyLossConfig):
                 f"(tokenval_distance={self.tokenval_distance!r} splits codes into FSQ digits)",
             )
         object.__setattr__(self, "fsq_levels", levels)
-        check_choice("words_fallback_rule", self.words_fallback_rule, tuple(r for r in SEGMENT_RULES if r != "words"))
+        check_choice("words_fallback_rule", self.words_fallback_rule, fallback_rules())
         check_choice("segment_kernel", self.segment_kernel, SEGMENT_KERNELS)
         check_int("min_segment_len", self.min_segment_len, 0)
         check_int("max_segment_len", self.max_segment_len, 0)

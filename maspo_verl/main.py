@@ -13,7 +13,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from maspo_verl.plugin import run_startup_checks
+from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.util import config_dir
 
 CONFIG_PATH = str(config_dir())

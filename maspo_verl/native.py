@@ -4,7 +4,9 @@
 The library is compiled with the system's C compiler (``$CC``, else ``cc``) the first time it is
 needed, in well under a second, and cached by a hash of its source and flags under
 ``$MASPO_VERL_CACHE`` (default ``$XDG_CACHE_HOME/maspo_verl``, else ``~/.cache/maspo_verl``). Without
-a compiler the torch path runs instead and ``unavailable()`` says why.
+a compiler the torch path runs instead and ``unavailable()`` says why. The segmentation
+(``maspo_verl.segments``) asks ``config_for`` whether its rules have a C implementation (each rule's
+``native_code``) and runs ``compute_segments``; everything that crosses into C is marshalled here.
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from maspo_verl import fsq
 
 SOURCE = Path(__file__).with_name("csrc") / "segment_ids.c"
 # no -ffast-math and no contraction: float32 arithmetic as torch does it, so both paths agree exactly
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-pthread")
 MAX_GROUPS = 64  # as in the C source
-# rules and distances by their C codes
-RULES = {"fixed": 0, "logprob": 1, "tokenval": 2, "words": 3}
+# distances by their C codes (the rules' codes are their ``native_code``)
 DISTANCES = {"id": 0, "fsq_l1": 1, "fsq_hamming": 2}
 _FLOATS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
 _INTS = {torch.int64: 0, torch.int32: 1}
@@ -36,7 +42,7 @@ TOKENS_PER_THREAD = 1 << 16
 
 
 class Config(ctypes.Structure):
-    """The C ``config`` struct: a rule's settings (built by ``maspo_verl.segments``)."""
+    """The C ``config`` struct: a rule's settings (built by ``config_for``)."""
 
     _fields_ = (
         [(name, ctypes.c_int64) for name in ("rule", "fallback_rule", "window", "per_sample", "min_len", "max_len")]
@@ -177,3 +183,85 @@ def segment_ids(
     if status != 0:
         raise MemoryError(f"the segmentation library could not allocate its row buffers (T={T})")
     return ids, rows.raw, sizes
+
+
+def config_for(config: Any, rules: Sequence[Any], std_floor: float, max_drop: float) -> Config | None:
+    """The C library's settings for the policy-loss ``config`` whose segmentation runs ``rules`` (the
+    rule, then its fallback), or None when one of them has no C implementation."""
+    if any(rule.native_code is None for rule in rules):
+        return None
+    return _config(
+        tuple(rule.native_code for rule in rules),
+        int(config.segment_window),
+        bool(config.logprob_per_sample),
+        int(config.min_segment_len),
+        int(config.max_segment_len),
+        float(config.logprob_threshold),
+        float(config.tokenval_threshold),
+        int(config.codec_offset),
+        int(config.codec_size),
+        config.tokenval_distance,
+        tuple(int(level) for level in config.fsq_levels),
+        std_floor,
+        max_drop,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _config(
+    codes, window, per_sample, min_len, max_len, lp_threshold, tv_threshold, offset, size, distance, levels, floor, drop
+) -> Config | None:
+    groups = fsq.digit_groups(levels) if levels else []
+    if len(groups) > MAX_GROUPS or math.prod(levels) >= 2**62:
+        return None
+    spec = Config(
+        rule=codes[0],
+        fallback_rule=codes[1] if len(codes) > 1 else 0,
+        window=window,
+        per_sample=per_sample,
+        min_len=min_len,
+        max_len=max_len,
+        logprob_threshold=lp_threshold,
+        tokenval_threshold=tv_threshold,
+        std_floor=floor,
+        max_drop=drop,
+        codec_offset=offset,
+        codec_size=size,
+        distance=DISTANCES[distance],
+        n_groups=len(groups) if distance != "id" else 0,
+    )
+    spec.tables = []  # kept alive with the struct that points at them
+    radix = 1
+    for g, group in enumerate(groups if distance != "id" else []):
+        width = math.prod(group)
+        spec.group_radix[g], spec.group_size[g] = radix, width
+        powers = radix & (radix - 1) == 0 and width & (width - 1) == 0
+        spec.group_shift[g] = radix.bit_length() - 1 if powers else -1
+        if width <= fsq.GROUP_CODES:
+            table = fsq.pair_table(group, distance, "cpu").contiguous()
+            spec.tables.append(table)
+            spec.group_table[g] = table.data_ptr()
+        radix *= width
+    return spec
+
+
+def compute_segments(mask, spec: Config, rules: Sequence[Any], inputs: Any, metrics, sizes_dtype):
+    """``maspo_verl.segments.compute_segments`` through the library: the inputs the ``rules`` read
+    (``inputs.get(name)`` for each of their ``needs``), the ids and sizes, and the share of rows that
+    took the fallback as the first rule's ``fallback_metric``."""
+    needed = frozenset().union(*(rule.needs for rule in rules))
+    read = {name: inputs.get(name) for name in needed}
+    old_log_prob = read.get("old_log_prob")
+    ids, rows, sizes = segment_ids(
+        mask,
+        spec,
+        old_log_prob=None if old_log_prob is None else old_log_prob.detach(),
+        token_ids=read.get("response_ids"),
+        word_ids=read.get("word_ids"),
+        sizes_dtype=sizes_dtype,
+    )
+    if metrics is not None and rules[0].fallback_metric:
+        nonempty = len(rows) - rows.count(ROW_EMPTY)
+        fell_back = rows.count(ROW_FALLBACK) / max(nonempty, 1)
+        metrics[rules[0].fallback_metric] = torch.tensor(fell_back, dtype=torch.float64)
+    return ids, sizes

@@ -17,7 +17,6 @@ token order at the end. For CPU tensors ``compute_segments`` runs the built-in r
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from maspo_verl import native
+from maspo_verl import fsq, native
 from maspo_verl.batch import NO_WORD, current_response_ids, current_word_ids
 from maspo_verl.ratios import float_mask
 from maspo_verl.util import registrar, warn_once
@@ -134,84 +133,8 @@ def logprob_candidates(
     return above_cut.logical_and_(packed.valid), drop
 
 
-def _digits_slice(x: torch.Tensor, radix: int, size: int, out: torch.Tensor) -> torch.Tensor:
-    """(x // radix) % size into ``out``: a shift and a mask when both are powers of two."""
-    if radix & (radix - 1) == 0 and size & (size - 1) == 0:
-        return torch.bitwise_right_shift(x, radix.bit_length() - 1, out=out).bitwise_and_(size - 1)
-    return torch.div(x, radix, rounding_mode="floor", out=out).remainder_(size)
-
-
-def _digit_loop(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str, radix: int = 1) -> torch.Tensor:
-    """The distance digit by digit (the definition; also fills the lookup tables)."""
-    dist = torch.zeros_like(a)
-    da, db = torch.empty_like(a), torch.empty_like(b)
-    for level in levels:
-        _digits_slice(a, radix, level, da)
-        _digits_slice(b, radix, level, db)
-        dist.add_(da.sub_(db).abs_() if kind == "fsq_l1" else da.ne_(db))
-        radix *= level
-    return dist
-
-
-# Digits are looked up in groups whose codes fit one byte: a table of all 256 x 256 pairs per group.
-_GROUP_CODES = 256
-
-
-@functools.lru_cache(maxsize=16)
-def _pair_table(levels: tuple[int, ...], kind: str, device: str) -> torch.Tensor:
-    """table[i * P + j] = distance between the codes i, j < P = prod(levels) (uint8: at most P - 1)."""
-    size = math.prod(levels)
-    i = torch.arange(size, dtype=torch.int32).repeat_interleave(size)
-    j = torch.arange(size, dtype=torch.int32).repeat(size)
-    return _digit_loop(i, j, levels, kind).to(torch.uint8).to(device)
-
-
-def _digit_groups(levels: Sequence[int]) -> list[tuple[int, ...]]:
-    """Consecutive digits grouped while their codes fit a byte (a larger level stays alone)."""
-    groups, current = [], []
-    for level in levels:
-        if current and math.prod(current) * level > _GROUP_CODES:
-            groups.append(tuple(current))
-            current = []
-        current.append(level)
-    return groups + [tuple(current)]
-
-
-def fsq_digits_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
-    """Distance between FSQ codes a, b in [0, prod(levels)) split into mixed-radix digits (digit 0
-    least significant), as int64.
-
-    ``fsq_l1``: sum_k |a_k - b_k|; ``fsq_hamming``: sum_k [a_k != b_k]. For XCodec2's [4]*8,
-    digit k is (c >> 2k) & 3. Digits are taken a byte's worth at a time (four 2-bit digits) and
-    their distance read from a table of all pairs, so [4]*8 costs two lookups; never loops over tokens.
-    """
-    return _fsq_distance(a, b, levels, kind).long()
-
-
-def _fsq_distance(a: torch.Tensor, b: torch.Tensor, levels: Sequence[int], kind: str) -> torch.Tensor:
-    """``fsq_digits_distance`` in the narrowest integer type that holds it (uint8 for [4]*8)."""
-    levels = list(levels)
-    # int32 when the codes fit: several times faster than int64 on CPU
-    dtype = torch.int32 if math.prod(levels) < 2**31 else torch.long
-    largest = sum(level - 1 for level in levels) if kind == "fsq_l1" else len(levels)
-    out_dtype = torch.uint8 if largest < 256 else dtype
-    a, b = a.to(dtype), b.to(dtype)
-    dist = None
-    ga, gb = torch.empty_like(a), torch.empty_like(b)
-    radix = 1
-    for group in _digit_groups(levels):
-        size = math.prod(group)
-        if size > _GROUP_CODES:  # one large digit: compute it directly
-            part = _digit_loop(a, b, group, kind, radix)
-        else:
-            _digits_slice(a, radix, size, ga)
-            _digits_slice(b, radix, size, gb)
-            pair = ga.mul_(size).add_(gb)
-            table = _pair_table(group, kind, str(a.device))
-            part = table.index_select(0, pair.reshape(-1)).view(a.shape)
-        dist = part.to(out_dtype) if dist is None else dist.add_(part)
-        radix *= size
-    return dist
+# one definition, in maspo_verl.fsq
+fsq_digits_distance = fsq.digits_distance
 
 
 def tokenval_scores(
@@ -241,7 +164,7 @@ def tokenval_scores(
     if distance == "id":
         dist = (code1 - prev_code1).abs_()
     else:
-        dist = _fsq_distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
+        dist = fsq.distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
     return dist.mul_(both), has_prev & ~both
 
 
@@ -319,18 +242,61 @@ class Candidates:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+# What a rule reads besides the mask (``SegmentRule.needs``). The old log-probs come with every loss
+# call; the response ids and word ids from the verl micro-batch in scope (``maspo_verl.batch``),
+# which the plugin's hooks provide.
+OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS = "old_log_prob", "response_ids", "word_ids"
+FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS})
+
+
+class RuleInputs:
+    """The [B, T] inputs of a segmentation (token order), each fetched when a rule first asks for it."""
+
+    def __init__(self, mask: torch.Tensor, old_log_prob=None, response_ids=None):
+        self.mask = mask
+        self._given = {OLD_LOG_PROB: old_log_prob, RESPONSE_IDS: response_ids}
+
+    def get(self, name: str) -> torch.Tensor:
+        value = self._given.get(name)
+        if value is not None:
+            return value
+        if name == OLD_LOG_PROB:
+            raise ValueError(NEEDS_OLD_LOG_PROB)
+        value = current_response_ids(self.mask) if name == RESPONSE_IDS else current_word_ids(self.mask)
+        self._given[name] = value
+        return value
+
+
 class SegmentRule:
-    """A segmentation rule: ``candidates`` on the packed rows (``Packed``) from the [B, T] inputs (token
-    order) and the policy-loss config."""
+    """A segmentation rule: ``candidates`` on the packed rows (``Packed``) from its inputs and the
+    policy-loss config. A rule declares what it reads and how it falls back, and everything else (the
+    plugin's start-up checks and hooks, the local mode, the C path, the speech reward) asks it:
+
+    - ``needs``: the inputs it reads (``OLD_LOG_PROB``, ``RESPONSE_IDS``, ``WORD_IDS``);
+    - ``fallback_field``: the policy-loss field naming the rule for rows it cannot segment (None: none);
+      its metric ``fallback_metric`` is the share of rows that took it;
+    - ``reads_codec``: it reads codec codes (``codec_offset``, ``codec_size``, ``fsq_levels``);
+    - ``native_code``: its number in the C library (``maspo_verl/csrc/segment_ids.c``; None: torch ops);
+    - ``startup(trainer_config)``: work and checks on the composed trainer config before Ray starts.
+    """
 
     name: ClassVar[str]
+    needs: ClassVar[frozenset[str]] = frozenset()
+    fallback_field: ClassVar[str | None] = None
+    fallback_metric: ClassVar[str | None] = None
+    reads_codec: ClassVar[bool] = False
+    native_code: ClassVar[int | None] = None
 
-    def candidates(self, config: Any, packed: Packed, old_log_prob, token_ids) -> Candidates:
+    def candidates(self, config: Any, packed: Packed, inputs: RuleInputs) -> Candidates:
         raise NotImplementedError
 
     def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
         """Segment ids (token order) by a closed formula when there is one (None: go through the boundaries)."""
         return None
+
+    def startup(self, trainer_config: Any) -> list[str]:
+        """Start-up work on the composed trainer config (before Ray); returns the warnings issued."""
+        return []
 
 
 SEGMENT_RULES: dict[str, SegmentRule] = {}
@@ -338,13 +304,19 @@ SEGMENT_RULES: dict[str, SegmentRule] = {}
 register_segment_rule = registrar(SEGMENT_RULES)
 
 
+def fallback_rules() -> tuple[str, ...]:
+    """The rules that may serve as another's fallback: those with no fallback of their own."""
+    return tuple(name for name, rule in SEGMENT_RULES.items() if rule.fallback_field is None)
+
+
 @register_segment_rule
 class FixedRule(SegmentRule):
     """A new segment every ``segment_window`` valid tokens."""
 
     name = "fixed"
+    native_code = 0
 
-    def candidates(self, config, packed, old_log_prob, token_ids):
+    def candidates(self, config, packed, inputs):
         boundaries = fixed_boundaries(packed, config.segment_window)
         return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device))
 
@@ -362,12 +334,12 @@ class LogprobRule(SegmentRule):
     (``logprob_per_sample``: in units of the sample's own drop mean and standard deviation)."""
 
     name = "logprob"
+    needs = frozenset({OLD_LOG_PROB})
+    native_code = 1
 
-    def candidates(self, config, packed, old_log_prob, token_ids):
-        if old_log_prob is None:
-            raise ValueError(NEEDS_OLD_LOG_PROB)
+    def candidates(self, config, packed, inputs):
         boundaries, scores = logprob_candidates(
-            old_log_prob, packed, config.logprob_threshold, config.logprob_per_sample
+            inputs.get(OLD_LOG_PROB), packed, config.logprob_threshold, config.logprob_per_sample
         )
         return Candidates(boundaries, scores)
 
@@ -375,16 +347,16 @@ class LogprobRule(SegmentRule):
 @register_segment_rule
 class TokenvalRule(SegmentRule):
     """A new segment where neighbouring codec codes differ by more than ``tokenval_threshold``;
-    tokens outside the codec range are segments of their own. Needs the response token ids (given,
-    or those of the verl micro-batch in scope)."""
+    tokens outside the codec range are segments of their own."""
 
     name = "tokenval"
+    needs = frozenset({RESPONSE_IDS})
+    reads_codec = True
+    native_code = 2
 
-    def candidates(self, config, packed, old_log_prob, token_ids):
-        if token_ids is None:
-            token_ids = current_response_ids(packed.mask)
+    def candidates(self, config, packed, inputs):
         dist, outside = tokenval_scores(
-            token_ids,
+            inputs.get(RESPONSE_IDS),
             packed,
             codec_offset=config.codec_offset,
             codec_size=config.codec_size,
@@ -407,11 +379,15 @@ class WordsRule(SegmentRule):
     and selected per row (no host sync)."""
 
     name = "words"
+    needs = frozenset({WORD_IDS})
+    fallback_field = "words_fallback_rule"
+    fallback_metric = WORDS_FALLBACK_METRIC
+    native_code = 3
 
-    def candidates(self, config, packed, old_log_prob, token_ids):
+    def candidates(self, config, packed, inputs):
         # the fallback first, so that its temporaries are freed before ours exist (peak memory)
-        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, packed, old_log_prob, token_ids)
-        words = packed.pack(current_word_ids(packed.mask).to(torch.int32), NO_WORD)
+        fallback = SEGMENT_RULES[config.words_fallback_rule].candidates(config, packed, inputs)
+        words = packed.pack(inputs.get(WORD_IDS).to(torch.int32), NO_WORD)
         starts = packed.has_previous & (words != previous(words))
         is_word = words != NO_WORD
         del words
@@ -428,25 +404,41 @@ class WordsRule(SegmentRule):
         return Candidates(boundaries, scores, forced, {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back})
 
 
+def setting(config: Any, name: str, default: Any = None) -> Any:
+    """A policy-loss setting of a config object or a (Dict)Config mapping."""
+    return config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+
+
 def _rule(config: Any) -> SegmentRule:
-    rule = SEGMENT_RULES.get(config.segment_rule)
+    rule = SEGMENT_RULES.get(setting(config, "segment_rule"))
     if rule is None:
-        raise ValueError(f"segment_rule={config.segment_rule!r} is invalid: allowed {', '.join(SEGMENT_RULES)}")
+        allowed = ", ".join(SEGMENT_RULES)
+        raise ValueError(f"segment_rule={setting(config, 'segment_rule')!r} is invalid: allowed {allowed}")
     return rule
 
 
-def packed_boundaries(
-    packed: Packed,
-    config: Any,
-    *,
-    old_log_prob: torch.Tensor | None = None,
-    token_ids: torch.Tensor | None = None,
-    metrics: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def rules_in_use(config: Any) -> tuple[SegmentRule, ...]:
+    """The rules a segmentation with ``config`` runs: ``segment_rule`` and its fallback, if it has one."""
+    rule = _rule(config)
+    if rule.fallback_field is None:
+        return (rule,)
+    name = setting(config, rule.fallback_field)
+    fallback = SEGMENT_RULES.get(name)
+    if fallback is None or fallback.fallback_field is not None:
+        raise ValueError(f"{rule.fallback_field}={name!r} is invalid: allowed {', '.join(fallback_rules())}")
+    return (rule, fallback)
+
+
+def inputs_needed(config: Any) -> frozenset[str]:
+    """Everything the rules in use read (``SegmentRule.needs``)."""
+    return frozenset().union(*(rule.needs for rule in rules_in_use(config)))
+
+
+def packed_boundaries(packed: Packed, config: Any, inputs: RuleInputs, metrics: dict | None = None) -> torch.Tensor:
     """Boundaries (packed) of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``;
-    the rule's metrics go into ``metrics`` when given. The inputs are in token order. Boundaries past
-    a row's length are left as they fall (never unpacked)."""
-    found = _rule(config).candidates(config, packed, old_log_prob, token_ids)
+    the rule's metrics go into ``metrics`` when given. Boundaries past a row's length are left as they
+    fall (never unpacked)."""
+    found = _rule(config).candidates(config, packed, inputs)
     if metrics is not None:
         metrics.update(found.metrics)
     forced = found.forced
@@ -462,10 +454,13 @@ def packed_boundaries(
     return split_long(b, packed, config.max_segment_len)
 
 
-def compute_boundaries(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
-    """``packed_boundaries`` in token order (``inputs``: its keyword arguments)."""
+def compute_boundaries(
+    mask: torch.Tensor, config: Any, *, old_log_prob=None, token_ids=None, metrics=None
+) -> torch.Tensor:
+    """``packed_boundaries`` in token order (``token_ids``: the response ids, else the micro-batch's)."""
     packed = Packed(mask)
-    return packed.unpack(packed_boundaries(packed, config, **inputs), False)
+    inputs = RuleInputs(mask, old_log_prob, token_ids)
+    return packed.unpack(packed_boundaries(packed, config, inputs, metrics), False)
 
 
 def compute_segments(
@@ -477,19 +472,21 @@ def compute_segments(
     metrics: dict[str, torch.Tensor] | None = None,
     sizes_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (same arguments), and each
-    segment's number of valid tokens at its id ([B, T] in ``sizes_dtype``) when the C library computed
-    them along (None otherwise). By the C library for CPU tensors (``maspo_verl.native``;
-    ``segment_kernel``), else by the rule's closed formula where it has one, else by the torch ops above."""
-    spec = native_config(config) if _native_wanted(config, mask) else None
-    if spec is not None:
-        return _native_ids(mask, config, spec, old_log_prob, token_ids, metrics, sizes_dtype)
+    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (``token_ids``: the response ids,
+    else the micro-batch's), and each segment's number of valid tokens at its id ([B, T] in
+    ``sizes_dtype``) when the C library computed them along (None otherwise). By the C library for CPU
+    tensors (``maspo_verl.native``; ``segment_kernel``), else by the rule's closed formula where it has
+    one, else by the torch ops above."""
+    inputs = RuleInputs(mask, old_log_prob, token_ids)
+    if _native_wanted(config, mask):
+        spec = native.config_for(config, rules_in_use(config), STD_FLOOR, MAX_DROP)
+        if spec is not None:
+            return native.compute_segments(mask, spec, rules_in_use(config), inputs, metrics, sizes_dtype)
     direct = _rule(config).direct_ids(config, mask)
     if direct is not None:
         return direct, None
     packed = Packed(mask)
-    inputs = dict(old_log_prob=old_log_prob, token_ids=token_ids, metrics=metrics)
-    ids = torch.cumsum(packed_boundaries(packed, config, **inputs), dim=-1, dtype=torch.int32).sub_(1)
+    ids = torch.cumsum(packed_boundaries(packed, config, inputs, metrics), dim=-1, dtype=torch.int32).sub_(1)
     ids = packed.unpack(ids)
     del packed  # its int64 index before the int64 ids exist (peak memory)
     return ids.long(), None
@@ -511,88 +508,3 @@ def _native_wanted(config: Any, mask: torch.Tensor) -> bool:
     if reason is not None:
         warn_once(f"segmentation runs on torch ops: the C path is unavailable ({reason})")
     return reason is None
-
-
-def native_config(config: Any) -> native.Config | None:
-    """The C library's settings for ``config`` (None: a rule or setting it does not implement)."""
-    return _native_config(
-        config.segment_rule,
-        config.words_fallback_rule,
-        int(config.segment_window),
-        bool(config.logprob_per_sample),
-        int(config.min_segment_len),
-        int(config.max_segment_len),
-        float(config.logprob_threshold),
-        float(config.tokenval_threshold),
-        int(config.codec_offset),
-        int(config.codec_size),
-        config.tokenval_distance,
-        tuple(int(level) for level in config.fsq_levels),
-    )
-
-
-def _rules_in_use(rule: str, fallback: str) -> tuple[str, ...]:
-    """The rules a segmentation runs: its own, and for ``words`` its fallback."""
-    return (rule, fallback) if rule == "words" else (rule,)
-
-
-@functools.lru_cache(maxsize=64)
-def _native_config(
-    rule, fallback, window, per_sample, min_len, max_len, lp_threshold, tv_threshold, offset, size, distance, levels
-) -> native.Config | None:
-    used = _rules_in_use(rule, fallback)
-    groups = _digit_groups(levels) if levels else []
-    if any(r not in native.RULES for r in used) or len(groups) > native.MAX_GROUPS or math.prod(levels) >= 2**62:
-        return None
-    spec = native.Config(
-        rule=native.RULES[rule],
-        fallback_rule=native.RULES.get(fallback, 0),
-        window=window,
-        per_sample=per_sample,
-        min_len=min_len,
-        max_len=max_len,
-        logprob_threshold=lp_threshold,
-        tokenval_threshold=tv_threshold,
-        std_floor=STD_FLOOR,
-        max_drop=MAX_DROP,
-        codec_offset=offset,
-        codec_size=size,
-        distance=native.DISTANCES[distance],
-        n_groups=len(groups) if distance != "id" else 0,
-    )
-    spec.tables = []  # kept alive with the struct that points at them
-    radix = 1
-    for g, group in enumerate(groups if distance != "id" else []):
-        width = math.prod(group)
-        spec.group_radix[g], spec.group_size[g] = radix, width
-        powers = radix & (radix - 1) == 0 and width & (width - 1) == 0
-        spec.group_shift[g] = radix.bit_length() - 1 if powers else -1
-        if width <= _GROUP_CODES:
-            table = _pair_table(group, distance, "cpu").contiguous()
-            spec.tables.append(table)
-            spec.group_table[g] = table.data_ptr()
-        radix *= width
-    return spec
-
-
-def _native_ids(mask, config, spec, old_log_prob, token_ids, metrics, sizes_dtype):
-    """``compute_segments`` through the C library (the rule's inputs gathered as the rules do)."""
-    used = _rules_in_use(config.segment_rule, config.words_fallback_rule)
-    if "logprob" in used and old_log_prob is None:
-        raise ValueError(NEEDS_OLD_LOG_PROB)
-    if "tokenval" in used and token_ids is None:
-        token_ids = current_response_ids(mask)
-    words = current_word_ids(mask) if "words" in used else None
-    ids, rows, sizes = native.segment_ids(
-        mask,
-        spec,
-        old_log_prob=old_log_prob.detach() if "logprob" in used else None,
-        token_ids=token_ids if "tokenval" in used else None,
-        word_ids=words,
-        sizes_dtype=sizes_dtype,
-    )
-    if metrics is not None and config.segment_rule == "words":
-        nonempty = len(rows) - rows.count(native.ROW_EMPTY)
-        fell_back = rows.count(native.ROW_FALLBACK) / max(nonempty, 1)
-        metrics[WORDS_FALLBACK_METRIC] = torch.tensor(fell_back, dtype=torch.float64)
-    return ids, sizes

@@ -57,10 +57,25 @@ class TokenSet:
         """True when the settings give every token its own ratio (GRPO's granularity)."""
         return False
 
+    def segment_rules(self, config: Any) -> tuple[segments.SegmentRule, ...]:
+        """The segmentation rules the settings run (none for sets that are not segments)."""
+        return ()
+
 
 TOKEN_SETS: dict[str, TokenSet] = {}
 # class decorator: the plugin registers ``cls.name`` as a verl policy loss
 register_token_set = registrar(TOKEN_SETS)
+
+
+def segment_rules(policy_loss: Any) -> tuple[segments.SegmentRule, ...]:
+    """The segmentation rules a policy-loss config (object or mapping) runs; none for other losses."""
+    token_set = TOKEN_SETS.get(segments.setting(policy_loss, "loss_mode"))
+    return token_set.segment_rules(policy_loss) if token_set else ()
+
+
+def inputs_needed(policy_loss: Any) -> frozenset[str]:
+    """What the loss reads besides log-probs and the mask (``maspo_verl.segments.SegmentRule.needs``)."""
+    return frozenset().union(*(rule.needs for rule in segment_rules(policy_loss)))
 
 
 @register_token_set
@@ -79,6 +94,9 @@ class Segments(TokenSet):
         else:
             total = ratios.segment_sums(delta, seg_ids)
         return SharedSums(total, sizes, config.length_exponent, seg_ids, metrics)
+
+    def segment_rules(self, config):
+        return segments.rules_in_use(config)
 
     def token_level(self, config):
         window_one = config.get("segment_rule") == "fixed" and config.get("segment_window") == 1

@@ -28,6 +28,7 @@ CORE = {
     "batch",
     "util",
     "native",
+    "fsq",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {

@@ -136,8 +136,7 @@ class LearnRewardManager(RewardManagerBase):
         super().__init__(config, tokenizer, compute_score)
 
     async def run_single(self, data) -> dict:
-        from maspo_verl.batch import WORD_IDS_KEY
-        from maspo_verl.plugin import TOKEN_SCORES_KEY
+        from maspo_verl.batch import TOKEN_SCORES_KEY, WORD_IDS_KEY
 
         item = data[-1:][0]
         responses = item.batch["responses"]

@@ -124,7 +124,7 @@ def activate() -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from maspo_verl.local.platform import PlatformCPU
-    from maspo_verl.plugin import patch
+    from maspo_verl.plugin.hooks import patch
 
     platform_manager.PlatformRegistry.register(platform="cpu")(PlatformCPU)
     current = platform_manager._current_platform
@@ -155,7 +155,7 @@ def _unpin_fsdp2_offload() -> None:
     parameters live in host memory anyway: the same policy, unpinned."""
     from verl.workers.engine.fsdp import transformer_impl
 
-    from maspo_verl.plugin import patch
+    from maspo_verl.plugin.hooks import patch
 
     def _unpinned(original):
         def policy(pin_memory: bool = True, **kwargs):
@@ -240,11 +240,9 @@ def _private_temp_dir() -> str:
 def _fit_tokenval_to_embedded(policy_loss) -> None:
     """The embedded tokenizer's ids 0..255 are bytes: use them as 4-digit FSQ "codes" ([4]*4 = 256)."""
     from maspo_verl.local.assets import MODEL_VOCAB
+    from maspo_verl.token_sets import segment_rules
 
-    rule = policy_loss.get("segment_rule")
-    if rule == "words":  # its fallback rule may be tokenval
-        rule = policy_loss.get("words_fallback_rule")
-    if rule != "tokenval":
+    if not any(rule.reads_codec for rule in segment_rules(policy_loss)):
         return
     if int(policy_loss.get("codec_offset", 0)) + int(policy_loss.get("codec_size", 1)) <= MODEL_VOCAB:
         return

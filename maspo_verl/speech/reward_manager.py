@@ -18,7 +18,7 @@ node GPU ``i mod n`` (Ray 2.5x leaves CUDA_VISIBLE_DEVICES unset for zero-GPU ac
 With ``token_scores=true`` (span credit, ``credit=span``) each sample's per-code penalties are placed
 at the codes' positions in the response and returned as per-token scores under
 ``reward_extra_info[TOKEN_SCORES_KEY]``; maspo_verl's hook on verl's agent-loop output turns them into
-the sample's ``rm_scores`` row (``maspo_verl.plugin.install_token_scores_hook``).
+the sample's ``rm_scores`` row (``maspo_verl.plugin.hooks.install_token_scores_hook``).
 
 With MASPO's ``segment_rule=words`` (preset ``loss=maspo_words``) the manager turns on the reward's
 ``word_ids`` itself and returns, per sample, the word id of each response token (the codes' word ids
@@ -39,11 +39,14 @@ from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from maspo_verl.advantages import SPAN_GRPO
-from maspo_verl.batch import NO_WORD, WORD_IDS_KEY
-from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem, register_startup_check, warn_span_credit_is_grpo
+from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
+from maspo_verl.plugin.checks import register_startup_check, warn_span_credit_is_grpo
+from maspo_verl.plugin.hooks import patch_problem
+from maspo_verl.segments import WORD_IDS
 from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
 from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
+from maspo_verl.token_sets import inputs_needed
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +72,12 @@ def settings_from_config(config: Any) -> dict[str, Any]:
 
 
 def loss_uses_words(config: Any) -> bool:
-    """The policy loss segments at words (``loss_mode=maspo``, ``segment_rule=words``)."""
+    """The policy loss reads word ids (e.g. ``segment_rule=words``)."""
     try:
         policy_loss = config.actor_rollout_ref.actor.policy_loss
-        return policy_loss.get("loss_mode") == "maspo" and policy_loss.get("segment_rule") == "words"
     except Exception:
         return False
+    return WORD_IDS in inputs_needed(policy_loss)
 
 
 def speech_settings(config: Any) -> SpeechRewardConfig:

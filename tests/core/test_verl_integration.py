@@ -15,6 +15,7 @@ from verl.utils import tensordict_utils as tu
 
 from maspo_verl import plugin
 from maspo_verl.batch import micro_batch_scope
+from maspo_verl.plugin import checks, hooks
 from tests.helpers import actor_config, compose_config
 
 OFFSET = 128264
@@ -173,7 +174,7 @@ def restore_hook():
     saved = verl_losses.ppo_loss
     yield verl_losses
     verl_losses.ppo_loss = saved
-    assert plugin.install_ppo_loss_hook() is None
+    assert hooks.install_ppo_loss_hook() is None
 
 
 def test_hook_refuses_unknown_signature(restore_hook):
@@ -181,12 +182,12 @@ def test_hook_refuses_unknown_signature(restore_hook):
         raise AssertionError("never called")
 
     restore_hook.ppo_loss = ppo_loss
-    problem = plugin.install_ppo_loss_hook()
+    problem = hooks.install_ppo_loss_hook()
     assert problem and "expected ('config', 'model_output', 'data', 'dp_group')" in problem
     assert restore_hook.ppo_loss is ppo_loss  # left untouched
-    assert plugin.patch_problem("ppo_loss") == problem
+    assert hooks.patch_problem("ppo_loss") == problem
     with pytest.raises(RuntimeError, match="segment_rule='tokenval' is unavailable: verl.workers.utils.losses"):
-        plugin.run_startup_checks(compose_config("loss=maspo_tokenval"))
+        checks.run_startup_checks(compose_config("loss=maspo_tokenval"))
 
 
 def test_patch_rebinds_modules_that_imported_the_original(monkeypatch):
@@ -197,16 +198,16 @@ def test_patch_rebinds_modules_that_imported_the_original(monkeypatch):
     importer = types.ModuleType("verl.fake_importer")
     importer.fn = owner.fn
     monkeypatch.setitem(sys.modules, "verl.fake_importer", importer)
-    assert plugin.patch("fake", owner, "fn", lambda original: lambda x: 10 * original(x)) is None
+    assert hooks.patch("fake", owner, "fn", lambda original: lambda x: 10 * original(x)) is None
     assert owner.fn(1) == 20 and importer.fn is owner.fn
-    assert plugin.patch("fake", owner, "fn", lambda original: lambda x: -original(x)) is None  # once only
+    assert hooks.patch("fake", owner, "fn", lambda original: lambda x: -original(x)) is None  # once only
     assert owner.fn(1) == 20
-    assert plugin.patch("gone", owner, "missing", lambda o: o) == "fake_owner.missing does not exist in this verl"
+    assert hooks.patch("gone", owner, "missing", lambda o: o) == "fake_owner.missing does not exist in this verl"
 
 
 def test_hook_install_is_idempotent(restore_hook):
     first = restore_hook.ppo_loss
-    assert plugin.install_ppo_loss_hook() is None
+    assert hooks.install_ppo_loss_hook() is None
     assert restore_hook.ppo_loss is first
     assert plugin.registered() == {
         "policy_losses": ["maspo", "ctpo", "pgspo"],

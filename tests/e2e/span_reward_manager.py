@@ -4,7 +4,7 @@ second (penalty 1 per first-half token, centred), as the speech reward's ``token
 
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from maspo_verl.plugin import TOKEN_SCORES_KEY
+from maspo_verl.batch import TOKEN_SCORES_KEY
 from maspo_verl.speech.spans import token_scores
 
 SCORE = 0.5

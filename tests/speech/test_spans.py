@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem
+from maspo_verl.batch import TOKEN_SCORES_KEY
+from maspo_verl.plugin.hooks import patch_problem
 from maspo_verl.speech.asr import TimedWord
 from maspo_verl.speech.codec import HOP, FrameTableCodec
 from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer

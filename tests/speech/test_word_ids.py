@@ -11,8 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from maspo_verl.batch import NO_WORD, WORD_IDS_KEY
-from maspo_verl.plugin import TOKEN_SCORES_KEY, run_startup_checks
+from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
+from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.speech.codec import FrameTableCodec
 from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer
 from maspo_verl.speech.spans import word_token_ids

@@ -1,0 +1,83 @@
+"""The ``verl.plugins`` entry point: registers our losses and estimator in verl.
+
+``import verl`` loads this package in the driver and in every Ray worker (``pip install`` declares the
+entry point). Importing it registers every token set of ``maspo_verl.token_sets`` as a verl policy loss
+(``maspo``, ``ctpo``, ``pgspo``) and ``maspo_span_grpo`` as an advantage estimator, and installs the
+hooks of ``maspo_verl.plugin.hooks``. The start-up checks that run before Ray are in
+``maspo_verl.plugin.checks`` (``register_startup_check`` and ``run_startup_checks`` are re-exported
+here for recipes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, register_adv_est
+
+logger = logging.getLogger("maspo_verl")
+
+
+def _failed_to_load(error: BaseException) -> None:
+    """verl logs a failing plugin at debug level only: log it as an error, and make verl's own
+    policy-loss config refuse a loss_mode nobody registered, naming this error, so that a run fails
+    in the driver's config validation instead of at the first actor update."""
+    logger.error(
+        "maspo_verl failed to load: its losses are NOT registered in verl (run `python -m maspo_verl check`)",
+        exc_info=error,
+    )
+    from verl.workers.config import PolicyLossConfig
+
+    generated = PolicyLossConfig.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs):
+        generated(self, *args, **kwargs)
+        if self.loss_mode not in POLICY_LOSS_REGISTRY:
+            raise RuntimeError(
+                f"policy_loss.loss_mode={self.loss_mode!r} is not registered in verl (registered: "
+                f"{', '.join(sorted(POLICY_LOSS_REGISTRY))}); the maspo_verl plugin failed to load: "
+                f"{type(error).__name__}: {error}"
+            )
+
+    PolicyLossConfig.__init__ = __init__
+
+
+# Only core modules that do not import verl at import time: ``import maspo_verl.config`` imports verl,
+# whose plugin loader imports this module while ``maspo_verl.config`` is still half-initialised.
+try:
+    from maspo_verl.advantages import SPAN_GRPO, compute_span_grpo_advantage
+    from maspo_verl.losses import policy_loss_fn
+    from maspo_verl.plugin.checks import register_startup_check, run_startup_checks
+    from maspo_verl.plugin.hooks import install_hooks
+    from maspo_verl.token_sets import TOKEN_SETS
+except Exception as exc:
+    _failed_to_load(exc)
+    raise
+
+__all__ = ["register", "register_startup_check", "registered", "run_startup_checks"]
+
+
+def register() -> None:
+    """Register the losses and the estimator, install the hooks (idempotent)."""
+    for name in TOKEN_SETS:
+        if name not in POLICY_LOSS_REGISTRY:
+            POLICY_LOSS_REGISTRY[name] = policy_loss_fn(name)
+    if ADV_ESTIMATOR_REGISTRY.get(SPAN_GRPO) is not compute_span_grpo_advantage:
+        register_adv_est(SPAN_GRPO)(compute_span_grpo_advantage)
+    install_hooks()
+
+
+def registered() -> dict[str, list[str]]:
+    """What of ours verl's registries hold now."""
+    return {
+        "policy_losses": [n for n in TOKEN_SETS if n in POLICY_LOSS_REGISTRY],
+        "advantage_estimators": [n for n in (SPAN_GRPO,) if n in ADV_ESTIMATOR_REGISTRY],
+    }
+
+
+try:
+    register()
+except Exception as exc:
+    _failed_to_load(exc)
+    raise

@@ -1,0 +1,145 @@
+"""The plugin's hooks into verl, installed through one helper, ``patch``, which wraps a verl attribute
+once, checks the feature it relies on (a signature, an attribute) rather than a version, rebinds every
+``verl.*`` module that imported the original by name, and records why it refused if it did:
+
+- ``ppo_loss``: verl's registered losses never see the response token ids, although the micro-batch
+  handed to ``verl.workers.utils.losses.ppo_loss`` holds them. The wrapper puts the micro-batch in
+  scope (``maspo_verl.batch``) for the duration of the call: segment rules that read response or word
+  ids find them there.
+- ``token_scores``: verl's agent loop turns a reward into ``rm_scores`` with the scalar score on the
+  last token. A reward that also returns per-token scores (``reward_extra_info[TOKEN_SCORES_KEY]``,
+  one per response token, summing to the score) gets them as its ``rm_scores`` row instead: we wrap
+  ``AgentLoopOutput.as_dict``, where the v1 trainer builds that row, and drop the list from the extra
+  info so nothing downstream tries to average it. Word ids (``reward_extra_info[WORD_IDS_KEY]``)
+  become a per-sample tensor field of their own next to ``rm_scores``, which verl carries to the
+  loss's micro-batch; a list of the wrong length becomes a row without words.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY, micro_batch_scope
+from maspo_verl.util import warn_once
+
+logger = logging.getLogger("maspo_verl")
+
+PPO_LOSS_PARAMS = ("config", "model_output", "data", "dp_group")
+
+PATCHES: dict[str, str | None] = {}
+"""Hook name -> None when installed, else why it was refused."""
+
+
+def patch(
+    name: str,
+    owner: Any,
+    attr: str,
+    make_wrapper: Callable[[Callable], Callable],
+    requires: Callable[[Callable], str | None] | None = None,
+) -> str | None:
+    """Replace ``owner.attr`` by ``make_wrapper(original)``, once; None on success, else why not.
+
+    ``requires(original)`` returns None when the attribute has the feature the wrapper relies on.
+    Modules under ``verl.`` that bound the original by name (``from ... import attr``) are rebound.
+    """
+    current = getattr(owner, attr, None)
+    original = getattr(current, "__maspo_original__", current)
+    if original is None:
+        problem = f"{getattr(owner, '__name__', owner)}.{attr} does not exist in this verl"
+    else:
+        problem = requires(original) if requires is not None else None
+    if problem is None and current is original:
+        wrapped = functools.wraps(original)(make_wrapper(original))
+        wrapped.__maspo_original__ = original
+        setattr(owner, attr, wrapped)
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("verl.") and getattr(module, attr, None) is original:
+                setattr(module, attr, wrapped)
+    PATCHES[name] = problem
+    if problem:
+        logger.error("maspo_verl: hook %r not installed: %s", name, problem)
+    return problem
+
+
+def patch_problem(name: str) -> str | None:
+    return PATCHES.get(name, f"hook {name!r} was never installed")
+
+
+def _ppo_loss_signature(original) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if params != PPO_LOSS_PARAMS:
+        return f"verl.workers.utils.losses.ppo_loss has parameters {params}, expected {PPO_LOSS_PARAMS}"
+    return None
+
+
+def _with_micro_batch(original):
+    def ppo_loss(config, model_output, data, dp_group=None):
+        with micro_batch_scope(data):
+            return original(config, model_output, data, dp_group)
+
+    return ppo_loss
+
+
+def install_ppo_loss_hook() -> str | None:
+    """Token ids reach the loss (``segment_rule=tokenval``); None, or why the hook was refused."""
+    from verl.workers.utils import losses
+
+    return patch("ppo_loss", losses, "ppo_loss", _with_micro_batch, _ppo_loss_signature)
+
+
+def _with_token_scores(original):
+    def as_dict(self):
+        out = original(self)
+        info = (out.get("extra_fields") or {}).get("reward_extra_info")
+        if not isinstance(info, dict) or (TOKEN_SCORES_KEY not in info and WORD_IDS_KEY not in info):
+            return out
+        info = dict(info)  # the info dict is shared by a session's outputs: never mutate it
+        has_scores = TOKEN_SCORES_KEY in info
+        scores = info.pop(TOKEN_SCORES_KEY, None)
+        words = info.pop(WORD_IDS_KEY, None)
+        out["extra_fields"] = {**out["extra_fields"], "reward_extra_info": info}
+        if words is not None:
+            n = out["responses"].shape[0]
+            fits = len(words) == n
+            if len(words) and not fits:
+                warn_once("word ids do not match the response length: such samples take the fallback", logger=logger)
+            out[WORD_IDS_KEY] = torch.tensor(words, dtype=torch.int64) if fits else torch.full((n,), NO_WORD)
+        row = out.get("rm_scores")
+        if not has_scores:
+            return out
+        if row is not None and scores is not None and len(scores) == row.shape[0]:
+            out["rm_scores"] = torch.tensor(scores, dtype=torch.float32)
+        elif row is not None:
+            logger.debug("per-token scores: %d values for %d response tokens", len(scores or []), row.shape[0])
+            warn_once(
+                "per-token reward scores do not match the response length: using the scalar score on the "
+                "last token for such samples",
+                logger=logger,
+            )
+        return out
+
+    return as_dict
+
+
+def install_token_scores_hook() -> str | None:
+    """Per-token reward scores become ``rm_scores`` rows, word ids a tensor field; None, or why the hook
+    was refused."""
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+    except ImportError as exc:
+        PATCHES["token_scores"] = f"verl.experimental.agent_loop is unavailable ({exc})"
+        return PATCHES["token_scores"]
+    return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
+
+
+def install_hooks() -> None:
+    """Both hooks (idempotent); why one was refused is in ``PATCHES``."""
+    install_ppo_loss_hook()
+    install_token_scores_hook()
