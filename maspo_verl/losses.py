@@ -96,13 +96,15 @@ def metric_sums(
     buckets: int,
     response: torch.Tensor,
     extra: dict[str, torch.Tensor],
-) -> torch.Tensor:
-    """All metrics of one call as raw sums, counts and extremes, reduced on the device into one float64
-    vector (``metrics_from_sums`` reads it back after a single transfer).
+) -> tuple[torch.Tensor, tuple[tuple[str, int], ...]]:
+    """All metrics of one call as raw sums, counts and extremes, named and reduced on the device into
+    one float64 vector, and its layout (name, length) in order (``metrics_from_sums`` reads it back after
+    a single transfer).
 
     ``delta`` (zero on padding) may be given as its sum, ``seg_ids`` [B, T] as its row maxima [B, 1].
     ``mask``: the tokens in the loss; ``response``: verl's response mask (``mask`` plus the dropped
-    non-finite tokens). ``extra``: more 0-d tensors to report (e.g. the segmentation rule's).
+    non-finite tokens). ``extra``: more 0-d tensors to report under their own names (e.g. the
+    segmentation rule's).
     """
     mask = mask.bool()
     clips = [c & mask for c in (surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual)]
@@ -111,7 +113,6 @@ def metric_sums(
     valid = ratios.float_mask(mask, ratio.dtype)
     on_valid = ratio * valid
     top = torch.finfo(ratio.dtype).max
-    ratio_stats = [on_valid.sum(), on_valid.amax(), on_valid.add_(valid.mul_(-top).add_(top)).amin()]
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
     # running sums at those starts, with no [B, T] bucket index.
@@ -121,48 +122,68 @@ def metric_sums(
     clipped_seen = torch.cumsum(clips[0] | clips[1] | clips[2], -1, dtype=torch.int32)
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
     before = clipped_seen.gather(-1, (first_at - 1).clamp_(min=0)).mul_(first_at > 0)
-    counts = [
+    parts = {
         # low, high, dual; one by one, as a bool sum first converts its input to the sum's dtype (peak memory)
-        torch.stack([c.sum(dtype=torch.int32) for c in clips]),
-        (before[:, 1:] - before[:, :-1]).sum(0),  # clipped per bucket
-        (starts[:, 1:] - starts[:, :-1]).sum(0),  # tokens per bucket
-        lengths.sum().view(1),
-        (response.sum(dtype=torch.int32) - lengths.sum()).view(1),  # dropped non-finite tokens
-    ]
+        "clipped": torch.stack([c.sum(dtype=torch.int32) for c in clips]),
+        "clipped_per_bucket": (before[:, 1:] - before[:, :-1]).sum(0),
+        "tokens_per_bucket": (starts[:, 1:] - starts[:, :-1]).sum(0),
+        "tokens": lengths.sum(),
+        "nonfinite": response.sum(dtype=torch.int32) - lengths.sum(),  # dropped non-finite tokens
+    }
     if seg_ids is not None:
         rows = lengths > 0
-        counts += [rows.sum().view(1), ((seg_ids.amax(dim=-1) + 1) * rows).sum().view(1)]
-    floats = [f.to(torch.float64) for f in (*extra.values(), delta.sum(), *ratio_stats)]
-    return torch.cat([torch.cat(counts).to(torch.float64), torch.stack(floats)])
+        parts["rows"] = rows.sum()
+        parts["segments"] = ((seg_ids.amax(dim=-1) + 1) * rows).sum()
+    parts.update(extra)
+    parts["delta_sum"] = delta.sum()
+    parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
+    parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
+    layout = tuple((name, part.numel()) for name, part in parts.items())
+    return torch.cat([part.reshape(-1).to(torch.float64) for part in parts.values()]), layout
 
 
-def metrics_from_sums(host: list[float], buckets: int, segments: bool, extra: tuple[str, ...]) -> dict[str, float]:
+def unpack_metric_sums(host: list[float], layout: tuple[tuple[str, int], ...]) -> dict[str, list[float]]:
+    """``metric_sums``'s vector, moved to the host, by name."""
+    named, start = {}, 0
+    for name, length in layout:
+        named[name] = host[start : start + length]
+        start += length
+    return named
+
+
+# the raw sums of ``metric_sums``; every other name in its layout is a metric reported as it is
+RAW_SUMS = frozenset(
+    {"clipped", "clipped_per_bucket", "tokens_per_bucket", "tokens", "nonfinite", "rows", "segments"}
+    | {"delta_sum", "ratio_sum", "ratio_max", "ratio_min"}
+)
+
+
+def metrics_from_sums(host: list[float], layout: tuple[tuple[str, int], ...]) -> dict[str, float]:
     """The metrics from ``metric_sums``'s vector, moved to the host; the few divisions run in Python."""
-    low_n, high_n, dual_n = host[:3]
-    clipped_per_bucket, tokens_per_bucket = host[3 : 3 + buckets], host[3 + buckets : 3 + 2 * buckets]
-    n_tokens, nonfinite = host[3 + 2 * buckets : 5 + 2 * buckets]
-    delta_sum, ratio_sum, ratio_max, ratio_min = host[-4:]
+    raw = unpack_metric_sums(host, layout)
+    low_n, high_n, dual_n = raw["clipped"]
+    (n_tokens,) = raw["tokens"]
     n = max(n_tokens, 1.0)
     metrics = {
         "actor/pg_clipfrac": (low_n + high_n) / n,
         "actor/pg_clipfrac_lower": dual_n / n,
-        "actor/ppo_kl": -delta_sum / n,  # delta is zero on padding
+        "actor/ppo_kl": -raw["delta_sum"][0] / n,  # delta is zero on padding
         "actor/ratio/clipfrac_low": low_n / n,
         "actor/ratio/clipfrac_high": high_n / n,
         "actor/ratio/clipfrac_dual": dual_n / n,
-        "actor/ratio/mean": ratio_sum / n,
-        "actor/ratio/min": ratio_min if n_tokens > 0 else 1.0,
-        "actor/ratio/max": ratio_max if n_tokens > 0 else 1.0,
-        "actor/ratio/nonfinite_tokens": nonfinite,
+        "actor/ratio/mean": raw["ratio_sum"][0] / n,
+        "actor/ratio/min": raw["ratio_min"][0] if n_tokens > 0 else 1.0,
+        "actor/ratio/max": raw["ratio_max"][0] if n_tokens > 0 else 1.0,
+        "actor/ratio/nonfinite_tokens": raw["nonfinite"][0],
     }
-    for b in range(buckets):
-        metrics[f"actor/ratio/clipfrac_pos{b + 1}of{buckets}"] = clipped_per_bucket[b] / max(tokens_per_bucket[b], 1.0)
-    if segments:
-        num_rows, num_segments = host[5 + 2 * buckets : 7 + 2 * buckets]
-        metrics["actor/ratio/segments_per_seq"] = num_segments / max(num_rows, 1.0)
+    buckets = len(raw["clipped_per_bucket"])
+    for b, (clipped, tokens) in enumerate(zip(raw["clipped_per_bucket"], raw["tokens_per_bucket"], strict=True)):
+        metrics[f"actor/ratio/clipfrac_pos{b + 1}of{buckets}"] = clipped / max(tokens, 1.0)
+    if "segments" in raw:
+        num_segments = raw["segments"][0]
+        metrics["actor/ratio/segments_per_seq"] = num_segments / max(raw["rows"][0], 1.0)
         metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
-    extra_values = host[len(host) - 4 - len(extra) : len(host) - 4]
-    metrics.update(zip(extra, extra_values, strict=True))
+    metrics.update((name, values[0]) for name, values in raw.items() if name not in RAW_SUMS)
     return metrics
 
 
@@ -185,11 +206,11 @@ def granular_policy_loss(
     """
     pl = policy_loss_config(config, loss_mode)
     body = compiled_loss_body(loss_mode) if pl.compile else partial(loss_body, loss_mode=loss_mode)
-    pg_loss, sums, segments, extra = body(
+    pg_loss, sums, layout = body(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights
     )
     # the one device-to-host transfer of the call
-    metrics = metrics_from_sums(sums.tolist(), pl.position_buckets, segments, extra)
+    metrics = metrics_from_sums(sums.tolist(), layout)
     if metrics["actor/ratio/nonfinite_tokens"]:
         warn_once(
             "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "
@@ -202,8 +223,8 @@ def granular_policy_loss(
 def loss_body(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights, *, loss_mode
 ):
-    """The loss, the metric sums (``metric_sums``), whether there are segments, and the names of the
-    rule's own metrics: everything of ``granular_policy_loss`` that runs on the device."""
+    """The loss and the metric sums with their layout (``metric_sums``): everything of
+    ``granular_policy_loss`` that runs on the device."""
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         response = response_mask.bool()
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
@@ -223,8 +244,8 @@ def loss_body(
     surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio, mask)
     del log_ratio, bounds
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
-    sums = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
-    return pg_loss, sums, seg_ids is not None, tuple(extra)
+    sums, layout = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
+    return pg_loss, sums, layout
 
 
 @cache
