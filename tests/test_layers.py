@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "maspo_verl"
+from tests.helpers import REPO
+
+PACKAGE = REPO / "maspo_verl"
 
 CORE = {
     "maspo_verl",
@@ -50,7 +51,7 @@ PURE_HELPERS = [
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -78,8 +79,8 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maspo_verl"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                is_module = (ROOT / Path(*candidate.split("."))).with_suffix(".py").exists() or (
-                    ROOT / Path(*candidate.split(".")) / "__init__.py"
+                is_module = (REPO / Path(*candidate.split("."))).with_suffix(".py").exists() or (
+                    REPO / Path(*candidate.split(".")) / "__init__.py"
                 ).exists()
                 found.add(candidate if is_module else node.module)
         elif isinstance(node, ast.Try) and top_level_only:  # the plugin imports inside try
@@ -125,7 +126,7 @@ def test_no_import_cycle_at_import_time():
 
 
 def _fresh(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+from maspo_verl.util import preset_names
+from tests.helpers import REPO
 
 
 def test_every_subpackage_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for p in (ROOT / "maspo_verl").rglob("__init__.py")
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "maspo_verl").rglob("__init__.py")
         if "__pycache__" not in p.parts
     }
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
@@ -29,7 +30,7 @@ def test_every_subpackage_is_listed_in_pyproject():
 def installed_wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True,
         capture_output=True,
     )
@@ -43,7 +44,7 @@ def installed_wheel(tmp_path_factory):
 
 def test_wheel_holds_configs_and_entry_point(installed_wheel):
     _, names = installed_wheel
-    for preset in ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"):
+    for preset in preset_names():
         assert f"maspo_verl/hydra_configs/loss/{preset}.yaml" in names
     assert "maspo_verl/hydra_configs/maspo_trainer.yaml" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
@@ -74,12 +75,12 @@ def test_recipes_install_line_brings_their_default_logger(recipe):
     """A recipe that logs to wandb by default names, in its README's install line, an extra that has wandb."""
     import re
 
-    common = (ROOT / "recipes" / recipe / "common.sh").read_text()
+    common = (REPO / "recipes" / recipe / "common.sh").read_text()
     logger = re.search(r"^LOGGER=\$\{LOGGER:-'(.*)'\}", common, re.M).group(1)
     assert "wandb" in logger  # what makes the extra necessary
-    readme = (ROOT / "recipes" / recipe / "README.md").read_text()
+    readme = (REPO / "recipes" / recipe / "README.md").read_text()
     extras = re.search(r"pip install [^\n]*\[([\w,]+)\]", readme).group(1).split(",")
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.split(">")[0].split("=")[0].strip() == "wandb" for e in extras for dep in declared[e]), extras
 
 
@@ -91,7 +92,7 @@ def uploaded_checkout(tmp_path_factory):
     copy = tmp_path_factory.mktemp("uploaded") / "repo"
     ignore = shutil.ignore_patterns(".git", ".venv", "data", "checkpoints", "outputs", "wandb", "dist", "build",
                                     "*.egg-info", "__pycache__")  # fmt: skip
-    shutil.copytree(ROOT, copy, ignore=ignore)
+    shutil.copytree(REPO, copy, ignore=ignore)
     return copy
 
 
@@ -121,7 +122,7 @@ def test_uploaded_checkout_shadowing_an_install_composes(install, installed_whee
     assert loss_mode == "pgspo"
 
 
-DEV_VENV = ROOT / ".venv-verlmain"
+DEV_VENV = REPO / ".venv-verlmain"
 
 
 @pytest.mark.skipif(not (DEV_VENV / "bin" / "python").exists(), reason=".venv-verlmain not set up (bash .ci/setup)")

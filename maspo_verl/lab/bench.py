@@ -341,16 +341,37 @@ def write_report(out, rows, args, seconds, profiled) -> None:
 STEPTIME_HEADER = "## End-to-end overhead"
 
 
+def summarise_steps(rows: list[dict], baseline: str) -> list[dict]:
+    """Step times (``python -m maspo_verl.lab steptime``): median and minimum of steps >= 2 per preset, and
+    their ratios to the baseline's."""
+    by = {}
+    for r in rows:
+        if r["step"] >= 2:
+            by.setdefault(r["preset"], []).append(float(r["timing_s_step"]))
+    if baseline not in by:
+        return []
+    base_med, base_min = statistics.median(by[baseline]), min(by[baseline])
+    return [
+        {
+            "preset": p,
+            "steps": len(v),
+            "median_s": statistics.median(v),
+            "x_grpo_median": statistics.median(v) / base_med,
+            "min_s": min(v),
+            "x_grpo_min": min(v) / base_min,
+        }
+        for p, v in by.items()
+    ]
+
+
 def steptime_section(out) -> str:
     """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
-    from maspo_verl.lab import steptime
-
     path = Path(out) / "steptime.csv"
     if not path.exists():
         return ""
     with open(path) as f:
         rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
-    table = steptime.summarise(rows, BASELINE)
+    table = summarise_steps(rows, BASELINE)
     command_file = Path(out) / "STEPTIME_COMMAND.txt"
     command = command_file.read_text().strip() if command_file.exists() else ""
     return "\n".join(

@@ -1,12 +1,9 @@
 """The three lab commands run end to end on tiny settings and leave their outputs."""
 
 import csv
-from pathlib import Path
 
 from maspo_verl.lab.__main__ import main
 from maspo_verl.util import preset_names
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_estimators_command(tmp_path):
@@ -76,7 +73,7 @@ def test_bench_command(tmp_path):
 
 
 def test_steptime_reads_verl_console_lines():
-    from maspo_verl.lab import steptime
+    from maspo_verl.lab import bench, steptime
 
     log = (
         "step:1 - actor/pg_loss:0.5 - timing_s/gen:3.0 - timing_s/step:20.0\n"
@@ -86,6 +83,6 @@ def test_steptime_reads_verl_console_lines():
     assert steptime.step_times(log) == {1: 20.0, 2: 2.0, 3: 4.0}
     rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in steptime.step_times(log).items()]
     rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in steptime.step_times(log).items()]
-    table = {r["preset"]: r for r in steptime.summarise(rows, "grpo")}
+    table = {r["preset"]: r for r in bench.summarise_steps(rows, "grpo")}
     assert table["grpo"]["median_s"] == 3.0 and table["grpo"]["steps"] == 2  # step 1 left out
     assert table["ctpo"]["x_grpo_median"] == 2.0 and table["ctpo"]["x_grpo_min"] == 2.0

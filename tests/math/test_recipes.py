@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.math.conftest import REPO, compose, dry_run_command, loss_section, run_script
+from tests.helpers import REPO, run_script
+from tests.math.conftest import compose, dry_run_command, loss_section
 
 SCRIPTS = {
     "grpo": ("recipes/math/run_grpo.sh", {}),

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.math.conftest import REPO
+from tests.helpers import REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.math.conftest import REPO, run_script, script_env
+from tests.helpers import REPO, run_script, script_env
 
 
 def _field(stdout: str, name: str) -> str:
