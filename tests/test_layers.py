@@ -107,8 +107,9 @@ def test_core_and_plugin_know_no_recipe_class():
             assert "SpeechRewardManager" not in path.read_text(), module
 
 
-def test_no_import_cycle_at_import_time():
-    graph = {m: {i for i in imports(p, top_level_only=True) if i in MODULES} for m, p in MODULES.items()}
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["at-import-time", "function-local-too"])
+def test_no_import_cycle(top_level_only):
+    graph = {m: {i for i in imports(p, top_level_only) if i in MODULES} for m, p in MODULES.items()}
     state: dict[str, int] = {}
 
     def visit(node, stack):
@@ -123,6 +124,15 @@ def test_no_import_cycle_at_import_time():
     for module in graph:
         if module not in state:
             visit(module, [])
+
+
+def test_package_docstring_lists_the_core_modules():
+    import re
+
+    import maspo_verl
+
+    core = maspo_verl.__doc__.split("- core (", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"``(\w+)``", core)) == CORE - {"maspo_verl"}
 
 
 def _fresh(code: str) -> dict:
