@@ -6,15 +6,15 @@ plugin's wrapper around ``ppo_loss`` (``maspo_verl.plugin.hooks``) puts that mic
 variable for the duration of the call; rules that need token ids read it here. Outside verl, wrap the
 call in ``micro_batch_scope({"responses": ids})``.
 
-Word ids (``segment_rule=words``) travel next to the responses under ``WORD_IDS_KEY``: one integer per
-response token, the index of the recognised word the token belongs to, -1 between words and where
-the reward found none. The path through verl's v1 trainer (0.9.0, 0.9.1, development branch): the
-reward returns them in ``reward_extra_info[WORD_IDS_KEY]``; the plugin's hook on
-``AgentLoopOutput.as_dict`` (the same hook that turns per-token scores into ``rm_scores``) makes them
-a per-sample tensor field, which the agent loop stores with the sample in the TransferQueue; the
-actor update fetches every field of its samples, and verl's data-parallel split, mini-batch iterator and (dynamic) micro-batching index the
-whole TensorDict, so the field arrives in the micro-batch ``ppo_loss`` scores as a jagged tensor,
-row-aligned with ``responses``.
+Word ids (``segment_rule=words``) travel next to the responses under ``WORD_IDS_KEY``: one integer
+per response token, the index of the recognised word the token belongs to, -1 between words and
+where the reward found none. The path through verl's v1 trainer (0.9.0, 0.9.1, development branch):
+the reward returns them in ``reward_extra_info[WORD_IDS_KEY]``; the plugin's hook on
+``AgentLoopOutput.as_dict`` (the same hook that turns per-token scores into ``rm_scores``) makes
+them a per-sample tensor field, which the agent loop stores with the sample in the TransferQueue;
+the actor update fetches every field of its samples, and verl's data-parallel split, mini-batch
+iterator and (dynamic) micro-batching index the whole TensorDict, so the field arrives in the micro-
+batch ``ppo_loss`` scores as a jagged tensor, row-aligned with ``responses``.
 """
 
 from __future__ import annotations
