@@ -54,7 +54,7 @@ def summarise(rows: list[dict], baseline: str) -> list[dict]:
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab import bench
 
-    out = args.out or common.default_out(OUT)
+    out = args.out
     os.makedirs(out, exist_ok=True)
     presets = [bench.BASELINE] + [p for p in args.presets.split(",") if p and p != bench.BASELINE]
     rows = []
