@@ -70,8 +70,10 @@ def _top_level(requirement: str) -> str | None:
 
 def _project(extras: str, stamp: Path) -> str | None:
     pyproject = (ROOT / "pyproject.toml").read_bytes()
-    if not stamp.is_file() or stamp.read_text().strip() != hashlib.sha256(pyproject).hexdigest():
-        return "pyproject.toml changed since the last install (or it never ran)"
+    if not stamp.is_file():
+        return f"no install of this checkout recorded in {stamp}"
+    if stamp.read_text().strip() != hashlib.sha256(pyproject).hexdigest():
+        return "pyproject.toml changed since the last install"
     project = tomllib.loads(pyproject.decode())["project"]
     try:
         dist = metadata.distribution(project["name"])
