@@ -176,16 +176,30 @@ def test_documented_command_runs_as_printed(where, kind_, command, tmp_path, ven
         assert "usage: python -m maspo_verl.lab" in run.stdout, shown
 
 
-def test_recipe_without_the_package_says_what_to_do(tmp_path):
-    """A recipe run by an interpreter that lacks the package stops before doing anything, naming the fix."""
+@pytest.fixture
+def bare_python(tmp_path):
+    """An interpreter with nothing installed (as a fresh shell without the venv has)."""
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, capture_output=True)
-    env = {**fresh_env(tmp_path), "PYTHON": str(bare / "bin" / "python"), "DRY_RUN": "1"}
+    return bare / "bin" / "python"
+
+
+def test_recipe_without_the_package_says_what_to_do(tmp_path, bare_python):
+    """A recipe run by an interpreter that lacks the package stops before doing anything, naming the fix."""
+    env = {**fresh_env(tmp_path), "PYTHON": str(bare_python), "DRY_RUN": "1"}
     run = subprocess.run(["bash", str(ROOT / "recipes" / "math" / "run_gspo.sh")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     assert "lacks maspo_verl hydra verl" in run.stderr and "source .venv/bin/activate" in run.stderr, run.stderr
     assert "command:" not in run.stdout  # stopped before launching
+
+
+def test_lab_without_its_dependencies_says_what_to_do(tmp_path, bare_python):
+    """From the checkout's root the package itself imports; the lab names what is missing before any work."""
+    run = subprocess.run([str(bare_python), "-m", "maspo_verl.lab", "race"], cwd=ROOT, env=fresh_env(tmp_path),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "lacks torch, verl, hydra, matplotlib" in run.stderr and "source .venv/bin/activate" in run.stderr
 
 
 # ---- docs that agree with the code ------------------------------------------------------------------------------

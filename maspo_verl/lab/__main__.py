@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
-
-from maspo_verl.lab import common
 
 # name (also the module of maspo_verl.lab), what it measures
 COMMANDS = [
@@ -25,8 +24,22 @@ COMMANDS = [
 ]
 
 
+def _require_environment() -> None:
+    """What every command needs (matplotlib: the `lab` extra, for the plots at the end of a run), checked at once."""
+    missing = [m for m in ("torch", "verl", "hydra", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"python -m maspo_verl.lab: {sys.executable} lacks {', '.join(missing)}: activate the project venv "
+            "(source .venv/bin/activate, after bash .ci/setup) or install maspo-verl with the lab extra "
+            "(pip install -e '.[lab,local]' in the checkout)"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _require_environment()
+    from maspo_verl.lab import common
+
     parser = argparse.ArgumentParser(
         prog="python -m maspo_verl.lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

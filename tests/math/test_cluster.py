@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +132,11 @@ def test_cluster_docs_give_the_commands_ci_runs(doc):
     positions = [text.find(command) for command in order]
     assert -1 not in positions, [c for c, p in zip(order, positions, strict=True) if p == -1]
     assert positions == sorted(positions), positions
+
+
+def test_ray_submit_without_ray_says_what_to_do(tmp_path):
+    """No `ray` on PATH (the venv not activated): a clear message instead of `command not found`."""
+    (tmp_path / "python3").symlink_to(sys.executable)  # the script's own python3 (stdlib only), and no ray
+    out = run_script("recipes/cluster/ray_submit.sh", PATH=f"{tmp_path}:/usr/bin:/bin", PIP_SPEC="")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no `ray` on PATH" in out.stderr and "source .venv/bin/activate" in out.stderr, out.stderr
