@@ -185,7 +185,7 @@ def peak_memory(fn, cfg, inputs, device) -> tuple[float, int | None]:
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
-    out = common.prepare_out(args.out or common.default_out("bench"), argv)
+    out = common.prepare_out(args.out, argv)
     t0 = time.time()
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if "cuda" in devices and not torch.cuda.is_available():

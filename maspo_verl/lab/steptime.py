@@ -31,7 +31,7 @@ def step_times(log: str) -> dict[int, float]:
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab import bench
 
-    out = args.out or common.default_out(OUT)
+    out = args.out
     os.makedirs(out, exist_ok=True)
     presets = [bench.BASELINE] + [p for p in args.presets.split(",") if p and p != bench.BASELINE]
     rows = []

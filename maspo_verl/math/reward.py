@@ -51,8 +51,8 @@ def _require_math_verify():
         import math_verify  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "maspo_verl.math.reward needs math-verify: pip install 'maspo-verl[math]' "
-            "(or pip install 'math-verify[antlr4_9_3]')"
+            "maspo_verl.math.reward needs math-verify: pip install 'math-verify[antlr4_9_3]' "
+            "(or the `math` extra: pip install -e '.[math]' in the maspo-verl checkout)"
         ) from exc
 
 

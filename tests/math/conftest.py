@@ -17,7 +17,7 @@ def require_math_verify() -> None:
     try:
         import math_verify  # noqa: F401
     except ImportError:
-        pytest.fail("math-verify is not installed: pip install 'maspo-verl[math]' (or 'math-verify[antlr4_9_3]')")
+        pytest.fail("math-verify is not installed: pip install -e '.[math]' (or 'math-verify[antlr4_9_3]')")
 
 
 @pytest.fixture(scope="session")
