@@ -36,7 +36,7 @@ def satisfied(*args, site=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if site:
         env["PYTHONPATH"] = str(site)
-    cmd = [sys.executable, str(ROOT / ".ci" / "satisfied.py"), *args]
+    cmd = [sys.executable, str(REPO / ".ci" / "satisfied.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
 
