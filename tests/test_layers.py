@@ -30,6 +30,7 @@ CORE = {
     "util",
     "native",
     "fsq",
+    "vocab",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {
@@ -47,6 +48,7 @@ PURE_HELPERS = [
     "maspo_verl.speech.tokens",
     "maspo_verl.speech.spans",
     "maspo_verl.math.prepare",
+    "maspo_verl.vocab",
 ]
 
 

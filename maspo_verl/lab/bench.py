@@ -47,6 +47,10 @@ BASELINE = "grpo"
 # The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.
 PRESETS = (BASELINE, *(name for name in preset_names() if name != BASELINE))
 PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
+# The text of the ids ``make_inputs`` draws, for segment_rule=delimiters (``maspo_steps``): Qwen2's ids of
+# "!", ".", "?", "\n" and " ", the pieces of the default delimiters; the codec codes hold no text.
+TEXT_IDS = {0: "!", 13: ".", 30: "?", 198: "\n", 220: " "}
+VOCABULARY = [TEXT_IDS.get(i, "") for i in range(128264 + 65536)]
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ def entry_config(e: Entry):
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
     """Log-probs, advantages, a right-padded mask (lengths T/4..T) and speech-like response ids:
     XCodec2 codes (Llasa-1B offset) that repeat the previous code with probability 0.8, with 1% text
-    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech; and word ids as an
+    tokens (line breaks: ``maspo_steps`` ends a segment after each), so ``maspo_tokenval`` finds segments
+    of a few tokens as on real speech; and word ids as an
     ASR gives them (``maspo_words``): words of 8-20 tokens with 3-token gaps (-1) between them."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
@@ -147,7 +152,7 @@ def loss_grad_metrics(fn, cfg, inputs):
     """``call``'s loss (detached), the log-prob leaf (with its gradient) and the metrics."""
     old, new, adv, mask, ids, words = inputs
     lp = new.detach().requires_grad_()
-    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, VOCABULARY):
         loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return loss.detach(), lp, metrics

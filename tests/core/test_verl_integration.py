@@ -163,6 +163,22 @@ def test_tokenval_ids_reach_the_loss_through_verls_real_ppo_loss():
     assert log_probs.grad is not None
 
 
+def test_the_actors_tokenizer_reaches_the_delimiters_rule_through_verls_real_ppo_loss(tmp_path):
+    """verl's engine worker attaches its ``HFModelConfig`` (the loaded tokenizer included) to the actor
+    config that ppo_loss receives; the hook hands that tokenizer to the loss. Byte-level ids here."""
+    import verl.workers.utils.losses as verl_losses
+    from verl.workers.config import HFModelConfig
+
+    from maspo_verl.local.assets import ensure_assets
+
+    config = actor_config(segment_rule="delimiters")
+    config.model_config = HFModelConfig(path=ensure_assets(cache_dir=tmp_path)["model"])
+    # "Yes." " No!\n" "ok": ". " across two tokens, "\n" inside one; "a.b": no delimiter
+    data, log_probs, _ = v1_micro_batch([list(b"Yes. No!\nok"), list(b"a.b")], prompt_lens=[3, 2])
+    _, metrics = verl_losses.ppo_loss(config, {"log_probs": log_probs}, data)
+    assert metrics["actor/ratio/segments_per_seq"].aggregate() == pytest.approx((3 + 1) / 2)
+
+
 def test_tokenval_outside_ppo_loss_says_how_to_fix_it():
     old = torch.zeros(1, 4)
     with pytest.raises(RuntimeError, match="no verl micro-batch is in scope"):
