@@ -14,6 +14,10 @@ from maspo_verl.util import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
+# the text of each id of a byte-level vocabulary (id b is byte b), the actor's "tokenizer" in scope of
+# ``segment_rule=delimiters`` (``maspo_verl.batch.micro_batch_scope``) where the ids are bytes
+BYTE_VOCABULARY = [chr(b) for b in range(256)]
+
 # batch sizes small enough for verl's micro-batch checks in a dry run
 SMALL = [
     "data.train_batch_size=8",

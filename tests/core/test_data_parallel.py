@@ -67,7 +67,7 @@ def actor_configs() -> dict[tuple[str, str], object]:
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    from tests.helpers import compose_config
+    from tests.helpers import BYTE_VOCABULARY, compose_config
 
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
     configs = {}
@@ -90,7 +90,7 @@ def actor_configs() -> dict[tuple[str, str], object]:
         configs[preset, mode] = omega_conf_to_dataclass(node)
         if node.policy_loss.get("segment_rule") == "delimiters":
             # the vocabulary's text, where verl's engine worker puts the actor's tokenizer: byte b is id b
-            configs[preset, mode].model_config = SimpleNamespace(tokenizer=[chr(b) for b in range(VOCAB)])
+            configs[preset, mode].model_config = SimpleNamespace(tokenizer=BYTE_VOCABULARY)
     return configs
 
 

@@ -28,7 +28,7 @@ from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
-from tests.helpers import compose_config
+from tests.helpers import BYTE_VOCABULARY, compose_config
 
 
 def our_presets() -> list[str]:
@@ -96,7 +96,7 @@ def call(preset, agg, mask, old, new, adv, weights, ids, dtype):
     config = config_for(preset, agg)
     lp = new.to(dtype).requires_grad_()
     loss_agg = "seq-mean-token-mean" if agg == "seg-mean-token-mean" else agg
-    with micro_batch_scope({"responses": ids}):
+    with micro_batch_scope({"responses": ids}, BYTE_VOCABULARY):  # ids -50..399: bytes and beyond
         loss, metrics = get_policy_loss_fn(config.policy_loss.loss_mode)(
             old.to(dtype), lp, adv.to(dtype), mask, loss_agg, config, None if weights is None else weights.to(dtype)
         )
