@@ -413,19 +413,23 @@ DELIMITER_SCORE, MARKER_SCORE = 1.0, 2.0
 _TEXT_TABLES: dict[tuple, tuple[Any, vocab.TextTables, dict]] = {}
 
 
-def text_tables(tokenizer: Any, delimiters: Sequence[str], step_markers: Sequence[str]) -> vocab.TextTables:
-    """``vocab.resolve`` of the strings over ``tokenizer``'s vocabulary (an HF tokenizer, or the text of
-    each id), once per process."""
+def _text_entry(tokenizer: Any, delimiters: Sequence[str], step_markers: Sequence[str]) -> tuple:
     key = (id(tokenizer), tuple(delimiters), tuple(step_markers))
     if key not in _TEXT_TABLES:
         tables = vocab.resolve(vocab.vocabulary_texts(tokenizer), delimiters, step_markers)
         _TEXT_TABLES[key] = (tokenizer, tables, {})  # the tokenizer is kept so that its id stays unique
-    return _TEXT_TABLES[key][1]
+    return _TEXT_TABLES[key]
+
+
+def text_tables(tokenizer: Any, delimiters: Sequence[str], step_markers: Sequence[str]) -> vocab.TextTables:
+    """``vocab.resolve`` of the strings over ``tokenizer``'s vocabulary (an HF tokenizer, or the text of
+    each id), once per process."""
+    return _text_entry(tokenizer, delimiters, step_markers)[1]
 
 
 def _device_tables(tokenizer, config, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    tables = text_tables(tokenizer, config.delimiters, config.step_markers)
-    on_device = _TEXT_TABLES[(id(tokenizer), tuple(config.delimiters), tuple(config.step_markers))][2]
+    """The tables of ``config``'s strings as int64 tensors on ``device`` (moved once), and the split masks."""
+    _, tables, on_device = _text_entry(tokenizer, config.delimiters, config.step_markers)
     if device not in on_device:
         on_device[device] = tuple(
             torch.tensor(t, dtype=torch.int64, device=device) for t in (tables.inside, tables.ends, tables.starts)
