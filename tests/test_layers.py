@@ -30,6 +30,7 @@ CORE = {
     "util",
     "native",
     "fsq",
+    "batch_sizes",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {
