@@ -43,6 +43,8 @@ LOCAL_ENV = {
 _activated = False
 # temp dirs of private Ray clusters this process started (removed by the session)
 CREATED_TEMP_DIRS: list[str] = []
+# what a run adds to LOCAL_ENV where the user has not set it (_run_env)
+RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
 # the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
 LOG_SETTINGS = ("quiet", "print_config")
 
@@ -206,17 +208,15 @@ def session(config):
 
 def _run_env(config) -> dict[str, str]:
     """Environment of a run, on top of ``LOCAL_ENV``, unless the user set it: TransferQueue's thread
-    count within the physical cores (it warns in every process otherwise) and the ``file`` logger's
-    path in the run folder."""
+    count within the physical cores (it warns in every process otherwise), the tracking backends'
+    files in the run folder."""
     import psutil
 
-    from maspo_verl.local.run_log import metrics_path, run_dir
+    from maspo_verl.local.run_log import tracking_env
 
-    env = {}
-    if "TQ_NUM_THREADS" not in os.environ:
+    env = tracking_env(config)
+    if not os.environ.get("TQ_NUM_THREADS"):
         env["TQ_NUM_THREADS"] = str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1))
-    if metrics_path(config) is not None and not {"VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT"} & set(os.environ):
-        env["VERL_FILE_LOGGER_PATH"] = str(run_dir() / "metrics.jsonl")
     return env
 
 

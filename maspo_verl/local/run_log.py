@@ -231,10 +231,29 @@ def run_dir() -> Path:
         return _fallback_run_dir
 
 
+def backends(config) -> list[str]:
+    """``trainer.logger``: verl's tracking backends of the run."""
+    value = config.trainer.get("logger") or []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def tracking_env(config) -> dict[str, str]:
+    """Environment that puts the run's tracking files in its run folder, where the user has not chosen:
+    verl's ``file`` logger, TensorBoard's event files, wandb's (offline) run folder."""
+    out, chosen, env = run_dir(), set(k for k, v in os.environ.items() if v), {}
+    wanted = backends(config)
+    if "file" in wanted and not {"VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT"} & chosen:
+        env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+    if "tensorboard" in wanted and "TENSORBOARD_DIR" not in chosen:
+        env["TENSORBOARD_DIR"] = str(out / "tensorboard")
+    if "wandb" in wanted and "WANDB_DIR" not in chosen:
+        env["WANDB_DIR"] = str(out)
+    return env
+
+
 def metrics_path(config) -> Path | None:
     """Where verl's ``file`` logger writes (None when ``file`` is not in ``trainer.logger``)."""
-    backends = config.trainer.get("logger") or []
-    if "file" not in ([backends] if isinstance(backends, str) else list(backends)):
+    if "file" not in backends(config):
         return None
     if os.environ.get("VERL_FILE_LOGGER_PATH"):
         return Path(os.environ["VERL_FILE_LOGGER_PATH"])
@@ -299,6 +318,12 @@ def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float,
         lines.append(f"metrics      {shown_path(metrics_file)} (every metric of every step, one JSON object a line)")
     note = f"; {hidden} known-harmless start-up lines left out above" if hidden else ""
     lines.append(f"log          {shown_path(log_path)} (the whole console output{note})")
+    if "tensorboard" in backends(config):
+        folder = Path(os.environ.get("TENSORBOARD_DIR") or "tensorboard_log")
+        lines.append(f"tensorboard  {shown_path(folder)} (tensorboard --logdir {shown_path(folder)})")
+    if "wandb" in backends(config):
+        folder = Path(os.environ.get("WANDB_DIR") or ".") / "wandb"
+        lines.append(f"wandb        {shown_path(folder)} (offline runs: wandb sync {shown_path(folder)}/offline-run-*)")
     hydra_config = out / ".hydra" / "config.yaml"
     if hydra_config.is_file():
         lines.append(f"config       {shown_path(hydra_config)} (maspo.print_config=true prints the resolved one)")

@@ -156,7 +156,7 @@ def local_env(monkeypatch):
 
     for key in local.LOCAL_ENV:
         monkeypatch.setenv(key, os.environ.get(key, ""))
-    for key in ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT"):  # set by prepare
+    for key in (*local.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):  # set by prepare, or would steer it
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
 

@@ -258,3 +258,25 @@ def test_metrics_file_lines_cut_short_are_skipped(tmp_path):
     path.write_text(json.dumps({"step": 1, "data": {"a": 1.0}}) + "\n" + '{"step": 2, "da')
     assert read_metrics(path) == {1: {"a": 1.0}}
     assert read_metrics(tmp_path / "missing.jsonl") == {} and read_metrics(None) == {}
+
+
+def test_tracking_files_go_to_the_run_folder_unless_chosen(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_log, "_fallback_run_dir", tmp_path / "run")
+    for key in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    config = _config(tmp_path, logger=["console", "file", "tensorboard", "wandb"])
+    env = run_log.tracking_env(config)
+    run = tmp_path / "run"
+    assert env == {
+        "VERL_FILE_LOGGER_PATH": str(run / "metrics.jsonl"),
+        "TENSORBOARD_DIR": str(run / "tensorboard"),
+        "WANDB_DIR": str(run),
+    }
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "mine"))
+    assert run_log.tracking_env(config) == {"WANDB_DIR": str(run)}
+    assert run_log.tracking_env(_config(tmp_path, logger=["console"])) == {}
+    monkeypatch.setenv("WANDB_DIR", str(run))
+    block = closing_block(config, run, run / "run.log", 0, 1)
+    assert f"tensorboard  {tmp_path / 'mine'} (tensorboard --logdir {tmp_path / 'mine'})" in block
+    assert f"wandb        {run / 'wandb'} (offline runs: wandb sync {run / 'wandb'}/offline-run-*)" in block
