@@ -314,6 +314,8 @@ def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float,
         lines.append(f"final        step {trained[-1]}: " + " | ".join(shown))
     if metrics_file is None:
         lines.append("metrics      not written: add 'file' to trainer.logger")
+    elif not metrics_file.is_file():
+        lines.append(f"metrics      none: no step finished ({shown_path(metrics_file)} is written from the first)")
     else:
         lines.append(f"metrics      {shown_path(metrics_file)} (every metric of every step, one JSON object a line)")
     note = f"; {hidden} known-harmless start-up lines left out above" if hidden else ""

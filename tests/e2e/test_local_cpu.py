@@ -142,9 +142,11 @@ def test_maspo_tokenval_bypass_v1(local_run):
 
 
 def test_ctpo_legacy_trainer(local_run):
-    """CTPO (prefix ratios, no segments) on the legacy trainer (trainer.use_v1=False)."""
-    run = _run(local_run, ["loss=ctpo", "trainer.use_v1=false"])
+    """CTPO (prefix ratios, no segments) on the legacy trainer (trainer.use_v1=False), whose TaskRunner
+    prints the resolved config when asked (maspo.print_config=true)."""
+    run = _run(local_run, ["loss=ctpo", "trainer.use_v1=false", "maspo.print_config=true"])
     _check_common(run)
+    assert "'actor_rollout_ref'" in run.log and "'maspo'" in run.log and len(run.log.splitlines()) > 500, run.tail()
     for step, metrics in run.steps.items():
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
 

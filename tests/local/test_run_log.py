@@ -210,6 +210,9 @@ def test_closing_block_of_a_failed_run(tmp_path, monkeypatch):
     )
     assert "metrics      not written: add 'file' to trainer.logger" in no_file
     assert "error        KeyboardInterrupt" in no_file and "checkpoints  none saved (trainer.save_freq=-1" in no_file
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "elsewhere"))
+    not_yet = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 0, 5, RuntimeError("x"))
+    assert f"metrics      none: no step finished ({tmp_path / 'elsewhere' / 'p' / 'e.jsonl'} is written" in not_yet
 
 
 @pytest.mark.parametrize("fails", [False, True])
