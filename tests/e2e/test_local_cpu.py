@@ -84,7 +84,7 @@ def _check_readable_log(run) -> None:
     """The console is short, its step lines agree with the metrics file, it ends with the closing block
     (which names the files and repeats the last step's metrics), and the Ray temp dir is gone."""
     context = f"\n--- trainer log tail ---\n{run.tail()}"
-    console = [line.split("] ", 1)[1] for line in run.log.splitlines()]  # drop the fixture's time prefix
+    console = [line.split("] ", 1)[1] for line in run.log.split("\n") if line]  # drop the fixture's time prefix
     assert len(console) <= 150, f"{len(console)} lines{context}"
     metrics_file = run.run_dir / "metrics.jsonl"
     assert sorted(read_metrics(metrics_file)) == list(range(1, STEPS + 1)), context
