@@ -8,6 +8,7 @@ and toy data, and checks verl's logged step metrics (not just the exit code). ~1
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,9 @@ def _check_readable_log(run) -> None:
     """The console is short, its step lines agree with the metrics file, it ends with the closing block
     (which names the files and repeats the last step's metrics), and the Ray temp dir is gone."""
     context = f"\n--- trainer log tail ---\n{run.tail()}"
-    console = [line.split("] ", 1)[1] for line in run.log.split("\n") if line]  # drop the fixture's time prefix
+    # the lines printed, without the fixture's time prefix (a progress bar's carriage returns, read back
+    # as line ends, continue its line)
+    console = re.findall(r"^\[ *[\d.]+s\] (.*)$", run.log, flags=re.M)
     assert len(console) <= 150, f"{len(console)} lines{context}"
     metrics_file = run.run_dir / "metrics.jsonl"
     assert sorted(read_metrics(metrics_file)) == list(range(1, STEPS + 1)), context
