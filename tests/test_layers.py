@@ -31,6 +31,7 @@ CORE = {
     "native",
     "fsq",
     "vocab",
+    "batch_sizes",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {
