@@ -41,31 +41,13 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY
 from maspo_verl.plugin import TOKEN_SCORES_KEY, patch_problem, register_startup_check, warn_span_credit_is_grpo
-from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
+from maspo_verl.speech.reward import get_batcher
+from maspo_verl.speech.scorer import METRIC_KEYS
+from maspo_verl.speech.settings import SpeechRewardConfig, settings_from_config
 from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
 
 logger = logging.getLogger(__name__)
-
-
-def settings_from_config(config: Any) -> dict[str, Any]:
-    """``reward.custom_reward_function.reward_kwargs`` (SpeechRewardConfig fields), if present.
-
-    That dict is where verl keeps free-form reward settings (it is not a typed dataclass field);
-    the manager reads it itself because no custom reward *function* is involved.
-    """
-    try:
-        speech = config.reward.custom_reward_function.get("reward_kwargs")
-    except Exception:
-        return {}
-    if speech is None:
-        return {}
-    try:
-        from omegaconf import OmegaConf
-
-        return dict(OmegaConf.to_container(speech, resolve=True))
-    except Exception:
-        return dict(speech)
 
 
 def loss_uses_words(config: Any) -> bool:

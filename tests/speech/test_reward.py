@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from maspo_verl.speech.codec import HOP, CodecDecoder, FrameTableCodec
-from maspo_verl.speech.reward import (
-    METRIC_KEYS,
-    SpeechRewardConfig,
-    SpeechScorer,
-    compute_score,
-    duration_score,
-    register_scorer,
-    wer_reward,
-)
+from maspo_verl.speech.reward import compute_score, register_scorer
+from maspo_verl.speech.scorer import METRIC_KEYS, SpeechScorer, duration_score, wer_reward
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap, codes_to_text
 from tests.speech.conftest import SENTENCES, WRONG_TEXT

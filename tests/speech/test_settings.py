@@ -15,14 +15,9 @@ import pytest
 
 from maspo_verl.speech.asr import Transcript
 from maspo_verl.speech.codec import HOP
-from maspo_verl.speech.reward import (
-    METRIC_KEYS,
-    SpeechRewardConfig,
-    SpeechScorer,
-    compute_score,
-    register_scorer,
-    wer_reward,
-)
+from maspo_verl.speech.reward import compute_score, register_scorer
+from maspo_verl.speech.scorer import METRIC_KEYS, SpeechScorer, wer_reward
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.tokens import codes_to_text
 from tests.helpers import compose_config
 

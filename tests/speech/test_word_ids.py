@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY
 from maspo_verl.plugin import TOKEN_SCORES_KEY, run_startup_checks
 from maspo_verl.speech.codec import FrameTableCodec
-from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer
+from maspo_verl.speech.reward import register_scorer
+from maspo_verl.speech.scorer import SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.spans import word_token_ids
 from maspo_verl.speech.tokens import LlasaTokenMap
 from tests.helpers import compose_config
