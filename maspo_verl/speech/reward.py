@@ -5,6 +5,11 @@ batches for ``maspo_verl.speech.scorer.SpeechScorer``, one per process and setti
 ``compute_score`` is the custom reward function for verl's naive manager; the token-id path
 (``maspo_verl.speech.reward_manager.SpeechRewardManager``, what the recipe uses) awaits the same batcher.
 Settings: ``maspo_verl.speech.settings``.
+
+A batch whose scoring raises (a model that does not load, too many failed samples: a failure that hits
+every sample) raises in every caller awaiting it, and is recorded for the trainer
+(``maspo_verl.plugin.report_run_failure``): verl's v1 agent loop only logs an exception raised in a reward
+and drops the sample, so the trainer stops at its next batch with this cause. No retry.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import logging
 import threading
 from typing import Any
 
-from maspo_verl.speech.scorer import METRIC_KEYS, SpeechScorer
-from maspo_verl.speech.settings import SpeechRewardConfig
+from maspo_verl.plugin import register_startup_check, report_run_failure
+from maspo_verl.speech.preflight import run_checks
+from maspo_verl.speech.scorer import SpeechRewardFailure, SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig, settings_from_config
 from maspo_verl.speech.tokens import LlasaTokenMap
 
 logger = logging.getLogger(__name__)
@@ -58,9 +65,15 @@ class AsyncBatcher:
             results = await loop.run_in_executor(
                 None, self.scorer.score_codes, [b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch]
             )
-        except Exception:  # score_codes does not raise; belt and braces
-            logger.exception("speech reward: batch crashed")
-            results = [dict(dict.fromkeys(METRIC_KEYS, 0.0), error=1.0) for _ in batch]
+        except Exception as exc:  # a failure that hits every sample of the batch: the run stops with it
+            message = f"speech reward: {type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, SpeechRewardFailure) else message
+            logger.error("%s", message)
+            report_run_failure(message)
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
         for (*_, fut), r in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(r)
@@ -96,12 +109,6 @@ def get_batcher(config: SpeechRewardConfig) -> AsyncBatcher:
     return _batchers[key]
 
 
-def _zero(reason: str) -> dict[str, float]:
-    r = dict.fromkeys(METRIC_KEYS, 0.0)
-    r[reason] = 1.0
-    return r
-
-
 async def compute_score(
     data_source: str,
     solution_str: str,
@@ -117,16 +124,30 @@ async def compute_score(
     It parses ``<|s_N|>`` from the decoded response, which needs a tokenizer that does not treat
     the codec tokens as special (the naive manager decodes with ``skip_special_tokens=True``); the
     token-id path ``maspo_verl.speech.reward_manager.SpeechRewardManager`` has no such caveat and is
-    what the recipe uses.
+    what the recipe uses. A failure of the sample scores 0 (counted); one that hits every sample raises.
     """
-    try:
-        settings = {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
-        config = SpeechRewardConfig.from_env(settings)
-        codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
-        result = await get_batcher(config).score(codes, ground_truth, extra_info)
-        result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
-        result.pop("code_words", None)
-        return result
-    except Exception:
-        logger.exception("speech reward: compute_score failed")
-        return _zero("error")
+    config = SpeechRewardConfig.from_env(_settings(kwargs))
+    codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
+    result = await get_batcher(config).score(codes, ground_truth, extra_info)
+    result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
+    result.pop("code_words", None)
+    return result
+
+
+def _settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The reward settings among the keyword arguments verl passes to ``compute_score``."""
+    return {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
+
+
+@register_startup_check
+def compute_score_startup_checks(config: Any) -> list[str]:
+    """With verl's naive manager and this module's ``compute_score``: the settings, and whether their
+    models load here (the manager path's check, ``speech_startup_checks``, does the same)."""
+    reward = config.get("reward", {}) or {}
+    function = reward.get("custom_reward_function", {}) or {}
+    path = str(function.get("path") or "").replace("/", ".").removesuffix(".py")
+    manager = (reward.get("reward_manager", {}) or {}).get("name")
+    if not path.endswith(__name__) or function.get("name") != "compute_score" or manager == "SpeechRewardManager":
+        return []
+    settings = _settings(settings_from_config(config))
+    return run_checks(SpeechRewardConfig.from_env(settings), settings, config)

@@ -26,15 +26,22 @@ code belongs to (-1 between words and for every code of a sample without word ti
 Long clips (beyond Whisper's 30 s window) are cut at pauses and transcribed in full
 (``maspo_verl.speech.asr``).
 
-Failures never raise and score 0, each counted in a metric (``invalid_reference``: the ground truth
-is missing, not a string, or has no words - never scored against the text "None";
-``invalid_ref_audio``: ``w_spk > 0`` and the sample has no speaker reference clip, or it cannot be
-read; ``invalid_empty``: no codec codes; ``invalid_decode``: the codec failed; ``invalid_nonspeech``:
-silent audio (RMS below ``min_rms``), every Whisper window silent (no-speech probability above
-``no_speech_threshold`` with an average log-prob below -1, Whisper's own rule) or an empty
-transcript; ``error``: anything else, including a non-finite score). Every sample returns the same
-keys (verl stacks them into arrays and averages them into metrics); terms that are disabled or never
-computed (no transcript) are 0, never NaN.
+Per-sample outcomes score 0 and are counted, each in a metric: ``invalid_reference`` (the ground truth
+is missing, not a string, or has no words - never scored against the text "None"), ``invalid_ref_audio``
+(``w_spk > 0`` and the sample has no speaker reference clip, or it cannot be read), ``invalid_empty`` (no
+codec codes), ``invalid_nonspeech`` (silent audio: RMS below ``min_rms``; every Whisper window silent: a
+no-speech probability above ``no_speech_threshold`` with an average log-prob below -1, Whisper's own
+rule; or an empty transcript), ``invalid_decode`` (the codec failed on the sample) and ``error``
+(anything else failed on it, a non-finite score included). ``failed`` marks the last two: a component
+failing rather than the sample's content. ``score_s`` is the batch's scoring time over its size (summed
+over a step: the reward's time).
+
+A failure that hits every sample raises ``SpeechRewardFailure``, so that the run stops with its cause: a
+model that does not load (codec, ASR, speaker embedder), or more failed samples than ``max_failed_frac``
+(default 0.5; 1.0 turns it off) of the last ``max_batch`` scored in this process, judged from
+``MIN_JUDGED`` samples on (verl's streaming reward sends samples in small batches as they finish). The
+error gives the counts and the first distinct messages. Every sample returns the same keys (verl stacks
+them into arrays); terms that are disabled or never computed (no transcript) are 0, never NaN.
 """
 
 from __future__ import annotations
@@ -42,14 +49,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
-from maspo_verl.speech.settings import SpeechRewardConfig
+from maspo_verl.speech.settings import PREFIX, SpeechRewardConfig
 from maspo_verl.speech.spans import error_spans, token_penalties, word_token_ids
 from maspo_verl.speech.text import normalize_text, word_error_rate
 
@@ -72,8 +81,12 @@ METRIC_KEYS = (
     "invalid_decode",
     "invalid_nonspeech",
     "error",
+    "failed",
+    "score_s",
 )
 INVALID_KEYS = tuple(k for k in METRIC_KEYS if k.startswith("invalid_"))
+FAILED_KEYS = ("invalid_decode", "error")  # outcomes of a component failing, not of the sample's content
+MIN_JUDGED = 8  # max_failed_frac is judged once this many samples (or max_batch) have been scored
 
 
 def wer_reward(wer: float, scale: float = 3.0) -> float:
@@ -136,6 +149,11 @@ def reference_text(ground_truth: Any) -> str | None:
     return None
 
 
+class SpeechRewardFailure(RuntimeError):
+    """A failure that hits every sample: a model that does not load, or more failed samples than
+    ``max_failed_frac`` allows. Raised so that the run stops with its cause."""
+
+
 class SpeechScorer:
     """Holds the codec and the ASR model (loaded once per process) and scores batches."""
 
@@ -145,14 +163,29 @@ class SpeechScorer:
         self._asr = asr
         self._embedder = None
         self._ref_cache: dict[str, np.ndarray | None] = {}
+        self._recent: list[str | None] = []  # the last samples' outcomes: None, or why the sample failed
         self.lock = threading.Lock()
+
+    def _load(self, what: str, names: tuple[str, ...], build):
+        """``build()``, or a SpeechRewardFailure naming the settings and where it failed."""
+        try:
+            return build()
+        except Exception as exc:
+            named = ", ".join(f"{PREFIX}{n}={getattr(self.config, n)!r}" for n in names)
+            raise SpeechRewardFailure(
+                f"speech reward: the {what} failed to load in the reward worker (pid {os.getpid()} on "
+                f"{socket.gethostname()}): {type(exc).__name__}: {exc} [{named}]"
+            ) from exc
 
     @property
     def decoder(self) -> CodecDecoder:
         if self._decoder is None:
             c = self.config
-            kw = {"model_path": c.codec_model, "device": c.codec_device, "max_batch": c.codec_batch}
-            self._decoder = build_decoder(c.codec, **(kw if c.codec == "xcodec2" else {}))
+            self._decoder = self._load(
+                "codec",
+                ("codec", "codec_model", "codec_device"),
+                lambda: build_decoder(c.codec, c.codec_model, c.codec_device, c.codec_batch),
+            )
             logger.warning("maspo_verl.speech: codec %s loaded (pid %d)", c.codec, os.getpid())
         return self._decoder
 
@@ -162,24 +195,33 @@ class SpeechScorer:
             from maspo_verl.speech.asr import WhisperASR
 
             c = self.config
-            self._asr = WhisperASR(
-                c.asr_model,
-                device=c.asr_device,
-                compute_type=c.asr_compute_type,
-                batch_size=c.asr_batch,
-                beam_size=c.asr_beam,
-                language=c.language,
-                no_speech_threshold=c.no_speech_threshold,
-                min_rms=c.min_rms,
+            self._asr = self._load(
+                "ASR model",
+                ("asr_model", "asr_device", "asr_compute_type"),
+                lambda: WhisperASR(
+                    c.asr_model,
+                    device=c.asr_device,
+                    compute_type=c.asr_compute_type,
+                    batch_size=c.asr_batch,
+                    beam_size=c.asr_beam,
+                    language=c.language,
+                    no_speech_threshold=c.no_speech_threshold,
+                    min_rms=c.min_rms,
+                ),
             )
             logger.warning("maspo_verl.speech: ASR %s on %s (pid %d)", c.asr_model, self._asr.device, os.getpid())
         return self._asr
 
-    def _embed(self, wave: np.ndarray) -> np.ndarray:
+    @property
+    def embedder(self):
         if self._embedder is None:
             spec = self.config.speaker_embedder
-            self._embedder = logmel_embedding if spec == "logmel" else load_object(spec)
-        return np.asarray(self._embedder(wave, SAMPLE_RATE), dtype=np.float64).reshape(-1)
+            load = (lambda: logmel_embedding) if spec == "logmel" else (lambda: load_object(spec))
+            self._embedder = self._load("speaker embedder", ("speaker_embedder",), load)
+        return self._embedder
+
+    def _embed(self, wave: np.ndarray) -> np.ndarray:
+        return np.asarray(self.embedder(wave, SAMPLE_RATE), dtype=np.float64).reshape(-1)
 
     def _speaker_sim(self, wave: np.ndarray, ref: np.ndarray) -> float:
         a = self._embed(wave)
@@ -191,8 +233,10 @@ class SpeechScorer:
     def score_codes(
         self, codes: Sequence[Sequence[int]], texts: Sequence[Any], extra_infos: Sequence[dict | None] | None = None
     ) -> list[dict[str, float]]:
-        """One metrics dict (``METRIC_KEYS``, plus ``code_penalties`` with span credit) per sample;
-        never raises. ``texts`` are the ground truths as the dataset holds them (checked here)."""
+        """One metrics dict (``METRIC_KEYS``, plus ``code_penalties`` with span credit) per sample.
+        ``texts`` are the ground truths as the dataset holds them (checked here). A sample that fails
+        scores 0 and is counted; raises ``SpeechRewardFailure`` when a model does not load or when more
+        than ``max_failed_frac`` of the recent samples failed (see ``_judge``)."""
         n = len(codes)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         res = [dict.fromkeys(METRIC_KEYS, 0.0) for _ in range(n)]
@@ -203,16 +247,45 @@ class SpeechScorer:
                 r["code_penalties"] = [0.0] * len(c)
             if self.config.word_ids:
                 r["code_words"] = [-1] * len(c)
-        try:
-            with self.lock:
-                self._score_into(res, codes, texts, extra_infos)
-        except Exception:
-            logger.exception("speech reward: batch failed; scoring the batch 0")
-            for r in res:
-                if not any(r[k] for k in INVALID_KEYS):
-                    r["error"] = 1.0
-                r["score"] = 0.0
+        errors: dict[int, str] = {}
+        with self.lock:
+            start = time.perf_counter()
+            self._score_into(res, codes, texts, extra_infos, errors)
+            seconds = (time.perf_counter() - start) / max(n, 1)
+            for i, r in enumerate(res):
+                r["failed"] = float(i in errors)
+                r["score_s"] = seconds
+            if errors:
+                first = next(iter(errors.values()))
+                logger.warning("speech reward: %d of %d samples failed; first: %s", len(errors), n, first)
+            self._judge([errors.get(i) for i in range(n)])
         return res
+
+    def _judge(self, outcomes: list[str | None]) -> None:
+        """Raise when more than ``max_failed_frac`` of the last ``max_batch`` samples (this batch included,
+        and at least ``MIN_JUDGED``) failed: a broken component, not bad samples."""
+        c = self.config
+        self._recent = (self._recent + outcomes)[-max(c.max_batch, len(outcomes)) :]
+        failed = [m for m in self._recent if m is not None]
+        judged = len(self._recent)
+        if judged < min(MIN_JUDGED, c.max_batch) or len(failed) <= c.max_failed_frac * judged:
+            return
+        self._recent = []
+        counts = ", ".join(f"{k} {sum(m.startswith(k + ':') for m in failed)}" for k in FAILED_KEYS)
+        first = " | ".join(list(dict.fromkeys(failed))[:3])
+        raise SpeechRewardFailure(
+            f"speech reward: {len(failed)} of the last {judged} samples failed ({counts}), more than "
+            f"{PREFIX}max_failed_frac={c.max_failed_frac}. First errors: {first}. "
+            "A component that fails on most samples stops the run rather than train on zero rewards: fix it, "
+            "or set max_failed_frac=1.0 to score failed samples 0 and go on."
+        )
+
+    @staticmethod
+    def _fail(res: list[dict], i: int, key: str, exc: Exception, errors: dict[int, str]) -> None:
+        logger.debug("speech reward: sample %d: %s", i, key, exc_info=exc)
+        res[i][key] = 1.0
+        res[i]["score"] = 0.0
+        errors[i] = f"{key}: {type(exc).__name__}: {exc}"
 
     def _reference_embedding(self, extra_info: dict | None) -> np.ndarray | None:
         """The speaker reference's embedding (cached per path); None if there is none or it cannot be read."""
@@ -221,42 +294,37 @@ class SpeechScorer:
             return None
         if ref not in self._ref_cache:  # failures cached too: one warning per path
             try:
-                self._ref_cache[ref] = self._embed(load_wave(ref))
+                wave = load_wave(ref)
             except Exception:
                 logger.warning("speech reward: cannot read speaker reference %r", ref, exc_info=True)
                 self._ref_cache[ref] = None
+            else:
+                self._ref_cache[ref] = self._embed(wave)
         return self._ref_cache[ref]
 
-    def _score_into(self, res, codes, texts, extra_infos) -> None:
+    def _score_into(self, res, codes, texts, extra_infos, errors: dict[int, str]) -> None:
         c = self.config
         todo, refs = [], {}
         for i, seq in enumerate(codes):
             if reference_text(texts[i]) is None:
                 res[i]["invalid_reference"] = 1.0
-            elif c.w_spk > 0 and (ref := self._reference_embedding(extra_infos[i])) is None:
-                res[i]["invalid_ref_audio"] = 1.0
-            elif len(seq) < c.min_codes:
+                continue
+            if c.w_spk > 0:
+                try:
+                    refs[i] = self._reference_embedding(extra_infos[i])
+                except Exception as exc:  # the embedder failed on the reference clip
+                    self._fail(res, i, "error", exc, errors)
+                    continue
+                if refs[i] is None:
+                    res[i]["invalid_ref_audio"] = 1.0
+                    continue
+            if len(seq) < c.min_codes:
                 res[i]["invalid_empty"] = 1.0
             else:
                 todo.append(i)
-                if c.w_spk > 0:
-                    refs[i] = ref
-        waves: dict[int, np.ndarray] = {}
-        if todo:
-            try:
-                decoded = self.decoder.decode_batch([codes[i] for i in todo])
-                waves = dict(zip(todo, decoded, strict=True))
-            except Exception:
-                logger.warning("speech reward: batch decode failed; decoding one by one", exc_info=True)
-                for i in todo:
-                    try:
-                        waves[i] = self.decoder.decode_batch([codes[i]])[0]
-                    except Exception:
-                        res[i]["invalid_decode"] = 1.0
+        waves = self._decode(res, codes, todo, errors)
         speech = []
         for i, w in waves.items():
-            w = np.nan_to_num(np.asarray(w, dtype=np.float32).reshape(-1))
-            waves[i] = w
             res[i]["duration_s"] = len(w) / SAMPLE_RATE
             if len(w) == 0 or float(np.sqrt(np.mean(w**2))) < c.min_rms:
                 res[i]["invalid_nonspeech"] = 1.0
@@ -264,10 +332,19 @@ class SpeechScorer:
                 speech.append(i)
         if not speech:
             return
-        if c.token_scores or c.word_ids:
-            transcripts = self.asr.transcribe_batch([waves[i] for i in speech], word_timestamps=True)
-        else:
-            transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
+        asr = self.asr
+        try:
+            clips = [waves[i] for i in speech]
+            if c.token_scores or c.word_ids:
+                transcripts = asr.transcribe_batch(clips, word_timestamps=True)
+            else:
+                transcripts = asr.transcribe_batch(clips)
+            if len(transcripts) != len(clips):
+                raise ValueError(f"the ASR returned {len(transcripts)} transcripts for {len(clips)} clips")
+        except Exception as exc:
+            for i in speech:
+                self._fail(res, i, "error", exc, errors)
+            return
         for i, tr in zip(speech, transcripts, strict=True):
             r = res[i]
             r["no_speech_prob"] = tr.no_speech_prob
@@ -291,10 +368,37 @@ class SpeechScorer:
                     self._locate_errors(r, texts[i], tr.words, len(codes[i]))
                 if c.word_ids:
                     r["code_words"] = word_token_ids(tr.words or [], len(codes[i]))
-            except Exception:
-                logger.warning("speech reward: scoring sample failed", exc_info=True)
-                r["error"] = 1.0
-                r["score"] = 0.0
+            except Exception as exc:
+                self._fail(res, i, "error", exc, errors)
+
+    def _decode(self, res, codes, todo: list[int], errors: dict[int, str]) -> dict[int, np.ndarray]:
+        """Waveforms of the samples ``todo``: one batched call; if it fails, one call per sample, so that
+        a sample the codec cannot decode fails alone (``invalid_decode``)."""
+        if not todo:
+            return {}
+        decoder = self.decoder
+        try:
+            decoded = decoder.decode_batch([codes[i] for i in todo])
+            if len(decoded) != len(todo):
+                raise ValueError(f"the codec returned {len(decoded)} waves for {len(todo)} code sequences")
+            pairs = list(zip(todo, decoded, strict=True))
+        except Exception as exc:
+            if len(todo) == 1:
+                self._fail(res, todo[0], "invalid_decode", exc, errors)
+                return {}
+            pairs = []
+            for i in todo:
+                try:
+                    pairs.append((i, decoder.decode_batch([codes[i]])[0]))
+                except Exception as one:
+                    self._fail(res, i, "invalid_decode", one, errors)
+        waves = {}
+        for i, w in pairs:
+            try:
+                waves[i] = np.nan_to_num(np.asarray(w, dtype=np.float32).reshape(-1))
+            except Exception as exc:
+                self._fail(res, i, "invalid_decode", exc, errors)
+        return waves
 
     def _locate_errors(self, r: dict, text: str, words, n_codes: int) -> None:
         if words is None:

@@ -7,7 +7,7 @@ naming ``reward.custom_reward_function.reward_kwargs.<field>`` (and the ``MASPO_
 it came from) with the allowed values. A configured ``ref_audio`` must be an existing file. With
 ``w_spk > 0`` and no ``ref_audio``, every sample needs its own ``extra_info['ref_audio']``: the dataset is
 not visible at start-up, so that is checked per sample. Whether the models these settings name can be
-loaded is checked when they load.
+loaded is checked by ``maspo_verl.speech.preflight``.
 
 Plain Python (no verl, no torch): runs in the driver at start-up, before any model loads.
 """
@@ -82,6 +82,12 @@ def _pattern(regex: re.Pattern, allowed: str):
     return check
 
 
+def _codec(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not (value in CODECS or OBJECT_SPEC.fullmatch(value)):
+        _bad(name, value, f"{', '.join(CODECS)} or module:function (a factory of a CodecDecoder)")
+    return value
+
+
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         _bad(name, value, "a non-empty string")
@@ -116,8 +122,8 @@ def _setting(default: Any, check):
 
 @dataclass
 class SpeechRewardConfig:
-    # codec: xcodec2 (real) or frame_table (stand-in)
-    codec: str = _setting("xcodec2", _choice(CODECS))
+    # codec: xcodec2 (real), frame_table (stand-in), or module:function(model_path=, device=, max_batch=)
+    codec: str = _setting("xcodec2", _codec)
     codec_model: str = _setting("HKUSTAudio/xcodec2", _text)
     codec_device: str = _setting("auto", _DEVICE)
     codec_batch: int = _setting(16, _integer(1))
@@ -149,6 +155,8 @@ class SpeechRewardConfig:
     # batching of concurrent async calls (verl's reward loop scores samples as concurrent tasks)
     batch_window_s: float = _setting(0.05, _number(0.0, 60.0))
     max_batch: int = _setting(64, _integer(1))
+    # more failed samples (error, invalid_decode) than this fraction of the recent ones stops the run; 1.0: never
+    max_failed_frac: float = _setting(0.5, _number(0.0, 1.0))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,6 +9,9 @@ plumbing (prompt, codec ids reaching the loss, reward workers), not learning.
 from __future__ import annotations
 
 import math
+import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +94,31 @@ def test_word_segments_full_setting(speech_assets, local_run):
     assert "do not match the response length" not in run.log, context
     assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
     assert "maspo_span_grpo" in run.log, context
+
+
+def test_a_codec_failing_on_every_batch_stops_the_run(speech_assets, local_run, monkeypatch):
+    """A codec that loads and then raises on every batch (``tests/speech/failing_codecs.py``, plugged in
+    as ``codec=module:function``): only a worker can know. The reward raises (more than max_failed_frac
+    of its samples failed), verl's agent loop logs it and drops the samples, and the trainer stops at its
+    next batch with the cause: no training step completes on zero rewards."""
+    root = str(Path(__file__).resolve().parents[2])  # the Ray workers import the codec module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    codec = "+reward.custom_reward_function.reward_kwargs.codec"
+    assets = {**speech_assets, codec: "tests.speech.failing_codecs:raising_codec"}
+    run = local_run(
+        [f"{k}={v}" for k, v in assets.items()]
+        + [
+            "loss=maspo_tokenval",
+            "trainer.total_training_steps=2",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+        ]
+    )
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    assert run.returncode not in (0, None), f"the run did not stop by itself ({run.returncode}){context}"
+    assert not run.steps, f"a step completed: {sorted(run.steps)}{context}"
+    cause = re.search(
+        r"the run stops: speech reward: (\d+) of the last \1 samples failed \(invalid_decode \1, error 0\)", run.log
+    )
+    assert cause and int(cause.group(1)) >= 8, context
+    assert "illegal memory access" in run.log, context

@@ -26,7 +26,7 @@ NAN, INF = float("nan"), float("inf")
 
 # (field, bad value, the allowed values the error must name); every field appears at least once
 BAD = [
-    ("codec", "encodec", "one of xcodec2, frame_table"),
+    ("codec", "encodec", "xcodec2, frame_table or module:function"),
     ("codec_model", "", "a non-empty string"),
     ("codec_device", "gpu", "auto, cpu, cuda or cuda:<index>"),
     ("codec_batch", 0, "an integer >= 1"),
@@ -55,6 +55,7 @@ BAD = [
     ("min_codes", 0, "an integer >= 1"),
     ("batch_window_s", -0.01, "a finite number >= 0.0 and <= 60.0"),
     ("max_batch", 0.5, "an integer >= 1"),
+    ("max_failed_frac", 1.5, "a finite number >= 0.0 and <= 1.0"),
 ]
 
 

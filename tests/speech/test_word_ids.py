@@ -118,6 +118,8 @@ def speech_config(*overrides):
         "reward.reward_manager.name=SpeechRewardManager",
         "reward.reward_manager.module.path=pkg://maspo_verl.speech.reward_manager",
         f"{rk}.codec=frame_table",
+        f"{rk}.asr_model=bundled:tiny.en",
+        f"{rk}.asr_device=cpu",
         *overrides,
     )
 
