@@ -73,11 +73,16 @@ def speech_startup_checks(config: Any) -> list[str]:
     if (reward.get("reward_manager", {}) or {}).get("name") != SpeechRewardManager.__name__:
         return []
     speech = speech_settings(config)
-    issued = run_checks(speech, settings_from_config(config), config)  # its models and packages load here
+    return _token_checks(config, speech) + run_checks(speech, settings_from_config(config), config)
+
+
+def _token_checks(config: Any, speech: SpeechRewardConfig) -> list[str]:
+    """Where per-token scores and word ids reach the trainer (the config's shape, checked first)."""
+    reward = config.get("reward", {}) or {}
     span_credit = (config.get("algorithm", {}) or {}).get("adv_estimator") == SPAN_GRPO
     if not (speech.token_scores or speech.word_ids):
-        return issued + ([warn_span_credit_is_grpo()] if span_credit else [])
-    issued += [warn_span_credit_is_grpo()] if span_credit and not speech.token_scores else []
+        return [warn_span_credit_is_grpo()] if span_credit else []
+    issued = [warn_span_credit_is_grpo()] if span_credit and not speech.token_scores else []
     where = (
         "reward.custom_reward_function.reward_kwargs.token_scores=true"
         if speech.token_scores
