@@ -61,6 +61,8 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
         # is at least 30 (AM-HM) and equals it when every micro-batch has the same count
         assert 1.0 <= per_seq <= RESPONSE_LEN, context
         assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
+        # the reward's own numbers reach the step's log (maspo_verl's hook): nothing failed, its time
+        assert metrics["reward/failed/mean"] == 0.0 and metrics["reward/score_s/mean"] > 0, context
     assert "SpeechRewardManager" in run.log or "tiny.en" in run.log, context
 
 
