@@ -21,6 +21,7 @@ COMMANDS = [
     ("bench", "forward+backward time, peak memory and host syncs of each loss"),
     ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
+    ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
 ]
 
 

@@ -47,11 +47,15 @@ def require_registered(loss_mode: str) -> None:
 
 
 def _import_reward_manager_module(config) -> None:
-    """Import the ``pkg://`` reward-manager module the config names, so its checks are registered."""
-    manager = (config.get("reward", {}) or {}).get("reward_manager", {}) or {}
-    path = (manager.get("module", {}) or {}).get("path") or ""
-    if manager.get("source") == "importlib" and str(path).startswith("pkg://"):
-        importlib.import_module(str(path)[len("pkg://") :])
+    """Import the ``pkg://`` modules of the reward manager and the custom reward function the config
+    names, so their checks are registered."""
+    reward = config.get("reward", {}) or {}
+    manager = reward.get("reward_manager", {}) or {}
+    paths = [(manager.get("module", {}) or {}).get("path") if manager.get("source") == "importlib" else None]
+    paths.append((reward.get("custom_reward_function", {}) or {}).get("path"))
+    for path in paths:
+        if str(path or "").startswith("pkg://"):
+            importlib.import_module(str(path)[len("pkg://") :])
 
 
 def run_startup_checks(config) -> list[str]:

@@ -18,8 +18,11 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import logging
+import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -141,7 +144,157 @@ def install_token_scores_hook() -> str | None:
     return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
 
 
+# ------------------------------------------------------------------ rewards in the trainer's loop
+# verl's v1 trainer neither logs what a reward returns besides its score during training, nor stops when
+# a reward raises: its agent loop logs the exception and drops the sample. Two hooks in the trainer:
+# ``reward_metrics`` logs the step mean of each number in the samples' ``reward_extra_info`` as
+# ``reward/<key>/mean``; ``run_failure`` raises in the trainer, after each batch is sampled, the failure a
+# reward recorded with ``report_run_failure`` (in Ray's key-value store, shared by the run's processes).
+
+TRAINER_METRICS_PARAMS = ("self", "batch", "metrics", "timing_raw", "global_steps", "epoch")
+
+
+def _run_failure_key() -> bytes:
+    import ray
+
+    return f"maspo_verl/run_failure/{ray.get_runtime_context().get_job_id()}".encode()
+
+
+def report_run_failure(message: str) -> None:
+    """Record a failure that hits every sample (the first one of the run wins), so that the trainer
+    stops with ``message`` at its next batch. Does nothing outside Ray."""
+    try:
+        import ray
+        from ray.experimental import internal_kv
+
+        if ray.is_initialized():
+            internal_kv._internal_kv_put(_run_failure_key(), message.encode(), overwrite=False)
+    except Exception:
+        logger.warning("maspo_verl: could not record the run's failure for the trainer", exc_info=True)
+
+
+def reported_run_failure() -> str | None:
+    """The failure recorded with ``report_run_failure`` in this run, if any."""
+    import ray
+    from ray.experimental import internal_kv
+
+    if not ray.is_initialized():
+        return None
+    found = internal_kv._internal_kv_get(_run_failure_key())
+    return found.decode() if found else None
+
+
+def _stop_on_reported_failure(original):
+    def sample(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        message = reported_run_failure()
+        if message:
+            raise RuntimeError(f"the run stops: {message}")
+        return out
+
+    return sample
+
+
+def reward_step_metrics(infos: list) -> dict[str, float]:
+    """``reward/<key>/mean`` of each key whose value is a number in every sample's ``reward_extra_info``."""
+    infos = [i for i in infos if isinstance(i, dict)]
+    metrics = {}
+    for key in infos[0] if infos else ():
+        values = [i.get(key) for i in infos]
+        if all(isinstance(v, numbers.Real) for v in values):
+            metrics[f"reward/{key}/mean"] = float(sum(float(v) for v in values) / len(values))
+    return metrics
+
+
+def _with_reward_metrics(original):
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        try:
+            import transfer_queue as tq
+
+            keys = [k for k, tag in zip(batch.keys, batch.tags, strict=True) if not tag.get("is_padding", False)]
+            if keys:
+                data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+                fields = data.pop("extra_fields").tolist()
+                metrics.update(reward_step_metrics([(f or {}).get("reward_extra_info") for f in fields]))
+        except Exception as exc:  # auxiliary metrics never stop a run
+            warn_once(f"maspo_verl: reward metrics not logged ({type(exc).__name__}: {exc})", logger=logger)
+        return original(self, batch, metrics, timing_raw, global_steps, epoch)
+
+    return _compute_metrics
+
+
+def _trainer_metrics_signature(original) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if params != TRAINER_METRICS_PARAMS:
+        return f"PPOTrainer._compute_metrics has parameters {params}, expected {TRAINER_METRICS_PARAMS}"
+    return None
+
+
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``install(module)`` right after the module ``name`` is first imported."""
+
+    def __init__(self, name: str, install: Callable[[Any], None]):
+        self.name, self.install = name, install
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders find it
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run, install = loader.exec_module, self.install
+
+        def exec_module(module):
+            run(module)
+            install(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def after_import(name: str, install: Callable[[Any], None]) -> None:
+    """``install(module)`` now if ``name`` is imported, else right after it is."""
+    if name in sys.modules:
+        install(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, install))
+
+
+def _hook_trainer(trainer_base) -> None:
+    try:
+        from verl.trainer.ppo.v1 import replay_buffer
+
+        trainer = trainer_base.PPOTrainer
+        patch("reward_metrics", trainer, "_compute_metrics", _with_reward_metrics, _trainer_metrics_signature)
+        buffers = [
+            c
+            for c in vars(replay_buffer).values()
+            if isinstance(c, type) and c.__module__ == replay_buffer.__name__ and "sample" in vars(c)
+        ]
+        problems = [patch(f"run_failure.{c.__name__}", c, "sample", _stop_on_reported_failure) for c in buffers]
+        for c in buffers:  # one entry for the hook
+            PATCHES.pop(f"run_failure.{c.__name__}")
+        PATCHES["run_failure"] = next((p for p in problems if p), None if buffers else "no v1 replay buffer to hook")
+    except Exception as exc:  # never break verl's import
+        PATCHES.setdefault("reward_metrics", f"{type(exc).__name__}: {exc}")
+        PATCHES.setdefault("run_failure", f"{type(exc).__name__}: {exc}")
+        logger.error("maspo_verl: hooks on verl's v1 trainer not installed", exc_info=True)
+
+
+def install_trainer_reward_hooks() -> None:
+    """``reward_metrics`` and ``run_failure``, installed when verl imports its v1 trainer: importing it
+    here, while verl loads its plugins, would resolve verl's device before the local mode registers its
+    platform."""
+    after_import(TRAINER_MODULE, _hook_trainer)
+
+
 def install_hooks() -> None:
-    """Both hooks (idempotent); why one was refused is in ``PATCHES``."""
+    """Every hook (idempotent); why one was refused is in ``PATCHES``."""
     install_ppo_loss_hook()
     install_token_scores_hook()
+    install_trainer_reward_hooks()

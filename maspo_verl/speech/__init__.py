@@ -8,7 +8,10 @@ Modules (import what you need; heavy dependencies load lazily):
                     (deterministic stand-in for tests).
 - ``asr``           batched faster-whisper transcription (large-v3 on GPU, tiny.en offline).
 - ``text``          text normalisation and WER (jiwer).
-- ``reward``        codes -> audio -> ASR -> WER -> reward, batched; ``compute_score`` for verl.
+- ``settings``      ``SpeechRewardConfig``: the reward's settings, their checks, ``MASPO_SPEECH_*``.
+- ``scorer``        codes -> audio -> ASR -> WER -> reward for one batch (``SpeechScorer``).
+- ``reward``        batching of concurrent calls, one scorer per process; ``compute_score`` for verl.
+- ``preflight``     start-up checks: every model and package the reward will load resolves here.
 - ``reward_manager`` verl 0.9.1 reward-loop manager that scores token ids in batches.
 - ``prepare``       text prompts -> verl parquet (``python -m maspo_verl.speech.prepare``).
 - ``testing``       offline fixtures: espeak-ng audio, Llasa-shaped tokenizer.

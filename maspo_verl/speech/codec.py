@@ -1,6 +1,7 @@
 """Codec decoders: codec codes -> 16 kHz waveforms.
 
-``CodecDecoder`` is the interface the reward uses. Two implementations:
+``CodecDecoder`` is the interface the reward uses (``build_decoder``; a codec of your own plugs in as
+``codec=module:function``). Two implementations:
 
 - ``XCodec2Decoder``: the real XCodec2 (``XCodec2Model.from_pretrained``), batched decoding on the
   reward worker's device. Needs the ``xcodec2`` package and the model weights (and, because its
@@ -183,10 +184,22 @@ class FrameTableCodec:
         return out
 
 
-def build_decoder(kind: str, **kwargs) -> CodecDecoder:
-    """``xcodec2`` (real) or ``frame_table`` (stand-in)."""
+def build_decoder(kind: str, model_path: str, device: str = "auto", max_batch: int = 16) -> CodecDecoder:
+    """``xcodec2`` (real), ``frame_table`` (stand-in, ignores the rest), or ``module:function``: a factory
+    called as ``function(model_path=, device=, max_batch=)`` that returns a ``CodecDecoder`` at 16 kHz."""
     if kind == "xcodec2":
-        return XCodec2Decoder(**kwargs)
+        return XCodec2Decoder(model_path=model_path, device=device, max_batch=max_batch)
     if kind == "frame_table":
-        return FrameTableCodec(**kwargs)
-    raise ValueError(f"codec={kind!r} is invalid: allowed xcodec2, frame_table")
+        return FrameTableCodec()
+    module, sep, name = kind.partition(":")
+    if not sep:
+        raise ValueError(f"codec={kind!r} is invalid: allowed xcodec2, frame_table or module:function")
+    import importlib
+
+    decoder = getattr(importlib.import_module(module), name)(model_path=model_path, device=device, max_batch=max_batch)
+    if not callable(getattr(decoder, "decode_batch", None)) or getattr(decoder, "sample_rate", None) != SAMPLE_RATE:
+        raise TypeError(
+            f"codec={kind!r} returned {type(decoder).__name__}, not a CodecDecoder: it needs decode_batch(codes) and "
+            f"sample_rate == {SAMPLE_RATE}"
+        )
+    return decoder

@@ -1,512 +1,32 @@
-"""TTS reward: codec codes -> waveform -> ASR -> WER -> reward, in batches.
+"""The speech reward in verl: batching of concurrent calls, one scorer per process, ``compute_score``.
 
-    reward = w_wer * (1 - tanh(3 * WER)) + w_spk * speaker_sim + w_dur * duration_score
+verl's reward loop scores samples as concurrent asyncio tasks; ``AsyncBatcher`` collects them into
+batches for ``maspo_verl.speech.scorer.SpeechScorer``, one per process and settings (``get_scorer``).
+``compute_score`` is the custom reward function for verl's naive manager; the token-id path
+(``maspo_verl.speech.reward_manager.SpeechRewardManager``, what the recipe uses) awaits the same batcher.
+Settings: ``maspo_verl.speech.settings``.
 
-with weights (1, 0, 0) by default, i.e. verl's CosyVoice2 recipe's 1 - tanh(3 WER). Terms:
-
-- WER: jiwer on normalised texts (``maspo_verl.speech.text``), transcript from faster-whisper.
-- speaker similarity (optional, ``w_spk > 0``): cosine similarity, clamped to [0, 1], between an
-  embedding of the output and of a reference clip (``extra_info['ref_audio']`` path, else
-  ``SpeechRewardConfig.ref_audio``). The embedder is pluggable (``speaker_embedder``:
-  ``module:function`` taking (wave, sample_rate) -> 1-D vector); the built-in ``logmel`` embedder
-  (mean/std of the log-mel spectrum) is a crude placeholder, not a speaker-verification model.
-- duration (optional, ``w_dur > 0``): exp(-max(0, |ln(duration / expected)| - ln(tolerance)))
-  with expected = characters / ``chars_per_second`` (English read speech: ~14 chars/s).
-
-Span credit (``token_scores=True``): the ASR also returns word times, ``maspo_verl.speech.spans``
-turns the word errors into codec-token spans, and each result gets ``code_penalties`` (one value per
-code, each error's ``span_penalty`` spread over its span) for the reward manager to turn into
-per-token scores. Transcripts without word times (an ASR that gives none) get no penalties and count in
-``untimed``; ``error_spans`` counts the located errors.
-
-Word ids (``word_ids=True``, MASPO's ``segment_rule=words``; the speech reward manager sets it when the
-policy loss uses that rule): each result gets ``code_words``, the index of the recognised word each
-code belongs to (-1 between words and for every code of a sample without word times).
-
-Long clips (beyond Whisper's 30 s window) are cut at pauses and transcribed in full
-(``maspo_verl.speech.asr``).
-
-Settings are checked when the config is built (``SpeechRewardConfig(...)``, ``from_dict``,
-``from_env``; the trainer's start-up checks build it from ``reward.custom_reward_function.reward_kwargs``):
-every field's type and range, each error naming ``reward.custom_reward_function.reward_kwargs.<field>``
-(and the ``MASPO_SPEECH_<FIELD>`` variable it came from) with the allowed values. A configured
-``ref_audio`` must be an existing file. With ``w_spk > 0`` and no ``ref_audio``, every sample needs its
-own ``extra_info['ref_audio']``: the dataset is not visible at start-up, so that is checked per sample.
-
-Failures never raise and score 0, each counted in a metric (``invalid_reference``: the ground truth
-is missing, not a string, or has no words - never scored against the text "None";
-``invalid_ref_audio``: ``w_spk > 0`` and the sample has no speaker reference clip, or it cannot be
-read; ``invalid_empty``: no codec codes; ``invalid_decode``: the codec failed; ``invalid_nonspeech``:
-silent audio (RMS below ``min_rms``), every Whisper window silent (no-speech probability above
-``no_speech_threshold`` with an average log-prob below -1, Whisper's own rule) or an empty
-transcript; ``error``: anything else, including a non-finite score). Every sample returns the same
-keys (verl stacks them into arrays and averages them into metrics); terms that are disabled or never
-computed (no transcript) are 0, never NaN.
+A batch whose scoring raises (a model that does not load, too many failed samples: a failure that hits
+every sample) raises in every caller awaiting it, and is recorded for the trainer
+(``maspo_verl.plugin.hooks.report_run_failure``): verl's v1 agent loop only logs an exception raised in a reward
+and drops the sample, so the trainer stops at its next batch with this cause. No retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
-import re
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
-
-from maspo_verl.speech.codec import SAMPLE_RATE, CodecDecoder, build_decoder
-from maspo_verl.speech.spans import error_spans, token_penalties, word_token_ids
-from maspo_verl.speech.text import normalize_text, word_error_rate
+from maspo_verl.plugin.checks import register_startup_check
+from maspo_verl.plugin.hooks import report_run_failure
+from maspo_verl.speech.preflight import run_checks
+from maspo_verl.speech.scorer import SpeechRewardFailure, SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig, settings_from_config
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.validation import FieldError, check_bool, check_choice, check_float, check_int, fail, reject_unknown
 
 logger = logging.getLogger(__name__)
-
-METRIC_KEYS = (
-    "score",
-    "wer",
-    "wer_reward",
-    "spk_sim",
-    "dur_score",
-    "duration_s",
-    "n_codes",
-    "no_speech_prob",
-    "error_spans",
-    "untimed",
-    "invalid_reference",
-    "invalid_ref_audio",
-    "invalid_empty",
-    "invalid_decode",
-    "invalid_nonspeech",
-    "error",
-)
-INVALID_KEYS = tuple(k for k in METRIC_KEYS if k.startswith("invalid_"))
-
-
-@dataclass
-class SpeechRewardConfig:
-    # codec
-    codec: str = "xcodec2"  # xcodec2 | frame_table (stand-in)
-    codec_model: str = "HKUSTAudio/xcodec2"
-    codec_device: str = "auto"
-    codec_batch: int = 16
-    # ASR
-    asr_model: str = "large-v3"  # faster-whisper size / path / "bundled:tiny.en"
-    asr_device: str = "auto"
-    asr_compute_type: str = "default"
-    asr_batch: int = 16
-    asr_beam: int = 1
-    language: str = "en"
-    # reward
-    wer_scale: float = 3.0
-    w_wer: float = 1.0
-    w_spk: float = 0.0
-    w_dur: float = 0.0
-    speaker_embedder: str = "logmel"
-    ref_audio: str = ""
-    chars_per_second: float = 14.0
-    duration_tolerance: float = 1.5
-    # span credit: per-code penalties located by the ASR's word times (maspo_verl.speech.spans)
-    token_scores: bool = False
-    span_penalty: float = 1.0
-    # MASPO segment_rule=words: per-code word ids from the ASR's word times (maspo_verl.speech.spans)
-    word_ids: bool = False
-    # non-speech detection
-    min_rms: float = 1e-3
-    no_speech_threshold: float = 0.6
-    min_codes: int = 5
-    # batching of concurrent async calls (verl's reward loop scores samples as concurrent tasks)
-    batch_window_s: float = 0.05
-    max_batch: int = 64
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
-        if self.w_wer + self.w_spk + self.w_dur <= 0:
-            raise FieldError(
-                PREFIX + "w_wer",
-                f"{PREFIX}w_wer/w_spk/w_dur are all 0: every sample would score 0; "
-                "allowed: non-negative weights, at least one > 0",
-            )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SpeechRewardConfig:
-        d = dict(d or {})
-        reject_unknown(PREFIX.rstrip("."), d, sorted(f.name for f in fields(cls)))
-        return cls(**d)
-
-    @classmethod
-    def from_env(cls, overrides: dict[str, Any] | None = None) -> SpeechRewardConfig:
-        """Defaults, then ``MASPO_SPEECH_<FIELD>`` environment variables, then ``overrides``."""
-        vals: dict[str, Any] = {}
-        from_env: set[str] = set()
-        for f in fields(cls):
-            raw = os.environ.get(_env_name(f.name))
-            if raw is not None:
-                vals[f.name] = _parse_env(f.name, raw, f.default)
-                from_env.add(f.name)
-        vals.update(overrides or {})
-        try:
-            return cls.from_dict(vals)
-        except FieldError as exc:
-            name = exc.field.removeprefix(PREFIX)
-            if name in from_env - set(overrides or {}):
-                raise FieldError(exc.field, f"{exc} (set by {_env_name(name)})") from None
-            raise
-
-
-# ---- settings validation (plain Python: runs in the driver at start-up, before any model loads) ----
-PREFIX = "reward.custom_reward_function.reward_kwargs."
-CODECS = ("xcodec2", "frame_table")
-COMPUTE_TYPES = (  # CTranslate2's compute types
-    "default",
-    "auto",
-    "int8",
-    "int8_float32",
-    "int8_float16",
-    "int8_bfloat16",
-    "int16",
-    "float16",
-    "bfloat16",
-    "float32",
-)
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_EMBEDDER = re.compile(r"logmel|[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-
-
-def _env_name(field: str) -> str:
-    return "MASPO_SPEECH_" + field.upper()
-
-
-def _bad(name: str, value: Any, allowed: str):
-    fail(PREFIX + name, value, allowed)
-
-
-def _number(lo: float, hi: float = math.inf, lo_open: bool = False):
-    return lambda name, value: check_float(PREFIX + name, value, lo, hi, lo_open) or float(value)
-
-
-def _integer(lo: int):
-    return lambda name, value: check_int(PREFIX + name, value, lo) or value
-
-
-def _boolean(name: str, value: Any) -> bool:
-    check_bool(PREFIX + name, value)
-    return value
-
-
-def _choice(choices: tuple[str, ...]):
-    return lambda name, value: check_choice(PREFIX + name, value, choices) or value
-
-
-def _pattern(regex: re.Pattern, allowed: str):
-    def check(name: str, value: Any) -> str:
-        if not isinstance(value, str) or not regex.fullmatch(value):
-            _bad(name, value, allowed)
-        return value
-
-    return check
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        _bad(name, value, "a non-empty string")
-    return value
-
-
-def _language(name: str, value: Any) -> str:
-    try:  # Whisper's language codes, as faster-whisper lists them
-        from faster_whisper.tokenizer import _LANGUAGE_CODES as codes
-    except ImportError:  # not installed here (e.g. the driver): the shape only
-        codes = None
-    ok = isinstance(value, str) and (value in codes if codes else re.fullmatch(r"[a-z]{2,3}", value) is not None)
-    if not ok:
-        _bad(name, value, "a Whisper language code (en, de, fr, zh, ...)")
-    return value
-
-
-def _ref_audio(name: str, value: Any) -> str:
-    if not isinstance(value, str) or (value and not os.path.isfile(value)):
-        _bad(name, value, "'' (per-sample extra_info['ref_audio']) or the path of an existing sound file")
-    return value
-
-
-_CHECKS = {
-    "codec": _choice(CODECS),
-    "codec_model": _text,
-    "codec_device": _pattern(_DEVICE, "auto, cpu, cuda or cuda:<index>"),
-    "codec_batch": _integer(1),
-    "asr_model": _text,
-    "asr_device": _pattern(_DEVICE, "auto, cpu, cuda or cuda:<index>"),
-    "asr_compute_type": _choice(COMPUTE_TYPES),
-    "asr_batch": _integer(1),
-    "asr_beam": _integer(1),
-    "language": _language,
-    "wer_scale": _number(0.0, lo_open=True),
-    "w_wer": _number(0.0),
-    "w_spk": _number(0.0),
-    "w_dur": _number(0.0),
-    "speaker_embedder": _pattern(_EMBEDDER, "logmel or module:function"),
-    "ref_audio": _ref_audio,
-    "chars_per_second": _number(0.0, lo_open=True),
-    "duration_tolerance": _number(1.0),
-    "token_scores": _boolean,
-    "span_penalty": _number(0.0),
-    "word_ids": _boolean,
-    "min_rms": _number(0.0),
-    "no_speech_threshold": _number(0.0, 1.0),
-    "min_codes": _integer(1),
-    "batch_window_s": _number(0.0, 60.0),
-    "max_batch": _integer(1),
-}
-
-
-def _parse_env(name: str, raw: str, default):
-    where = f"{_env_name(name)}={raw!r} ({PREFIX}{name})"
-    if isinstance(default, bool):
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise FieldError(PREFIX + name, f"{where} is invalid: allowed true/false/1/0/yes/no")
-        return raw.lower() in ("1", "true", "yes")
-    if isinstance(default, str):
-        return raw
-    try:
-        return type(default)(raw)
-    except ValueError:
-        kind = "an integer" if isinstance(default, int) else "a number"
-        raise FieldError(PREFIX + name, f"{where} is invalid: allowed {kind}") from None
-
-
-def wer_reward(wer: float, scale: float = 3.0) -> float:
-    return float(1.0 - math.tanh(scale * max(0.0, wer)))
-
-
-def duration_score(duration_s: float, text: str, chars_per_second: float, tolerance: float) -> float:
-    n = len(normalize_text(text))
-    if n == 0 or duration_s <= 0:
-        return 0.0
-    ratio = duration_s / (n / chars_per_second)
-    return float(math.exp(-max(0.0, abs(math.log(ratio)) - math.log(tolerance))))
-
-
-def logmel_embedding(wave: np.ndarray, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Placeholder speaker embedding: mean and std of an 64-band log-mel spectrum (numpy only)."""
-    n_fft, hop, n_mels = 400, 160, 64
-    wave = np.asarray(wave, dtype=np.float32)
-    if len(wave) < n_fft:
-        wave = np.pad(wave, (0, n_fft - len(wave)))
-    frames = np.lib.stride_tricks.sliding_window_view(wave, n_fft)[::hop] * np.hanning(n_fft)
-    power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2
-    mel = lambda f: 2595 * np.log10(1 + f / 700)  # noqa: E731
-    edges = 700 * (10 ** (np.linspace(mel(0), mel(sample_rate / 2), n_mels + 2) / 2595) - 1)
-    bins = np.fft.rfftfreq(n_fft, 1 / sample_rate)
-    fb = np.maximum(
-        0,
-        np.minimum(
-            (bins[None] - edges[:-2, None]) / (edges[1:-1, None] - edges[:-2, None]),
-            (edges[2:, None] - bins[None]) / (edges[2:, None] - edges[1:-1, None]),
-        ),
-    )
-    logmel = np.log(power @ fb.T + 1e-8)
-    return np.concatenate([logmel.mean(0), logmel.std(0)])
-
-
-def _load_object(spec: str):
-    import importlib
-
-    mod, _, name = spec.partition(":")
-    return getattr(importlib.import_module(mod), name)
-
-
-def load_wave(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """A sound file as mono float32 at ``sample_rate`` (linear resampling)."""
-    import soundfile as sf
-
-    wave, sr = sf.read(path, dtype="float32", always_2d=True)
-    wave = wave.mean(1)
-    if sr != sample_rate:
-        t = np.arange(int(len(wave) * sample_rate / sr)) * sr / sample_rate
-        wave = np.interp(t, np.arange(len(wave)), wave).astype(np.float32)
-    return wave
-
-
-def reference_text(ground_truth: Any) -> str | None:
-    """The ground truth if it is a string with words in it, else None (scored 0 as ``invalid_reference``)."""
-    if isinstance(ground_truth, str) and normalize_text(ground_truth):
-        return ground_truth
-    return None
-
-
-class SpeechScorer:
-    """Holds the codec and the ASR model (loaded once per process) and scores batches."""
-
-    def __init__(self, config: SpeechRewardConfig, decoder: CodecDecoder | None = None, asr=None):
-        self.config = config
-        self._decoder = decoder
-        self._asr = asr
-        self._embedder = None
-        self._ref_cache: dict[str, np.ndarray | None] = {}
-        self.lock = threading.Lock()
-
-    @property
-    def decoder(self) -> CodecDecoder:
-        if self._decoder is None:
-            c = self.config
-            kw = {"model_path": c.codec_model, "device": c.codec_device, "max_batch": c.codec_batch}
-            self._decoder = build_decoder(c.codec, **(kw if c.codec == "xcodec2" else {}))
-            logger.warning("maspo_verl.speech: codec %s loaded (pid %d)", c.codec, os.getpid())
-        return self._decoder
-
-    @property
-    def asr(self):
-        if self._asr is None:
-            from maspo_verl.speech.asr import WhisperASR
-
-            c = self.config
-            self._asr = WhisperASR(
-                c.asr_model,
-                device=c.asr_device,
-                compute_type=c.asr_compute_type,
-                batch_size=c.asr_batch,
-                beam_size=c.asr_beam,
-                language=c.language,
-                no_speech_threshold=c.no_speech_threshold,
-                min_rms=c.min_rms,
-            )
-            logger.warning("maspo_verl.speech: ASR %s on %s (pid %d)", c.asr_model, self._asr.device, os.getpid())
-        return self._asr
-
-    def _embed(self, wave: np.ndarray) -> np.ndarray:
-        if self._embedder is None:
-            spec = self.config.speaker_embedder
-            self._embedder = logmel_embedding if spec == "logmel" else _load_object(spec)
-        return np.asarray(self._embedder(wave, SAMPLE_RATE), dtype=np.float64).reshape(-1)
-
-    def _speaker_sim(self, wave: np.ndarray, ref: np.ndarray) -> float:
-        a = self._embed(wave)
-        cos = float(a @ ref / (np.linalg.norm(a) * np.linalg.norm(ref) + 1e-12))
-        if not math.isfinite(cos):
-            raise ValueError(f"speaker embedding gave a non-finite similarity {cos}")
-        return max(0.0, cos)
-
-    def score_codes(
-        self, codes: Sequence[Sequence[int]], texts: Sequence[Any], extra_infos: Sequence[dict | None] | None = None
-    ) -> list[dict[str, float]]:
-        """One metrics dict (``METRIC_KEYS``, plus ``code_penalties`` with span credit) per sample;
-        never raises. ``texts`` are the ground truths as the dataset holds them (checked here)."""
-        n = len(codes)
-        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
-        res = [dict.fromkeys(METRIC_KEYS, 0.0) for _ in range(n)]
-        for r, c in zip(res, codes, strict=True):
-            r["n_codes"] = float(len(c))
-            r["wer"] = 1.0
-            if self.config.token_scores:
-                r["code_penalties"] = [0.0] * len(c)
-            if self.config.word_ids:
-                r["code_words"] = [-1] * len(c)
-        try:
-            with self.lock:
-                self._score_into(res, codes, texts, extra_infos)
-        except Exception:
-            logger.exception("speech reward: batch failed; scoring the batch 0")
-            for r in res:
-                if not any(r[k] for k in INVALID_KEYS):
-                    r["error"] = 1.0
-                r["score"] = 0.0
-        return res
-
-    def _reference_embedding(self, extra_info: dict | None) -> np.ndarray | None:
-        """The speaker reference's embedding (cached per path); None if there is none or it cannot be read."""
-        ref = (extra_info if isinstance(extra_info, dict) else {}).get("ref_audio") or self.config.ref_audio
-        if not isinstance(ref, str) or not ref:
-            return None
-        if ref not in self._ref_cache:  # failures cached too: one warning per path
-            try:
-                self._ref_cache[ref] = self._embed(load_wave(ref))
-            except Exception:
-                logger.warning("speech reward: cannot read speaker reference %r", ref, exc_info=True)
-                self._ref_cache[ref] = None
-        return self._ref_cache[ref]
-
-    def _score_into(self, res, codes, texts, extra_infos) -> None:
-        c = self.config
-        todo, refs = [], {}
-        for i, seq in enumerate(codes):
-            if reference_text(texts[i]) is None:
-                res[i]["invalid_reference"] = 1.0
-            elif c.w_spk > 0 and (ref := self._reference_embedding(extra_infos[i])) is None:
-                res[i]["invalid_ref_audio"] = 1.0
-            elif len(seq) < c.min_codes:
-                res[i]["invalid_empty"] = 1.0
-            else:
-                todo.append(i)
-                if c.w_spk > 0:
-                    refs[i] = ref
-        waves: dict[int, np.ndarray] = {}
-        if todo:
-            try:
-                decoded = self.decoder.decode_batch([codes[i] for i in todo])
-                waves = dict(zip(todo, decoded, strict=True))
-            except Exception:
-                logger.warning("speech reward: batch decode failed; decoding one by one", exc_info=True)
-                for i in todo:
-                    try:
-                        waves[i] = self.decoder.decode_batch([codes[i]])[0]
-                    except Exception:
-                        res[i]["invalid_decode"] = 1.0
-        speech = []
-        for i, w in waves.items():
-            w = np.nan_to_num(np.asarray(w, dtype=np.float32).reshape(-1))
-            waves[i] = w
-            res[i]["duration_s"] = len(w) / SAMPLE_RATE
-            if len(w) == 0 or float(np.sqrt(np.mean(w**2))) < c.min_rms:
-                res[i]["invalid_nonspeech"] = 1.0
-            else:
-                speech.append(i)
-        if not speech:
-            return
-        if c.token_scores or c.word_ids:
-            transcripts = self.asr.transcribe_batch([waves[i] for i in speech], word_timestamps=True)
-        else:
-            transcripts = self.asr.transcribe_batch([waves[i] for i in speech])
-        for i, tr in zip(speech, transcripts, strict=True):
-            r = res[i]
-            r["no_speech_prob"] = tr.no_speech_prob
-            if tr.silent or not normalize_text(tr.text):
-                r["invalid_nonspeech"] = 1.0
-                continue
-            try:
-                r["wer"] = word_error_rate(texts[i], tr.text)
-                r["wer_reward"] = wer_reward(r["wer"], c.wer_scale)
-                score = c.w_wer * r["wer_reward"]
-                if c.w_dur > 0:
-                    r["dur_score"] = duration_score(r["duration_s"], texts[i], c.chars_per_second, c.duration_tolerance)
-                    score += c.w_dur * r["dur_score"]
-                if c.w_spk > 0:
-                    r["spk_sim"] = self._speaker_sim(waves[i], refs[i])
-                    score += c.w_spk * r["spk_sim"]
-                if not math.isfinite(score):
-                    raise ValueError(f"non-finite score {score}")
-                r["score"] = float(score)
-                if c.token_scores:
-                    self._locate_errors(r, texts[i], tr.words, len(codes[i]))
-                if c.word_ids:
-                    r["code_words"] = word_token_ids(tr.words or [], len(codes[i]))
-            except Exception:
-                logger.warning("speech reward: scoring sample failed", exc_info=True)
-                r["error"] = 1.0
-                r["score"] = 0.0
-
-    def _locate_errors(self, r: dict, text: str, words, n_codes: int) -> None:
-        if words is None:
-            r["untimed"] = 1.0
-            return
-        spans = error_spans(text, words, n_codes)
-        r["error_spans"] = float(len(spans))
-        r["code_penalties"] = token_penalties(spans, n_codes, self.config.span_penalty)
 
 
 class AsyncBatcher:
@@ -546,9 +66,15 @@ class AsyncBatcher:
             results = await loop.run_in_executor(
                 None, self.scorer.score_codes, [b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch]
             )
-        except Exception:  # score_codes does not raise; belt and braces
-            logger.exception("speech reward: batch crashed")
-            results = [dict(dict.fromkeys(METRIC_KEYS, 0.0), error=1.0) for _ in batch]
+        except Exception as exc:  # a failure that hits every sample of the batch: the run stops with it
+            message = f"speech reward: {type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, SpeechRewardFailure) else message
+            logger.error("%s", message)
+            report_run_failure(message)
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
         for (*_, fut), r in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(r)
@@ -584,12 +110,6 @@ def get_batcher(config: SpeechRewardConfig) -> AsyncBatcher:
     return _batchers[key]
 
 
-def _zero(reason: str) -> dict[str, float]:
-    r = dict.fromkeys(METRIC_KEYS, 0.0)
-    r[reason] = 1.0
-    return r
-
-
 async def compute_score(
     data_source: str,
     solution_str: str,
@@ -605,16 +125,30 @@ async def compute_score(
     It parses ``<|s_N|>`` from the decoded response, which needs a tokenizer that does not treat
     the codec tokens as special (the naive manager decodes with ``skip_special_tokens=True``); the
     token-id path ``maspo_verl.speech.reward_manager.SpeechRewardManager`` has no such caveat and is
-    what the recipe uses.
+    what the recipe uses. A failure of the sample scores 0 (counted); one that hits every sample raises.
     """
-    try:
-        settings = {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
-        config = SpeechRewardConfig.from_env(settings)
-        codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
-        result = await get_batcher(config).score(codes, ground_truth, extra_info)
-        result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
-        result.pop("code_words", None)
-        return result
-    except Exception:
-        logger.exception("speech reward: compute_score failed")
-        return _zero("error")
+    config = SpeechRewardConfig.from_env(_settings(kwargs))
+    codes = LlasaTokenMap(codec_size=65536).codes_from_text(solution_str)
+    result = await get_batcher(config).score(codes, ground_truth, extra_info)
+    result.pop("code_penalties", None)  # per-token scores need SpeechRewardManager (token positions)
+    result.pop("code_words", None)
+    return result
+
+
+def _settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The reward settings among the keyword arguments verl passes to ``compute_score``."""
+    return {k: v for k, v in kwargs.items() if k not in ("reward_router_address", "reward_model_tokenizer")}
+
+
+@register_startup_check
+def compute_score_startup_checks(config: Any) -> list[str]:
+    """With verl's naive manager and this module's ``compute_score``: the settings, and whether their
+    models load here (the manager path's check, ``speech_startup_checks``, does the same)."""
+    reward = config.get("reward", {}) or {}
+    function = reward.get("custom_reward_function", {}) or {}
+    path = str(function.get("path") or "").replace("/", ".").removesuffix(".py")
+    manager = (reward.get("reward_manager", {}) or {}).get("name")
+    if not path.endswith(__name__) or function.get("name") != "compute_score" or manager == "SpeechRewardManager":
+        return []
+    settings = _settings(settings_from_config(config))
+    return run_checks(SpeechRewardConfig.from_env(settings), settings, config)

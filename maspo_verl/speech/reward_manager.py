@@ -43,32 +43,14 @@ from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
 from maspo_verl.plugin.checks import register_startup_check, warn_span_credit_is_grpo
 from maspo_verl.plugin.hooks import patch_problem
 from maspo_verl.segments import WORD_IDS
-from maspo_verl.speech.reward import METRIC_KEYS, SpeechRewardConfig, get_batcher
+from maspo_verl.speech.preflight import run_checks
+from maspo_verl.speech.reward import get_batcher
+from maspo_verl.speech.settings import SpeechRewardConfig, settings_from_config
 from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
 from maspo_verl.token_sets import inputs_needed
 
 logger = logging.getLogger(__name__)
-
-
-def settings_from_config(config: Any) -> dict[str, Any]:
-    """``reward.custom_reward_function.reward_kwargs`` (SpeechRewardConfig fields), if present.
-
-    That dict is where verl keeps free-form reward settings (it is not a typed dataclass field);
-    the manager reads it itself because no custom reward *function* is involved.
-    """
-    try:
-        speech = config.reward.custom_reward_function.get("reward_kwargs")
-    except Exception:
-        return {}
-    if speech is None:
-        return {}
-    try:
-        from omegaconf import OmegaConf
-
-        return dict(OmegaConf.to_container(speech, resolve=True))
-    except Exception:
-        return dict(speech)
 
 
 def loss_uses_words(config: Any) -> bool:
@@ -88,12 +70,18 @@ def speech_settings(config: Any) -> SpeechRewardConfig:
 
 @register_startup_check
 def speech_startup_checks(config: Any) -> list[str]:
-    """The speech reward's settings, and where its per-token scores (span credit) and word ids
-    (``segment_rule=words``) can reach the trainer."""
+    """The speech reward's settings, whether its models load here (``maspo_verl.speech.preflight``), and
+    where its per-token scores (span credit) and word ids (``segment_rule=words``) can reach the trainer."""
     reward = config.get("reward", {}) or {}
     if (reward.get("reward_manager", {}) or {}).get("name") != SpeechRewardManager.__name__:
         return []
     speech = speech_settings(config)
+    return _token_checks(config, speech) + run_checks(speech, settings_from_config(config), config)
+
+
+def _token_checks(config: Any, speech: SpeechRewardConfig) -> list[str]:
+    """Where per-token scores and word ids reach the trainer (the config's shape, checked first)."""
+    reward = config.get("reward", {}) or {}
     span_credit = (config.get("algorithm", {}) or {}).get("adv_estimator") == SPAN_GRPO
     if not (speech.token_scores or speech.word_ids):
         return [warn_span_credit_is_grpo()] if span_credit else []
@@ -131,24 +119,20 @@ class SpeechRewardManager(RewardManagerBase):
             self.token_map = LlasaTokenMap()
 
     async def run_single(self, data: DataProto) -> dict:
-        try:
-            item = data[-1:][0]
-            response_ids = item.batch["responses"]
-            n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
-            codes, positions = self.token_map.codes_and_positions(response_ids[:n].tolist())
-            reward_model = item.non_tensor_batch.get("reward_model", None)
-            text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-            extra = item.non_tensor_batch.get("extra_info", None)
-            result = dict(
-                await get_batcher(self.speech_config).score(codes, text, extra if isinstance(extra, dict) else None)
-            )
-            code_penalties = result.pop("code_penalties", None)
-            code_words = result.pop("code_words", None)
-        except Exception:
-            logger.exception("speech reward manager: sample failed")
-            result = dict.fromkeys(METRIC_KEYS, 0.0)
-            result["error"] = 1.0
-            n, positions, code_penalties, code_words = 0, [], None, None
+        """One sample's reward; a failure of the sample scores 0 (counted), one that hits every sample
+        raises here and stops the run (``maspo_verl.speech.scorer``)."""
+        item = data[-1:][0]
+        response_ids = item.batch["responses"]
+        n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
+        codes, positions = self.token_map.codes_and_positions(response_ids[:n].tolist())
+        reward_model = item.non_tensor_batch.get("reward_model", None)
+        text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        extra = item.non_tensor_batch.get("extra_info", None)
+        result = dict(
+            await get_batcher(self.speech_config).score(codes, text, extra if isinstance(extra, dict) else None)
+        )
+        code_penalties = result.pop("code_penalties", None)
+        code_words = result.pop("code_words", None)
         if self.speech_config.token_scores:
             penalties = [0.0] * n
             for pos, p in zip(positions, code_penalties or [0.0] * len(positions), strict=True):

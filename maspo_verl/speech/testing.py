@@ -34,7 +34,7 @@ def require_espeak() -> str:
 
 def espeak(text: str, voice: str = "en-us", rate: int = 160, sample_rate: int = 16000) -> np.ndarray:
     """Synthesise ``text`` with espeak-ng; returns mono float32 at ``sample_rate``."""
-    from maspo_verl.speech.reward import load_wave
+    from maspo_verl.speech.scorer import load_wave
 
     exe = require_espeak()
     with tempfile.TemporaryDirectory() as d:

@@ -1,6 +1,6 @@
 # Shared by the recipes/speech/run*.sh scripts (sourced, not run): environment variables -> Hydra
 # overrides for `python -m maspo_verl.main`. Loss hyperparameters live in hydra_configs/loss/<LOSS>.yaml;
-# reward settings are SpeechRewardConfig fields (maspo_verl/speech/reward.py). Extra arguments are
+# reward settings are SpeechRewardConfig fields (maspo_verl/speech/settings.py). Extra arguments are
 # appended as further Hydra overrides (they win).
 
 # ---- what to train ---------------------------------------------------------------------------

@@ -179,7 +179,10 @@ def test_default_trainer_uses_grpo_advantages_and_our_target():
 
 
 def test_span_credit_preset_with_the_speech_recipe_passes_start_up():
-    cfg = compose_config("recipe=speech", "credit=span")
+    # models this machine has: start-up also checks that every model the reward loads resolves here
+    rk = "+reward.custom_reward_function.reward_kwargs"
+    here = [f"{rk}.codec=frame_table", f"{rk}.asr_model=bundled:tiny.en", f"{rk}.asr_device=cpu"]
+    cfg = compose_config("recipe=speech", "credit=span", *here)
     assert cfg.algorithm.adv_estimator == "maspo_span_grpo" and cfg.algorithm.span_credit.lam == 0.5
     assert cfg.reward.custom_reward_function.reward_kwargs.token_scores is True
     assert startup_checks(cfg) == []

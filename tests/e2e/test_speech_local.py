@@ -9,6 +9,9 @@ plumbing (prompt, codec ids reaching the loss, reward workers), not learning.
 from __future__ import annotations
 
 import math
+import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +61,8 @@ def test_speech_preset_two_steps(preset, speech_assets, local_run):
         # is at least 30 (AM-HM) and equals it when every micro-batch has the same count
         assert 1.0 <= per_seq <= RESPONSE_LEN, context
         assert RESPONSE_LEN * (1 - 1e-6) <= seg_len * per_seq <= 1.5 * RESPONSE_LEN, context
+        # the reward's own numbers reach the step's log (maspo_verl's hook): nothing failed, its time
+        assert metrics["reward/failed/mean"] == 0.0 and metrics["reward/score_s/mean"] > 0, context
     assert "SpeechRewardManager" in run.config_text or "tiny.en" in run.config_text, context
 
 
@@ -91,3 +96,32 @@ def test_word_segments_full_setting(speech_assets, local_run):
     assert "do not match the response length" not in run.full_log, context
     assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
     assert "adv_estimator: maspo_span_grpo" in run.config_text, context
+
+
+def test_a_codec_failing_on_every_batch_stops_the_run(speech_assets, local_run, monkeypatch):
+    """A codec that loads and then raises on every batch (``tests/speech/failing_codecs.py``, plugged in
+    as ``codec=module:function``): only a worker can know. The reward raises (more than max_failed_frac
+    of its samples failed), verl's agent loop logs it and drops the samples, and the trainer stops at its
+    next batch with the cause: no training step completes on zero rewards."""
+    root = str(Path(__file__).resolve().parents[2])  # the Ray workers import the codec module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    codec = "+reward.custom_reward_function.reward_kwargs.codec"
+    assets = {**speech_assets, codec: "tests.speech.failing_codecs:raising_codec"}
+    run = local_run(
+        [f"{k}={v}" for k, v in assets.items()]
+        + [
+            "loss=maspo_tokenval",
+            "trainer.total_training_steps=2",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+        ]
+    )
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    assert run.returncode not in (0, None), f"the run did not stop by itself ({run.returncode}){context}"
+    assert not run.steps, f"a step completed: {sorted(run.steps)}{context}"
+    cause = re.search(
+        r"the run stops: speech reward: (\d+) of the last \1 samples failed \(invalid_decode \1, error 0\)",
+        run.full_log,
+    )
+    assert cause and int(cause.group(1)) >= 8, context
+    assert "illegal memory access" in run.full_log, context

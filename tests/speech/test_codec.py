@@ -65,7 +65,7 @@ def fake_xcodec2(monkeypatch):
 
 
 def test_xcodec2_decoder_batches_pads_and_trims(fake_xcodec2):
-    dec = build_decoder("xcodec2", device="cpu", max_batch=2)
+    dec = build_decoder("xcodec2", model_path="HKUSTAudio/xcodec2", device="cpu", max_batch=2)
     seqs = [[100] * 7, [], [200] * 3, [300] * 5]
     out = dec.decode_batch(seqs)
     assert [len(o) for o in out] == [7 * HOP, 0, 3 * HOP, 5 * HOP]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from maspo_verl.speech.codec import HOP
-from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer
+from maspo_verl.speech.scorer import SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.text import normalize_text
 from tests.speech.conftest import SENTENCES, WRONG_TEXT
 

@@ -89,7 +89,8 @@ def test_script_composes_and_validates(loss, template_file, llasa_tokenizer):
     # reward: our manager, loadable the way verl loads it, with the reward settings it will read
     from verl.trainer.ppo.reward import resolve_reward_manager_cls
 
-    from maspo_verl.speech.reward_manager import SpeechRewardManager, settings_from_config
+    from maspo_verl.speech.reward_manager import SpeechRewardManager
+    from maspo_verl.speech.settings import settings_from_config
 
     assert resolve_reward_manager_cls(cfg) is SpeechRewardManager
     kw = settings_from_config(cfg)

@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from maspo_verl.speech.codec import HOP, CodecDecoder, FrameTableCodec
-from maspo_verl.speech.reward import (
-    METRIC_KEYS,
-    SpeechRewardConfig,
-    SpeechScorer,
-    compute_score,
-    duration_score,
-    register_scorer,
-    wer_reward,
-)
+from maspo_verl.speech.reward import compute_score, register_scorer
+from maspo_verl.speech.scorer import METRIC_KEYS, SpeechScorer, duration_score, wer_reward
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.text import normalize_text, word_error_rate
 from maspo_verl.speech.tokens import LlasaTokenMap, codes_to_text
 from tests.speech.conftest import SENTENCES, WRONG_TEXT
@@ -191,8 +185,9 @@ def test_full_reward_from_token_ids_through_verl_manager(asr, waves, llasa_token
     assert all(info[k]["error"] == 0.0 for k in names)
 
 
-def test_compute_score_string_path_and_never_crashes(asr, waves):
-    """The naive-manager path (codes parsed from decoded text); broken parts score 0, counted."""
+def test_compute_score_string_path_and_per_sample_failures(asr, waves):
+    """The naive-manager path (codes parsed from decoded text); a part failing on a sample scores it 0,
+    counted (too many of them raise: tests/speech/test_failures.py); bad settings raise."""
     s0 = SENTENCES[0]
 
     class Broken:
@@ -212,14 +207,15 @@ def test_compute_score_string_path_and_never_crashes(asr, waves):
     assert r["score"] == 0.0 and r["invalid_decode"] == 1.0
     r = asyncio.run(compute_score("tts", "no codes at all", s0, {}, **kw))
     assert r["score"] == 0.0 and r["invalid_empty"] == 1.0
-    r = asyncio.run(compute_score("tts", codes_to_text(range(50)), s0, {}, asr_modle="typo"))
-    assert r["score"] == 0.0 and r["error"] == 1.0
+    with pytest.raises(ValueError, match="asr_modle"):
+        asyncio.run(compute_score("tts", codes_to_text(range(50)), s0, {}, asr_modle="typo"))
 
     codec = FrameTableCodec(seed=1)
     codes = codec.encode(waves[s0])
     scorer = SpeechScorer(cfg, decoder=codec, asr=BrokenASR())
     out = scorer.score_codes([codes, []], [s0, s0])
     assert [o["score"] for o in out] == [0.0, 0.0] and out[0]["error"] == 1.0 and out[1]["invalid_empty"] == 1.0
+    assert [o["failed"] for o in out] == [1.0, 0.0]
 
     # NaN / silent audio from a codec is non-speech, not a crash
     class Silent:

@@ -15,14 +15,9 @@ import pytest
 
 from maspo_verl.speech.asr import Transcript
 from maspo_verl.speech.codec import HOP
-from maspo_verl.speech.reward import (
-    METRIC_KEYS,
-    SpeechRewardConfig,
-    SpeechScorer,
-    compute_score,
-    register_scorer,
-    wer_reward,
-)
+from maspo_verl.speech.reward import compute_score, register_scorer
+from maspo_verl.speech.scorer import METRIC_KEYS, SpeechScorer, wer_reward
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.tokens import codes_to_text
 from tests.helpers import compose_config
 
@@ -31,7 +26,7 @@ NAN, INF = float("nan"), float("inf")
 
 # (field, bad value, the allowed values the error must name); every field appears at least once
 BAD = [
-    ("codec", "encodec", "one of xcodec2, frame_table"),
+    ("codec", "encodec", "xcodec2, frame_table or module:function"),
     ("codec_model", "", "a non-empty string"),
     ("codec_device", "gpu", "auto, cpu, cuda or cuda:<index>"),
     ("codec_batch", 0, "an integer >= 1"),
@@ -60,6 +55,7 @@ BAD = [
     ("min_codes", 0, "an integer >= 1"),
     ("batch_window_s", -0.01, "a finite number >= 0.0 and <= 60.0"),
     ("max_batch", 0.5, "an integer >= 1"),
+    ("max_failed_frac", 1.5, "a finite number >= 0.0 and <= 1.0"),
 ]
 
 

@@ -14,7 +14,9 @@ from maspo_verl.batch import TOKEN_SCORES_KEY
 from maspo_verl.plugin.hooks import patch_problem
 from maspo_verl.speech.asr import TimedWord
 from maspo_verl.speech.codec import HOP, FrameTableCodec
-from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer
+from maspo_verl.speech.reward import register_scorer
+from maspo_verl.speech.scorer import SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.spans import error_spans, normalised_words, token_penalties, token_range, token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
 from tests.speech.test_reward import _dataproto

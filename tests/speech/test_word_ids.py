@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
 from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.speech.codec import FrameTableCodec
-from maspo_verl.speech.reward import SpeechRewardConfig, SpeechScorer, register_scorer
+from maspo_verl.speech.reward import register_scorer
+from maspo_verl.speech.scorer import SpeechScorer
+from maspo_verl.speech.settings import SpeechRewardConfig
 from maspo_verl.speech.spans import word_token_ids
 from maspo_verl.speech.tokens import LlasaTokenMap
 from tests.helpers import compose_config
@@ -116,6 +118,8 @@ def speech_config(*overrides):
         "reward.reward_manager.name=SpeechRewardManager",
         "reward.reward_manager.module.path=pkg://maspo_verl.speech.reward_manager",
         f"{rk}.codec=frame_table",
+        f"{rk}.asr_model=bundled:tiny.en",
+        f"{rk}.asr_device=cpu",
         *overrides,
     )
 
