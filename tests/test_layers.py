@@ -29,6 +29,7 @@ CORE = {
     "util",
     "native",
     "fsq",
+    "inspection",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {
