@@ -185,3 +185,17 @@ def test_bad_input_names_the_problem(tmp_path):
     src = write_jsonl(tmp_path / "good.jsonl", [{"codes": [1, 2, 3]}])
     with pytest.raises(SystemExit, match="unknown fields.*tokenval_treshold"):
         main(["segments", "--from", str(src), "--out", str(tmp_path / "o"), "--set", "tokenval_treshold=3"])
+
+
+def test_parquet_with_word_times_gives_the_speech_rewards_word_ids(tmp_path):
+    """word_times in seconds become word ids by the speech reward's own rule (50 codes/s)."""
+    from maspo_verl.speech.asr import TimedWord
+    from maspo_verl.speech.spans import word_token_ids
+    from maspo_verl.util import write_parquet
+
+    times = [[0.0, 0.21], [0.25, 0.6], [0.61, 0.9]]
+    write_parquet([{"codes": list(range(50)), "word_times": times}], str(tmp_path / "c.parquet"))
+    corpus = lab.read_codes([str(tmp_path / "c.parquet")], lab.base_settings(None), 50.0)
+    expected = word_token_ids([TimedWord("", a, b) for a, b in times], 50)
+    assert corpus.word_ids[0].tolist() == expected and corpus.old_log_prob is None
+    assert corpus.token_ids[0].tolist() == [OFFSET + c for c in range(50)]
