@@ -2,10 +2,12 @@
 
 Three layers, each importing only the ones below it (README, "Layout"):
 
-- core (``config``, ``segments``, ``ratios``, ``clipping``, ``token_sets``, ``losses``,
-  ``advantages``, ``batch``): the maths; importing it registers and patches nothing;
+- core (``advantages``, ``batch``, ``clipping``, ``config``, ``fsq``, ``inspection``, ``losses``, ``native``,
+  ``ratios``, ``segments``, ``token_sets``, ``util``, ``validation``, ``vocab``): the maths; importing it
+  registers and patches nothing;
 - plugin (``maspo_verl.plugin``): the ``verl.plugins`` entry point that ``import verl`` loads in the
-  driver and in every Ray worker; it registers the losses and the estimator and installs the hooks;
+  driver and in every Ray worker; it registers the losses and the estimator (``plugin``), installs the
+  hooks (``plugin.hooks``) and holds the start-up checks (``plugin.checks``);
 - recipes and tools (``main``, ``local``, ``speech``, ``math``, ``lab``).
 
 Importing this package itself loads nothing.

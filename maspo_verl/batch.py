@@ -2,19 +2,20 @@
 
 verl's registered policy losses receive log-probs, advantages and the mask, never the response token
 ids, although the micro-batch that ``verl.workers.utils.losses.ppo_loss`` scores holds them. The
-plugin's wrapper around ``ppo_loss`` (``maspo_verl.plugin``) puts that micro-batch in a context
-variable for the duration of the call; rules that need token ids read it here. Outside verl, wrap the
-call in ``micro_batch_scope({"responses": ids})``.
+plugin's wrapper around ``ppo_loss`` (``maspo_verl.plugin.hooks``) puts that micro-batch in a context
+variable for the duration of the call, with the actor's tokenizer (which verl's engine worker attaches
+to the actor config); rules that need token ids or the vocabulary's text read them here. Outside verl,
+wrap the call in ``micro_batch_scope({"responses": ids}, tokenizer)``.
 
-Word ids (``segment_rule=words``) travel next to the responses under ``WORD_IDS_KEY``: one integer per
-response token, the index of the recognised word the token belongs to, -1 between words and where
-the reward found none. The path through verl 0.9.1's v1 trainer: the reward returns them in
-``reward_extra_info[WORD_IDS_KEY]``; the plugin's hook on ``AgentLoopOutput.as_dict`` (the same hook
-that turns per-token scores into ``rm_scores``) makes them a per-sample tensor field, which the agent
-loop stores with the sample in the TransferQueue; the actor update fetches every field of its
-samples, and verl's data-parallel split, mini-batch iterator and (dynamic) micro-batching index the
-whole TensorDict, so the field arrives in the micro-batch ``ppo_loss`` scores as a jagged tensor,
-row-aligned with ``responses``.
+Word ids (``segment_rule=words``) travel next to the responses under ``WORD_IDS_KEY``: one integer
+per response token, the index of the recognised word the token belongs to, -1 between words and
+where the reward found none. The path through verl's v1 trainer (0.9.0, 0.9.1, development branch):
+the reward returns them in ``reward_extra_info[WORD_IDS_KEY]``; the plugin's hook on
+``AgentLoopOutput.as_dict`` (the same hook that turns per-token scores into ``rm_scores``) makes
+them a per-sample tensor field, which the agent loop stores with the sample in the TransferQueue;
+the actor update fetches every field of its samples, and verl's data-parallel split, mini-batch
+iterator and (dynamic) micro-batching index the whole TensorDict, so the field arrives in the micro-
+batch ``ppo_loss`` scores as a jagged tensor, row-aligned with ``responses``.
 
 The actor update a loss call belongs to (its trainer step, and whether this rank writes for data-parallel
 rank 0) is in scope too (``update_scope``, set by the plugin's hook on verl's actor update): what
@@ -36,6 +37,7 @@ WORD_IDS_KEY = "maspo_word_ids"
 NO_WORD = -1
 
 _micro_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_micro_batch", default=None)
+_tokenizer: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_tokenizer", default=None)
 _update: contextvars.ContextVar[Update | None] = contextvars.ContextVar("maspo_update", default=None)
 
 
@@ -88,17 +90,33 @@ def micro_batch_flag(name: str, default: Any = None) -> Any:
 
 
 class micro_batch_scope:
-    """Make ``data`` (a dict or TensorDict with ``responses``) visible to the loss."""
+    """Make ``data`` (a dict or TensorDict with ``responses``) and the actor's ``tokenizer`` (an HF
+    tokenizer, for ``segment_rule=delimiters``; None: none) visible to the loss."""
 
-    def __init__(self, data):
+    def __init__(self, data, tokenizer=None):
         self.data = data
+        self.tokenizer = tokenizer
 
     def __enter__(self):
-        self._token = _micro_batch.set(self.data)
+        self._tokens = (_micro_batch.set(self.data), _tokenizer.set(self.tokenizer))
         return self.data
 
     def __exit__(self, *exc):
-        _micro_batch.reset(self._token)
+        _tokenizer.reset(self._tokens[1])
+        _micro_batch.reset(self._tokens[0])
+
+
+def current_tokenizer() -> Any:
+    """The actor's tokenizer in scope of the loss call (verl's ``ActorConfig.model_config.tokenizer``)."""
+    tokenizer = _tokenizer.get()
+    if tokenizer is None:
+        raise RuntimeError(
+            "segment_rule='delimiters' needs the actor's tokenizer, but none is in scope: outside verl, wrap the "
+            "loss call in maspo_verl.batch.micro_batch_scope(data, tokenizer); inside verl, the plugin's ppo_loss "
+            "hook takes it from the actor config's model_config.tokenizer, which this verl worker does not set "
+            "(run `python -m maspo_verl check`)"
+        )
+    return tokenizer
 
 
 def current_response_ids(mask: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,11 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES, fallback_rules
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail, reject_unknown
+from maspo_verl.vocab import MAX_SPLITS, split_count
 
 CTPO_MODES = ("cumprod", "geomean")
+# paragraph and line breaks, sentence ends
+DEFAULT_DELIMITERS = ("\n\n", "\n", ". ", "? ", "! ")
 CLIP_SCHEDULES = ("ratio", "log_adaptive")
 AGG_MODES = ("actor", "seg-mean-token-mean")
 MAX_POSITION_BUCKETS = 64
@@ -91,6 +94,12 @@ class GranularLossConfig(PolicyLossConfig):
     max_segment_len: int = 0
     # segment_rule=words: the rule of a sample without word times
     words_fallback_rule: str = "tokenval"
+    # segment_rule=delimiters (maspo_verl.vocab): a segment ends after a token where a delimiter occurs
+    # (inside it or across it and the next token), a new one starts at a token where a step marker occurs
+    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
+    step_markers: list[str] = field(default_factory=list)
+    # segment_rule=surprisal: the share of each response's tokens, most surprising first, that start a segment
+    surprisal_quantile: float = 0.2
     # how segment ids are computed: "auto" = by the C library (maspo_verl.native) for CPU tensors in
     # eager mode when a C compiler can build it, by torch ops otherwise (GPU, torch.compile);
     # "torch" = always by torch ops. Both give the same ids.
@@ -140,6 +149,17 @@ class GranularLossConfig(PolicyLossConfig):
             )
         object.__setattr__(self, "fsq_levels", levels)
         check_choice("words_fallback_rule", self.words_fallback_rule, fallback_rules())
+        for name in ("delimiters", "step_markers"):
+            object.__setattr__(self, name, check_strings(name, getattr(self, name)))
+        if self.segment_rule == "delimiters" and not (self.delimiters or self.step_markers):
+            fail("delimiters", self.delimiters, "at least one string in delimiters or step_markers")
+        if split_count(self.delimiters + self.step_markers) > MAX_SPLITS:
+            fail(
+                "step_markers",
+                self.step_markers,
+                f"strings with at most {MAX_SPLITS} characters after the first in all, delimiters included",
+            )
+        check_float("surprisal_quantile", self.surprisal_quantile, 0.0, 1.0)
         check_choice("segment_kernel", self.segment_kernel, SEGMENT_KERNELS)
         check_int("min_segment_len", self.min_segment_len, 0)
         check_int("max_segment_len", self.max_segment_len, 0)
@@ -166,6 +186,14 @@ class GranularLossConfig(PolicyLossConfig):
         if self.inspect_dir is not None and (not isinstance(self.inspect_dir, str) or not self.inspect_dir.strip()):
             fail("inspect_dir", self.inspect_dir, "null (off) or a folder path")
         check_int("inspect_every", self.inspect_every, 1)
+
+
+def check_strings(name: str, value: Any) -> list[str]:
+    """A list of non-empty strings (``delimiters``, ``step_markers``), as a list."""
+    ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
+    if not ok or not all(isinstance(s, str) and s for s in value):
+        fail(name, value, "a list of non-empty strings")
+    return list(value)
 
 
 def _reject_unknown_fields(cls) -> None:

@@ -50,13 +50,15 @@ def dry_run(config: DictConfig) -> dict:
 
 
 def run(config: DictConfig) -> None:
-    """Start-up checks, optional local mode, then verl's main_ppo body (or the dry run)."""
+    """Optional local mode, start-up checks, then verl's main_ppo body (or the dry run). The local mode
+    fills in its model and data first, so the checks see the config that runs (e.g. the tokenizer that
+    ``segment_rule=delimiters`` resolves its strings against)."""
     maspo = config.get("maspo", {}) or {}
-    run_startup_checks(config)
     if maspo.get("local"):
         from maspo_verl.local import prepare
 
         prepare(config)
+    run_startup_checks(config)
     if maspo.get("dry_run"):
         dry_run(config)
         return

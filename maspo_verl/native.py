@@ -68,8 +68,9 @@ _lock = threading.Lock()
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded library, None) or (None, why it could not be built)."""
+def load_library() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the loaded library, None) or (None, why it could not be built); cached per process
+    (``load_library.cache_clear()`` makes the next call look again)."""
     cc = os.environ.get("CC") or "cc"
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
     errors = []
@@ -114,13 +115,13 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 
 def library() -> ctypes.CDLL | None:
     with _lock:
-        return _library()[0]
+        return load_library()[0]
 
 
 def unavailable() -> str | None:
     """Why the C path cannot run here (None: it can)."""
     with _lock:
-        return _library()[1]
+        return load_library()[1]
 
 
 def _pointer(x: torch.Tensor | None) -> int | None:

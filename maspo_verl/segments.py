@@ -11,8 +11,9 @@ Masks may be right- or left-padded and may contain holes (multi-turn tool output
 token" always means the previous *valid* token, and positions count valid tokens only. Rules
 work on *packed* rows (``Packed``): each row's valid tokens moved to its front, so the previous
 valid token is the previous column and a position is a column index; the segment ids go back to
-token order at the end. For CPU tensors ``compute_segments`` runs the built-in rules in C instead
-(``maspo_verl.native``, the same ids); these torch ops are the definition and the GPU path.
+token order at the end. For CPU tensors ``compute_segments`` runs the rules that have a C version
+(``native_code``) in C instead (``maspo_verl.native``, the same ids); these torch ops are the
+definition and the GPU path.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from maspo_verl import fsq, native
-from maspo_verl.batch import NO_WORD, current_response_ids, current_word_ids
+from maspo_verl import fsq, native, vocab
+from maspo_verl.batch import NO_WORD, current_response_ids, current_tokenizer, current_word_ids
 from maspo_verl.ratios import float_mask
 from maspo_verl.util import registrar, warn_once
 
@@ -243,26 +244,28 @@ class Candidates:
 
 
 # What a rule reads besides the mask (``SegmentRule.needs``). The old log-probs come with every loss
-# call; the response ids and word ids from the verl micro-batch in scope (``maspo_verl.batch``),
-# which the plugin's hooks provide.
-OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS = "old_log_prob", "response_ids", "word_ids"
-FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS})
+# call; the response ids, word ids and the actor's tokenizer from the verl micro-batch in scope
+# (``maspo_verl.batch``), which the plugin's hooks provide.
+OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS, TOKENIZER = "old_log_prob", "response_ids", "word_ids", "tokenizer"
+FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
 
 
 class RuleInputs:
-    """The [B, T] inputs of a segmentation (token order), each fetched when a rule first asks for it."""
+    """The inputs of a segmentation ([B, T] tensors in token order; the tokenizer), each fetched when a
+    rule first asks for it."""
 
     def __init__(self, mask: torch.Tensor, old_log_prob=None, response_ids=None):
         self.mask = mask
         self._given = {OLD_LOG_PROB: old_log_prob, RESPONSE_IDS: response_ids}
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> Any:
         value = self._given.get(name)
         if value is not None:
             return value
         if name == OLD_LOG_PROB:
             raise ValueError(NEEDS_OLD_LOG_PROB)
-        value = current_response_ids(self.mask) if name == RESPONSE_IDS else current_word_ids(self.mask)
+        fetch = {RESPONSE_IDS: current_response_ids, WORD_IDS: current_word_ids}.get(name)
+        value = fetch(self.mask) if fetch is not None else current_tokenizer()
         self._given[name] = value
         return value
 
@@ -402,6 +405,127 @@ class WordsRule(SegmentRule):
         rows = packed.lengths > 0
         fell_back = (rows & ~has_words).sum().to(torch.float64) / rows.sum().clamp(min=1).to(torch.float64)
         return Candidates(boundaries, scores, forced, {**fallback.metrics, WORDS_FALLBACK_METRIC: fell_back})
+
+
+# segment_rule=delimiters: a boundary's strength for min_segment_len (a step marker outranks a delimiter)
+DELIMITER_SCORE, MARKER_SCORE = 1.0, 2.0
+# (id(tokenizer), delimiters, step_markers) -> (tokenizer, vocab.TextTables, {device: tensors})
+_TEXT_TABLES: dict[tuple, tuple[Any, vocab.TextTables, dict]] = {}
+
+
+def _text_entry(tokenizer: Any, delimiters: Sequence[str], step_markers: Sequence[str]) -> tuple:
+    key = (id(tokenizer), tuple(delimiters), tuple(step_markers))
+    if key not in _TEXT_TABLES:
+        tables = vocab.resolve(vocab.vocabulary_texts(tokenizer), delimiters, step_markers)
+        _TEXT_TABLES[key] = (tokenizer, tables, {})  # the tokenizer is kept so that its id stays unique
+    return _TEXT_TABLES[key]
+
+
+def text_tables(tokenizer: Any, delimiters: Sequence[str], step_markers: Sequence[str]) -> vocab.TextTables:
+    """``vocab.resolve`` of the strings over ``tokenizer``'s vocabulary (an HF tokenizer, or the text of
+    each id), once per process."""
+    return _text_entry(tokenizer, delimiters, step_markers)[1]
+
+
+def _device_tables(tokenizer, config, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The tables of ``config``'s strings as int64 tensors on ``device`` (moved once), and the split masks."""
+    _, tables, on_device = _text_entry(tokenizer, config.delimiters, config.step_markers)
+    if device not in on_device:
+        on_device[device] = tuple(
+            torch.tensor(t, dtype=torch.int64, device=device) for t in (tables.inside, tables.ends, tables.starts)
+        )
+    return (*on_device[device], tables.delimiter_splits, tables.marker_splits)
+
+
+def text_boundaries(token_ids: torch.Tensor, packed: Packed, tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, scores) of the delimiters rule on the packed rows: a boundary on the token after
+    one where a delimiter occurs, and on a token where a step marker occurs (``maspo_verl.vocab``: inside
+    the token, or across it and the next valid token). Ids outside the tables match nothing."""
+    inside, ends, starts, delimiter_splits, marker_splits = tables
+    size = inside.shape[0]
+    ids = packed.pack(token_ids.long())
+    known = (ids >= 0).logical_and_(ids < size).logical_and_(packed.valid).long()
+    ids.clamp_(0, size - 1)
+    own = inside[ids].mul_(known)
+    head = ends[ids].mul_(known)
+    tail = torch.zeros_like(head)  # the next valid token's ``starts`` (none after the row's last)
+    tail[:, :-1] = starts[ids[:, 1:]].mul_(known[:, 1:])
+    across = head.bitwise_and_(tail)
+    delimiter = ((own & vocab.DELIMITER) != 0).logical_or_((across & delimiter_splits) != 0)
+    marker = ((own & vocab.STEP_MARKER) != 0).logical_or_((across & marker_splits) != 0)
+    boundaries = previous(delimiter).logical_or_(marker).logical_and_(packed.valid)
+    scores = float_mask(marker).mul_(MARKER_SCORE - DELIMITER_SCORE).add_(DELIMITER_SCORE)
+    return boundaries, scores
+
+
+def surprisal_candidates(
+    old_log_prob: torch.Tensor, packed: Packed, quantile: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, scores) of the surprisal rule on the packed rows: the k = floor(q L + 1/2) tokens of
+    largest surprisal -log pi_old (float32; ties to the earlier token) of each row of L valid tokens
+    start segments. The score is the surprisal."""
+    B, T = packed.valid.shape
+    lp = packed.pack(old_log_prob).float().nan_to_num_(nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
+    surprisal = lp.neg_().clamp_(-MAX_DROP, MAX_DROP).mul_(float_mask(packed.valid))
+    ranked = surprisal.masked_fill(~packed.valid, -math.inf)  # padding ranks last
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=order.device).expand(B, T))
+    count = packed.lengths.double().mul_(quantile).add_(0.5).floor_().long()
+    return (rank < count).logical_and_(packed.valid), surprisal
+
+
+@register_segment_rule
+class DelimitersRule(SegmentRule):
+    """Text steps and sentences: a segment ends after a token where one of ``delimiters`` occurs, and a
+    new one starts at a token where one of ``step_markers`` occurs (``maspo_verl.vocab``). The strings
+    are resolved against the actor's tokenizer once per process; start-up resolves them on the driver
+    too, logs what each matched and refuses a string that occurs nowhere."""
+
+    name = "delimiters"
+    needs = frozenset({RESPONSE_IDS, TOKENIZER})
+
+    def candidates(self, config, packed, inputs):
+        tables = _device_tables(inputs.get(TOKENIZER), config, packed.valid.device)
+        return Candidates(*text_boundaries(inputs.get(RESPONSE_IDS), packed, tables))
+
+    def startup(self, trainer_config):
+        """Resolve the strings against the tokenizer verl's actor will load, log what each matched and
+        refuse one that occurs nowhere (``FieldError``). Not in a dry run, which opens no model."""
+        from verl.utils.config import omega_conf_to_dataclass
+
+        policy_loss = omega_conf_to_dataclass(trainer_config.actor_rollout_ref.actor.policy_loss)  # validates
+        model = trainer_config.actor_rollout_ref.model
+        path = model.get("tokenizer_path") or model.get("path")
+        if (trainer_config.get("maspo", {}) or {}).get("dry_run"):
+            print(f"maspo_verl: segment_rule=delimiters resolves its strings against {path}'s tokenizer at launch")
+            return []
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(model.get("trust_remote_code")))
+        except Exception as exc:  # noqa: BLE001 - the workers load it their way (remote paths) and resolve there
+            message = (
+                f"segment_rule=delimiters: the tokenizer at {path} did not load on the driver ({type(exc).__name__}: "
+                f"{exc}); the actor workers resolve policy_loss.delimiters / step_markers against theirs"
+            )
+            warn_once(message)
+            return [message]
+        tables = text_tables(tokenizer, policy_loss.delimiters, policy_loss.step_markers)
+        print(f"maspo_verl: segment_rule=delimiters on {path}'s tokenizer ({len(tables.inside)} ids):")
+        print(tables.summary())
+        return []
+
+
+@register_segment_rule
+class SurprisalRule(SegmentRule):
+    """Forking tokens: the ``surprisal_quantile`` share of each response's tokens with the largest
+    surprisal -log pi_old start segments (0: one segment, GSPO; 1: every token, GRPO)."""
+
+    name = "surprisal"
+    needs = frozenset({OLD_LOG_PROB})
+
+    def candidates(self, config, packed, inputs):
+        return Candidates(*surprisal_candidates(inputs.get(OLD_LOG_PROB), packed, config.surprisal_quantile))
 
 
 def setting(config: Any, name: str, default: Any = None) -> Any:

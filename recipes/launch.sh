@@ -5,6 +5,26 @@
 
 RESUME_MODE=${RESUME_MODE:-auto}                      # auto | disable | resume_path
 
+# The interpreter: PYTHON, else `python` from PATH (the activated project venv), else `python3`.
+if [ -z "${PYTHON:-}" ]; then
+    if command -v python >/dev/null 2>&1; then PYTHON=python; else PYTHON=python3; fi
+fi
+
+# Stop at once, saying what to do, when that interpreter lacks the package or what it needs (not for
+# PRINT_CMD / PRINT_ARGV, which only print the command for another machine).
+maspo_require_python() {
+    local missing
+    missing=$("$PYTHON" -c 'import importlib.util as u
+print(" ".join(m for m in ("maspo_verl", "hydra", "verl") if u.find_spec(m) is None))' 2>&1) || missing="a working $PYTHON"
+    if [ -n "$missing" ]; then
+        echo "error: $PYTHON ($(command -v "$PYTHON" || echo 'not on PATH')) lacks $missing: activate the project venv" \
+            "(source .venv/bin/activate, after bash .ci/setup), or install maspo-verl (pip install -e . in the checkout)," \
+            "or set PYTHON=/path/to/python" >&2
+        exit 1
+    fi
+}
+[ "${PRINT_CMD:-0}" = 1 ] || [ "${PRINT_ARGV:-0}" = 1 ] || maspo_require_python
+
 # recipe_overrides PRESET: the recipe preset plus the knobs shared by every recipe.
 recipe_overrides() {
     RECIPE_OVERRIDES=(
@@ -41,14 +61,14 @@ recipe_overrides() {
     )
 }
 
-# maspo_launch [overrides...]: python -m maspo_verl.main --config-name $CONFIG_NAME with them.
+# maspo_launch [overrides...]: $PYTHON -m maspo_verl.main --config-name $CONFIG_NAME with them.
 #   DRY_RUN=1    compose, validate with verl's validate_config, print the loss section; no Ray, no GPU;
 #                MODEL_PATH, the data files and any reward model are not opened.
 #   PRINT_CMD=1  print the command (one shell-quoted line) and exit.
 #   PRINT_ARGV=1 print the command's words, each ended by a NUL byte, and exit;
 #                recipes/cluster/ray_submit.sh passes them to `ray job submit` as the entrypoint.
 maspo_launch() {
-    local cmd=("${PYTHON:-python3}" -m maspo_verl.main --config-name "$CONFIG_NAME" "$@")
+    local cmd=("$PYTHON" -m maspo_verl.main --config-name "$CONFIG_NAME" "$@")
     if [ "${PRINT_ARGV:-0}" = 1 ]; then
         printf '%s\0' "${cmd[@]}"
         return 0

@@ -1,10 +1,22 @@
-"""Shared test helpers: composing our Hydra config, verl actor configs, random [B, T] batches."""
+"""Shared test helpers: the repository root, running its scripts, composing our Hydra config, verl actor
+configs, random [B, T] batches."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from maspo_verl.config import actor_config  # noqa: F401  (re-exported for the tests)
 from maspo_verl.util import config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+# the text of each id of a byte-level vocabulary (id b is byte b), the actor's "tokenizer" in scope of
+# ``segment_rule=delimiters`` (``maspo_verl.batch.micro_batch_scope``) where the ids are bytes
+BYTE_VOCABULARY = [chr(b) for b in range(256)]
 
 # batch sizes small enough for verl's micro-batch checks in a dry run
 SMALL = [
@@ -34,3 +46,25 @@ def random_batch(B=6, T=20, scale=0.3, seed=0, dtype=torch.float64, lengths=None
         lengths = torch.randint(1, T + 1, (B,), generator=g)
     mask = torch.arange(T)[None, :] < torch.as_tensor(lengths)[:, None]
     return old, new, adv, mask
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a recipe script: this interpreter as python3, nothing inherited that steers it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_", "LOSS"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env["HOME"] = env.get("HOME", "/root")
+    env.update(extra)
+    return env
+
+
+def run_script(script: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``bash <script> <args>`` from the repository root, in ``script_env(**env)``."""
+    return subprocess.run(
+        ["bash", str(REPO / script), *args],
+        cwd=REPO,
+        env=script_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "maspo_verl"
+from tests.helpers import REPO
+
+PACKAGE = REPO / "maspo_verl"
 
 CORE = {
     "maspo_verl",
@@ -30,6 +31,7 @@ CORE = {
     "native",
     "fsq",
     "inspection",
+    "vocab",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {
@@ -47,11 +49,12 @@ PURE_HELPERS = [
     "maspo_verl.speech.tokens",
     "maspo_verl.speech.spans",
     "maspo_verl.math.prepare",
+    "maspo_verl.vocab",
 ]
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -79,8 +82,8 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maspo_verl"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                is_module = (ROOT / Path(*candidate.split("."))).with_suffix(".py").exists() or (
-                    ROOT / Path(*candidate.split(".")) / "__init__.py"
+                is_module = (REPO / Path(*candidate.split("."))).with_suffix(".py").exists() or (
+                    REPO / Path(*candidate.split(".")) / "__init__.py"
                 ).exists()
                 found.add(candidate if is_module else node.module)
         elif isinstance(node, ast.Try) and top_level_only:  # the plugin imports inside try
@@ -107,8 +110,9 @@ def test_core_and_plugin_know_no_recipe_class():
             assert "SpeechRewardManager" not in path.read_text(), module
 
 
-def test_no_import_cycle_at_import_time():
-    graph = {m: {i for i in imports(p, top_level_only=True) if i in MODULES} for m, p in MODULES.items()}
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["at-import-time", "function-local-too"])
+def test_no_import_cycle(top_level_only):
+    graph = {m: {i for i in imports(p, top_level_only) if i in MODULES} for m, p in MODULES.items()}
     state: dict[str, int] = {}
 
     def visit(node, stack):
@@ -125,8 +129,17 @@ def test_no_import_cycle_at_import_time():
             visit(module, [])
 
 
+def test_package_docstring_lists_the_core_modules():
+    import re
+
+    import maspo_verl
+
+    core = maspo_verl.__doc__.split("- core (", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"``(\w+)``", core)) == CORE - {"maspo_verl"}
+
+
 def _fresh(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

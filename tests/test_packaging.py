@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,24 +13,27 @@ from pathlib import Path
 import pytest
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+from maspo_verl.util import preset_names
+from tests.helpers import REPO
 
 
-def test_every_subpackage_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for p in (ROOT / "maspo_verl").rglob("__init__.py")
-        if "__pycache__" not in p.parts
-    }
-    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+def test_every_folder_that_ships_is_listed_in_pyproject():
+    """Every folder of the package and of hydra_configs/, data folders included: setuptools warns about an
+    unlisted folder holding package data ("Package would be ignored") on every install."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for prefix, top in (("maspo_verl", REPO / "maspo_verl"), ("maspo_verl.hydra_configs", REPO / "hydra_configs")):
+        for folder in [top, *top.rglob("*")]:
+            if folder.is_dir() and "__pycache__" not in folder.parts:
+                found.add(".".join([prefix, *folder.relative_to(top).parts]))
+    assert found == listed, f"add to / remove from [tool.setuptools] packages: {sorted(found ^ listed)}"
 
 
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True,
         capture_output=True,
     )
@@ -43,7 +47,7 @@ def installed_wheel(tmp_path_factory):
 
 def test_wheel_holds_configs_and_entry_point(installed_wheel):
     _, names = installed_wheel
-    for preset in ("grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"):
+    for preset in preset_names():
         assert f"maspo_verl/hydra_configs/loss/{preset}.yaml" in names
     assert "maspo_verl/hydra_configs/maspo_trainer.yaml" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
@@ -72,14 +76,12 @@ def test_installed_copy_composes_without_the_checkout(installed_wheel, tmp_path)
 @pytest.mark.parametrize("recipe", ["math", "speech"])
 def test_recipes_install_line_brings_their_default_logger(recipe):
     """A recipe that logs to wandb by default names, in its README's install line, an extra that has wandb."""
-    import re
-
-    common = (ROOT / "recipes" / recipe / "common.sh").read_text()
+    common = (REPO / "recipes" / recipe / "common.sh").read_text()
     logger = re.search(r"^LOGGER=\$\{LOGGER:-'(.*)'\}", common, re.M).group(1)
     assert "wandb" in logger  # what makes the extra necessary
-    readme = (ROOT / "recipes" / recipe / "README.md").read_text()
+    readme = (REPO / "recipes" / recipe / "README.md").read_text()
     extras = re.search(r"pip install [^\n]*\[([\w,]+)\]", readme).group(1).split(",")
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.split(">")[0].split("=")[0].strip() == "wandb" for e in extras for dep in declared[e]), extras
 
 
@@ -89,10 +91,24 @@ def uploaded_checkout(tmp_path_factory):
     excludes of recipes/cluster/ray_submit.sh (a job's driver runs in it, so its `maspo_verl/` is the one
     imported)."""
     copy = tmp_path_factory.mktemp("uploaded") / "repo"
-    ignore = shutil.ignore_patterns(".git", ".venv", "data", "checkpoints", "outputs", "wandb", "dist", "build",
-                                    "*.egg-info", "__pycache__")  # fmt: skip
-    shutil.copytree(ROOT, copy, ignore=ignore)
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*ray_submit_excludes()))
     return copy
+
+
+def ray_submit_excludes() -> list[str]:
+    """The default EXCLUDES of recipes/cluster/ray_submit.sh (what a job upload leaves out)."""
+    script = (REPO / "recipes" / "cluster" / "ray_submit.sh").read_text()
+    return re.search(r"^EXCLUDES=\$\{EXCLUDES:-(.*)\}$", script, re.M).group(1).split(",")
+
+
+def test_ray_submit_uploads_no_venv():
+    """No venv of any name goes up with a job: the ones .ci/setup makes and any other `.venv*`."""
+    import fnmatch
+
+    excludes = ray_submit_excludes()
+    for name in (".venv", ".venv-verl090", ".venv-verlmain", ".venv-mine"):
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in excludes), (name, excludes)
+    assert not any(fnmatch.fnmatch(name, pattern) for pattern in excludes for name in ("maspo_verl", "hydra_configs"))
 
 
 @pytest.mark.parametrize("install", ["wheel", "editable"])
@@ -121,7 +137,7 @@ def test_uploaded_checkout_shadowing_an_install_composes(install, installed_whee
     assert loss_mode == "pgspo"
 
 
-DEV_VENV = ROOT / ".venv-verlmain"
+DEV_VENV = REPO / ".venv-verlmain"
 
 
 @pytest.mark.skipif(not (DEV_VENV / "bin" / "python").exists(), reason=".venv-verlmain not set up (bash .ci/setup)")

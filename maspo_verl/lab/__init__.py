@@ -1,4 +1,4 @@
-"""Estimator lab and benchmarks: ``python -m maspo_verl.lab {estimators,race,credit,bench}``.
+"""Estimator lab and benchmarks: ``python -m maspo_verl.lab <command>`` (``--help`` lists them).
 
 - ``estimators``: exact bias/variance of every importance-ratio estimator by enumerating the whole
   sequence space of tiny autoregressive policies (:mod:`maspo_verl.lab.estimators`).
@@ -8,6 +8,8 @@
 - ``bench``: time, peak memory and host syncs of each loss against verl's ``vanilla`` and ``gspo``
   (:mod:`maspo_verl.lab.bench`).
 
-Each command writes its tables and plots to ``docs/results/<command>/`` (``--out`` overrides) with
-a ``COMMAND.txt`` recording the exact command line that made them.
+(and ``steptime`` and ``learn``, which run verl's trainer in the local CPU mode). Each command writes
+its tables and plots to ``outputs/lab/<command>/`` (``--out DIR`` elsewhere, ``--update-docs`` the
+committed ``docs/results/<command>/``) with a ``COMMAND.txt`` recording the exact command line that
+made them.
 """

@@ -1,38 +1,69 @@
-"""``python -m maspo_verl.lab {estimators,race,credit,bench,steptime,learn,segments} [--out DIR] [options]``."""
+"""python -m maspo_verl.lab <command> [--out DIR | --update-docs] [options]
+
+Each command writes its tables, plots and a COMMAND.txt (the command that made them) to
+outputs/lab/<folder>/, a scratch folder; --out DIR writes elsewhere, --update-docs to the committed
+docs/results/<folder>/ of the checkout it runs in. `<command> --help` lists its knobs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
+from pathlib import Path
+
+# name (also the module of maspo_verl.lab), what it measures
+COMMANDS = [
+    ("estimators", "exact bias/variance of each ratio estimator by enumeration"),
+    ("race", "toy GRPO race of verl's and our losses (speech-like vs text-like task)"),
+    ("credit", "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks"),
+    ("bench", "forward+backward time, peak memory and host syncs of each loss"),
+    ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
+    ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
+    ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
+]
+
+
+def _require_environment() -> None:
+    """What every command needs (matplotlib: the `lab` extra, for the plots at the end of a run), checked at once."""
+    missing = [m for m in ("torch", "verl", "hydra", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"python -m maspo_verl.lab: {sys.executable} lacks {', '.join(missing)}: activate the project venv "
+            "(source .venv/bin/activate, after bash .ci/setup) or install maspo-verl with the lab extra "
+            "(pip install -e '.[lab,local]' in the checkout)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m maspo_verl.lab", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from maspo_verl.lab import bench, credit, estimators, learn, race, segments, steptime
+    _require_environment()
+    from maspo_verl.lab import common
 
-    for name, module, help_ in [
-        ("estimators", estimators, "exact bias/variance of each ratio estimator by enumeration"),
-        ("race", race, "toy GRPO race of verl's and our losses (speech-like vs text-like task)"),
-        ("credit", credit, "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks"),
-        ("bench", bench, "forward+backward time, peak memory and host syncs of each loss"),
-        ("steptime", steptime, "local trainer step time of each loss preset vs grpo (writes next to bench)"),
-        ("learn", learn, "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
-        (
-            "segments",
-            segments,
-            "see and calibrate the segmentation (inspect files or code sequences): plots, "
-            "word-boundary F1, suggested thresholds",
-        ),
-    ]:
+    parser = argparse.ArgumentParser(
+        prog="python -m maspo_verl.lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in COMMANDS:
+        module = importlib.import_module(f"maspo_verl.lab.{name}")
+        folder = getattr(module, "OUT", name)
         p = sub.add_parser(name, help=help_)
-        default = getattr(module, "OUT", name)
-        p.add_argument("--out", default=None, help=f"output folder (default docs/results/{default})")
+        where = p.add_mutually_exclusive_group()
+        where.add_argument("--out", default=None, help=f"output folder (default {common.default_out(folder)})")
+        where.add_argument(
+            "--update-docs",
+            action="store_true",
+            help=f"write the committed {common.default_out(folder, update_docs=True)} (run from the repository root)",
+        )
         module.add_arguments(p)
-        p.set_defaults(module=module)
+        p.set_defaults(module=module, folder=folder)
     args = parser.parse_args(argv)
+    if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():
+        parser.error(f"--update-docs writes docs/results/{args.folder}/ of a checkout: run it from the repository root")
+    args.out = str(args.out or common.default_out(args.folder, update_docs=args.update_docs))
     args.module.run(args, argv)
+    print(f"results: {Path(args.out).resolve()}/")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ BASELINE = "grpo"
 # The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.
 PRESETS = (BASELINE, *(name for name in preset_names() if name != BASELINE))
 PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
+# The text of the ids ``make_inputs`` draws, for segment_rule=delimiters (``maspo_steps``): Qwen2's ids of
+# "!", ".", "?", "\n" and " ", the pieces of the default delimiters; the codec codes hold no text.
+TEXT_IDS = {0: "!", 13: ".", 30: "?", 198: "\n", 220: " "}
+VOCABULARY = [TEXT_IDS.get(i, "") for i in range(128264 + 65536)]
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ def entry_config(e: Entry):
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
     """Log-probs, advantages, a right-padded mask (lengths T/4..T) and speech-like response ids:
     XCodec2 codes (Llasa-1B offset) that repeat the previous code with probability 0.8, with 1% text
-    tokens, so ``maspo_tokenval`` finds segments of a few tokens as on real speech; and word ids as an
+    tokens (line breaks: ``maspo_steps`` ends a segment after each), so ``maspo_tokenval`` finds segments
+    of a few tokens as on real speech; and word ids as an
     ASR gives them (``maspo_words``): words of 8-20 tokens with 3-token gaps (-1) between them."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
@@ -147,7 +152,7 @@ def loss_grad_metrics(fn, cfg, inputs):
     """``call``'s loss (detached), the log-prob leaf (with its gradient) and the metrics."""
     old, new, adv, mask, ids, words = inputs
     lp = new.detach().requires_grad_()
-    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, VOCABULARY):
         loss, metrics = fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return loss.detach(), lp, metrics
@@ -185,7 +190,7 @@ def peak_memory(fn, cfg, inputs, device) -> tuple[float, int | None]:
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
-    out = common.prepare_out(args.out or common.default_out("bench"), argv)
+    out = common.prepare_out(args.out, argv)
     t0 = time.time()
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if "cuda" in devices and not torch.cuda.is_available():
@@ -341,16 +346,37 @@ def write_report(out, rows, args, seconds, profiled) -> None:
 STEPTIME_HEADER = "## End-to-end overhead"
 
 
+def summarise_steps(rows: list[dict], baseline: str) -> list[dict]:
+    """Step times (``python -m maspo_verl.lab steptime``): median and minimum of steps >= 2 per preset, and
+    their ratios to the baseline's."""
+    by = {}
+    for r in rows:
+        if r["step"] >= 2:
+            by.setdefault(r["preset"], []).append(float(r["timing_s_step"]))
+    if baseline not in by:
+        return []
+    base_med, base_min = statistics.median(by[baseline]), min(by[baseline])
+    return [
+        {
+            "preset": p,
+            "steps": len(v),
+            "median_s": statistics.median(v),
+            "x_grpo_median": statistics.median(v) / base_med,
+            "min_s": min(v),
+            "x_grpo_min": min(v) / base_min,
+        }
+        for p, v in by.items()
+    ]
+
+
 def steptime_section(out) -> str:
     """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
-    from maspo_verl.lab import steptime
-
     path = Path(out) / "steptime.csv"
     if not path.exists():
         return ""
     with open(path) as f:
         rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
-    table = steptime.summarise(rows, BASELINE)
+    table = summarise_steps(rows, BASELINE)
     command_file = Path(out) / "STEPTIME_COMMAND.txt"
     command = command_file.read_text().strip() if command_file.exists() else ""
     return "\n".join(

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 
-def default_out(command: str) -> Path:
-    return Path("docs") / "results" / command
+def default_out(folder: str, update_docs: bool = False) -> Path:
+    """Where a command writes without ``--out``: a scratch folder, or with ``--update-docs`` the committed
+    results of the checkout in the working directory."""
+    return Path("docs", "results", folder) if update_docs else Path("outputs", "lab", folder)
 
 
 def prepare_out(out: str | os.PathLike, argv: Sequence[str]) -> Path:

@@ -88,7 +88,7 @@ def gradient_study(task: Task, theta: torch.Tensor, args, gen: torch.Generator) 
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out or common.default_out("credit"), argv)
+    out = common.prepare_out(args.out, argv)
     t0 = time.time()
     torch.set_num_threads(1)
     tasks = [race.make_task(n, args.length) for n in ("speech", "text")]

@@ -209,7 +209,7 @@ REWARDS = ("verifier", "length")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out or common.default_out("estimators"), argv)
+    out = common.prepare_out(args.out, argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     drifts = [float(x) for x in args.drifts.split(",")]
     t0 = time.time()

@@ -5,7 +5,7 @@ the toy tasks of ``learn_tasks`` (a text-like and a speech-like task, sequence-l
 spans); everything but the loss is equal across runs of a task and seed (model initialisation, data
 order, batch, learning rate, rollout). Metrics are verl's own, parsed from its console logger
 (``step:N - key:value ...``): ``critic/score/mean`` (the reward), ``actor/pg_clipfrac``,
-``timing_s/step``, ``response_length/mean``. Writes ``docs/results/learn/``: README (table and
+``timing_s/step``, ``response_length/mean``. Writes (``outputs/lab/learn/`` by default): README (table and
 findings), ``learn_steps.csv`` (per step), ``learn_runs.csv`` (per run), ``learn_summary.csv``,
 ``learn_reward.png`` and ``COMMAND.txt``.
 """
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from maspo_verl.lab.common import default_out, log, markdown_table, prepare_out, pyplot, write_csv
+from maspo_verl.lab.common import log, markdown_table, prepare_out, pyplot, write_csv
 from maspo_verl.lab.learn_tasks import FRAMES_PER_WORD, RESPONSE_TOKENS
 
 # name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
@@ -206,7 +206,7 @@ def _mean(values) -> float:
 def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
-    out = prepare_out(args.out or default_out("learn"), argv)
+    out = prepare_out(args.out, argv)
     unknown = [loss for loss in args.losses if loss not in LOSSES]
     if unknown:
         raise SystemExit(f"--losses: unknown {unknown}; allowed {list(LOSSES)}")

@@ -205,7 +205,7 @@ def summarise(curve: dict, target: float, entropy0: float) -> dict:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out or common.default_out("race"), argv)
+    out = common.prepare_out(args.out, argv)
     t0 = time.time()
     torch.set_num_threads(1)
     tasks = [make_task(n, args.length) for n in ("speech", "text")]

@@ -727,7 +727,13 @@ def analyse(args: argparse.Namespace) -> dict:
         v.label: suggest(corpus, settings, v, table[v.label], table["fixed"], args, has_words) for v in found
     }
     consistency = None
-    if any(s is not None for s in corpus.dumped_segment_ids):
+    needs_tokenizer = segments.TOKENIZER in segments.inputs_needed(loss_config(settings))
+    if needs_tokenizer and any(s is not None for s in corpus.dumped_segment_ids):
+        notes.append(
+            f"segment_rule={settings['segment_rule']!r} needs the actor's tokenizer: the run's segment ids are "
+            "shown as written, not recomputed"
+        )
+    elif any(s is not None for s in corpus.dumped_segment_ids):
         ids = segment_ids(corpus, settings).numpy()
         same = [
             list(np.asarray(d)[m]) == list(row[m])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -29,32 +28,10 @@ def step_times(log: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in STEP_TIME.finditer(log)}
 
 
-def summarise(rows: list[dict], baseline: str) -> list[dict]:
-    """Median and minimum of steps >= 2 per preset, and their ratios to the baseline's."""
-    by = {}
-    for r in rows:
-        if r["step"] >= 2:
-            by.setdefault(r["preset"], []).append(float(r["timing_s_step"]))
-    if baseline not in by:
-        return []
-    base_med, base_min = statistics.median(by[baseline]), min(by[baseline])
-    return [
-        {
-            "preset": p,
-            "steps": len(v),
-            "median_s": statistics.median(v),
-            "x_grpo_median": statistics.median(v) / base_med,
-            "min_s": min(v),
-            "x_grpo_min": min(v) / base_min,
-        }
-        for p, v in by.items()
-    ]
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab import bench
 
-    out = args.out or common.default_out(OUT)
+    out = args.out
     os.makedirs(out, exist_ok=True)
     presets = [bench.BASELINE] + [p for p in args.presets.split(",") if p and p != bench.BASELINE]
     rows = []
@@ -79,7 +56,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     with open(os.path.join(out, "STEPTIME_COMMAND.txt"), "w") as f:
         f.write("python -m maspo_verl.lab " + " ".join(argv) + "\n")
     bench.render_readme(out)
-    print(common.markdown_table(summarise(rows, bench.BASELINE)))
+    print(common.markdown_table(bench.summarise_steps(rows, bench.BASELINE)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -91,7 +91,7 @@ def check_verl_features() -> None:
         )
 
 
-def _dedup_backend(backend: str | None) -> str | None:
+def dedup_backend(backend: str | None) -> str | None:
     """'cpu:gloo,cpu:gloo' -> 'cpu:gloo' (torch rejects a device type listed twice)."""
     if not backend or "," not in backend:
         return backend
@@ -107,7 +107,7 @@ def _dedup_process_group_backend(original):
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         backend = backend or f"cpu:gloo,{device.get_device_name()}:{device.get_nccl_backend()}"
-        return original(timeout_second=timeout_second, backend=_dedup_backend(backend))
+        return original(timeout_second=timeout_second, backend=dedup_backend(backend))
 
     return initialize_global_process_group_ray
 

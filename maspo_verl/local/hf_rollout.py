@@ -1,6 +1,7 @@
-"""An ``hf`` rollout backend for verl 0.9.1's agent-loop path: server, replica and adapter.
+"""An ``hf`` rollout backend for verl's agent-loop path (0.9.0, 0.9.1, development branch): server,
+replica and adapter.
 
-verl 0.9.1 sends every rollout through the async agent loop to a rollout *server* (a Ray actor
+verl sends every rollout through the async agent loop to a rollout *server* (a Ray actor
 with ``generate(prompt_ids, sampling_params, request_id, ...) -> TokenOutput``); only
 vllm/sglang/trtllm are registered. This backend is a plain ``transformers`` model on the host:
 

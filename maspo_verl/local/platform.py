@@ -1,4 +1,4 @@
-"""A ``cpu`` platform for verl 0.9.1's platform registry (selected by ``VERL_PLATFORM=cpu``).
+"""A ``cpu`` platform for verl's platform registry (selected by ``VERL_PLATFORM=cpu``).
 
 verl ships cuda/npu/rocm platforms only. This one runs everything on the host: device ``cpu``,
 process groups on ``gloo``, and a ``torch.cpu``-based device module with the ``torch.cuda``-style

@@ -51,8 +51,8 @@ def _require_math_verify():
         import math_verify  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "maspo_verl.math.reward needs math-verify: pip install 'maspo-verl[math]' "
-            "(or pip install 'math-verify[antlr4_9_3]')"
+            "maspo_verl.math.reward needs math-verify: pip install 'math-verify[antlr4_9_3]' "
+            "(or the `math` extra: pip install -e '.[math]' in the maspo-verl checkout)"
         ) from exc
 
 
@@ -162,7 +162,7 @@ def _get_pool() -> ProcessPoolExecutor:
         return _pool
 
 
-def _reset_pool() -> None:
+def reset_pool() -> None:
     global _pool
     with _pool_lock:
         if _pool is not None:
@@ -182,7 +182,7 @@ def is_equivalent(answer: str, ground_truth: str) -> bool:
         return False
     except Exception as exc:  # noqa: BLE001 - a reward must never crash the trainer
         if exc.__class__.__name__ == "BrokenProcessPool":
-            _reset_pool()
+            reset_pool()
             warn_once(
                 f"maspo_verl.math.reward: grading pool broke ({exc!r}); scoring 0 and restarting it",
                 RuntimeWarning,

@@ -4,8 +4,8 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
 
 - ``ppo_loss``: verl's registered losses never see the response token ids, although the micro-batch
   handed to ``verl.workers.utils.losses.ppo_loss`` holds them. The wrapper puts the micro-batch in
-  scope (``maspo_verl.batch``) for the duration of the call: segment rules that read response or word
-  ids find them there.
+  scope (``maspo_verl.batch``) for the duration of the call, with the actor's tokenizer: segment rules
+  that read response or word ids, or the vocabulary's text, find them there.
 - ``token_scores``: verl's agent loop turns a reward into ``rm_scores`` with the scalar score on the
   last token. A reward that also returns per-token scores (``reward_extra_info[TOKEN_SCORES_KEY]``,
   one per response token, summing to the score) gets them as its ``rm_scores`` row instead: we wrap
@@ -91,7 +91,9 @@ def _ppo_loss_signature(original) -> str | None:
 
 def _with_micro_batch(original):
     def ppo_loss(config, model_output, data, dp_group=None):
-        with micro_batch_scope(data):
+        # the actor's tokenizer, which verl's engine worker attaches to the actor config (None if not)
+        tokenizer = getattr(getattr(config, "model_config", None), "tokenizer", None)
+        with micro_batch_scope(data, tokenizer):
             return original(config, model_output, data, dp_group)
 
     return ppo_loss

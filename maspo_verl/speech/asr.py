@@ -130,7 +130,8 @@ class WhisperASR:
             from faster_whisper.tokenizer import Tokenizer
         except ImportError as exc:
             raise ImportError(
-                "maspo_verl.speech.asr needs faster-whisper: pip install 'maspo-verl[speech]' (faster-whisper>=1.1)"
+                "maspo_verl.speech.asr needs faster-whisper: pip install 'faster-whisper>=1.1' "
+                "(or the `speech` extra: pip install -e '.[speech]' in the maspo-verl checkout)"
             ) from exc
         from maspo_verl.speech.codec import pick_device
 

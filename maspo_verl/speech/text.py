@@ -50,7 +50,10 @@ def word_error_rate(reference: str, hypothesis: str, normalize: bool = True) -> 
     try:
         import jiwer
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError("maspo_verl.speech needs jiwer: pip install 'maspo-verl[speech]'") from exc
+        raise ImportError(
+            "maspo_verl.speech needs jiwer: pip install jiwer "
+            "(or the `speech` extra: pip install -e '.[speech]' in the maspo-verl checkout)"
+        ) from exc
     ref = normalize_text(reference) if normalize else reference.strip()
     hyp = normalize_text(hypothesis) if normalize else hypothesis.strip()
     if not ref:

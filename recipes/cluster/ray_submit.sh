@@ -17,11 +17,13 @@ RECIPE=${RECIPE:-recipes/math/run_gspo.sh}
 WORKING_DIR=${WORKING_DIR:-$REPO}
 PIP_EXTRAS=${PIP_EXTRAS:-math}
 # What each node pip-installs; the default is the uploaded working dir itself (Ray substitutes the
-# variable on the node). PIP_SPEC='maspo-verl[math]==0.1.0' installs from an index instead;
+# variable on the node). PIP_SPEC='/shared/wheels/maspo_verl-0.1.0-py3-none-any.whl[math]' installs a
+# wheel built with `pip wheel --no-deps . -w dist` instead (at a path every node can read);
 # PIP_SPEC= (empty) installs nothing (the nodes' Python already has the package, e.g. the docker image).
 # shellcheck disable=SC2016  # the variable is expanded by Ray on each node, not here
 PIP_SPEC=${PIP_SPEC-'${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}'"[$PIP_EXTRAS]"}
-EXCLUDES=${EXCLUDES:-.git,.venv,data,checkpoints,outputs,wandb,dist,build,*.egg-info,__pycache__}
+# not uploaded (gitignore-style patterns): git data, every venv (.venv, .venv-verl090, ...), data and outputs
+EXCLUDES=${EXCLUDES:-.git,.venv*,data,checkpoints,outputs,wandb,dist,build,*.egg-info,__pycache__}
 SUBMISSION_ID=${SUBMISSION_ID:-}
 NO_WAIT=${NO_WAIT:-0}
 
@@ -62,5 +64,10 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     printf "entrypoint:"; printf " %q" "${ENTRYPOINT[@]}"; printf "\n"
     echo "runtime_env: $RUNTIME_ENV"
     exit 0
+fi
+if ! command -v ray >/dev/null 2>&1; then
+    echo "error: no \`ray\` on PATH: activate the project venv (source .venv/bin/activate, after bash .ci/setup)" \
+        "or install ray (it comes with verl)" >&2
+    exit 1
 fi
 exec "${cmd[@]}"

@@ -84,16 +84,18 @@ SPEECH_OVERRIDES=(
 
 # speech_chat_template_override: prints the custom_chat_template override (or nothing).
 speech_chat_template_override() {
-    local py=${PYTHON:-python3}
     case "$SPEECH_CHAT_TEMPLATE" in
         none) ;;
         auto)
             if [ "${DRY_RUN:-0}" = 1 ]; then
                 echo "DRY_RUN=1: SPEECH_CHAT_TEMPLATE=auto is not derived (MODEL_PATH is not opened)" >&2
             else
-                "$py" -m maspo_verl.speech.prepare chat-template --tokenizer "$MODEL_PATH" --hydra
+                maspo_require_python
+                "$PYTHON" -m maspo_verl.speech.prepare chat-template --tokenizer "$MODEL_PATH" --hydra
             fi ;;
-        *) "$py" -m maspo_verl.speech.prepare chat-template --template-file "$SPEECH_CHAT_TEMPLATE" --hydra ;;
+        *)
+            maspo_require_python
+            "$PYTHON" -m maspo_verl.speech.prepare chat-template --template-file "$SPEECH_CHAT_TEMPLATE" --hydra ;;
     esac
 }
 

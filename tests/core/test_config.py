@@ -10,9 +10,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.main import dry_run
 from maspo_verl.plugin.checks import run_startup_checks as startup_checks
+from maspo_verl.util import preset_names
 from tests.helpers import SMALL, compose_config
 
-PRESETS = ["grpo", "gspo", "maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"]
+PRESETS = preset_names()
 
 
 def actor_policy_loss(cfg):

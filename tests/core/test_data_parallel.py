@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def actor_configs() -> dict[tuple[str, str], object]:
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    from tests.helpers import compose_config
+    from tests.helpers import BYTE_VOCABULARY, compose_config
 
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
     configs = {}
@@ -87,6 +88,9 @@ def actor_configs() -> dict[tuple[str, str], object]:
             node.policy_loss.codec_size = VOCAB
             node.policy_loss.fsq_levels = [4, 4, 4, 4]
         configs[preset, mode] = omega_conf_to_dataclass(node)
+        if node.policy_loss.get("segment_rule") == "delimiters":
+            # the vocabulary's text, where verl's engine worker puts the actor's tokenizer: byte b is id b
+            configs[preset, mode].model_config = SimpleNamespace(tokenizer=BYTE_VOCABULARY)
     return configs
 
 

@@ -26,12 +26,22 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
-from tests.helpers import compose_config
+from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+from maspo_verl.util import preset_names
+from tests.helpers import BYTE_VOCABULARY, compose_config
 
-PRESETS = ["maspo_fixed", "maspo_logprob", "maspo_tokenval", "ctpo", "pgspo"]
+
+def our_presets() -> list[str]:
+    """Every shipped preset of one of our losses (verl's own, grpo and gspo, are verl's to test)."""
+    loss_mode = {p: compose_config(f"loss={p}").actor_rollout_ref.actor.policy_loss.loss_mode for p in preset_names()}
+    return [p for p, mode in loss_mode.items() if mode in TOKEN_SETS]
+
+
+PRESETS = our_presets()
 VERL_AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-EXAMPLES_PER_PRESET = int(os.environ.get("MASPO_FUZZ_EXAMPLES", 2100))  # x 5 presets = 10,500 cases
+# 10,500 cases in all, shared by the presets
+EXAMPLES_PER_PRESET = int(os.environ.get("MASPO_FUZZ_EXAMPLES", 10_500 // len(PRESETS)))
 
 
 def preset_config(preset: str, agg: str):
@@ -40,7 +50,7 @@ def preset_config(preset: str, agg: str):
     if agg == "seg-mean-token-mean":
         policy_loss["agg_mode"] = agg
     config = actor_config(actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, **policy_loss)
-    if preset == "maspo_tokenval":  # codes 0..255 so that random ids are often in range
+    if any(rule.reads_codec for rule in segment_rules(policy_loss)):  # codes 0..255: random ids often in range
         config = actor_config(
             actor.clip_ratio_low,
             actor.clip_ratio_high,
@@ -86,7 +96,7 @@ def call(preset, agg, mask, old, new, adv, weights, ids, dtype):
     config = config_for(preset, agg)
     lp = new.to(dtype).requires_grad_()
     loss_agg = "seq-mean-token-mean" if agg == "seg-mean-token-mean" else agg
-    with micro_batch_scope({"responses": ids}):
+    with micro_batch_scope({"responses": ids}, BYTE_VOCABULARY):  # ids -50..399: bytes and beyond
         loss, metrics = get_policy_loss_fn(config.policy_loss.loss_mode)(
             old.to(dtype), lp, adv.to(dtype), mask, loss_agg, config, None if weights is None else weights.to(dtype)
         )

@@ -16,7 +16,7 @@ import maspo_verl.plugin  # noqa: F401  (registers our losses, wraps verl's)
 from maspo_verl import inspection
 from maspo_verl.batch import WORD_IDS_KEY, Update, micro_batch_scope, update_scope
 from maspo_verl.config import GranularLossConfig
-from maspo_verl.lab.bench import count_host_syncs, entry_config, make_inputs, preset_entries
+from maspo_verl.lab.bench import VOCABULARY, count_host_syncs, entry_config, make_inputs, preset_entries
 from maspo_verl.plugin import hooks
 from maspo_verl.util import preset_names
 from tests.helpers import actor_config, compose_config
@@ -43,7 +43,7 @@ def call(cfg, inputs, step: int):
     """One loss call (and backward) in verl's update ``step``, micro-batch in scope; returns the metrics."""
     old, new, adv, mask, ids, words = inputs
     lp = new.detach().clone().requires_grad_()
-    with update_scope(Update(step)), micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
+    with update_scope(Update(step)), micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, VOCABULARY):
         loss, metrics = get_policy_loss_fn(cfg.policy_loss.loss_mode)(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
     loss.backward()
     return metrics

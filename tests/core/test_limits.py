@@ -95,6 +95,82 @@ def test_maspo_one_word_per_token_is_verl_vanilla(agg):
     assert ours[2]["actor/pg_clipfrac"] > 0
 
 
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """The local mode's byte-level tokenizer (id b is byte b): "\n" is id 10, "?" id 63, letters their bytes."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from maspo_verl.local.assets import build_tokenizer_json
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(build_tokenizer_json()))
+
+
+def letters(mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random lower-case letters (no default delimiter occurs in them), shaped like ``mask``."""
+    return torch.randint(ord("a"), ord("z") + 1, mask.shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_delimiter_only_at_the_end_is_verl_gspo(agg, per_token, byte_tokenizer):
+    """segment_rule=delimiters (default strings), each response's only delimiter its last token: one segment."""
+    from maspo_verl.batch import micro_batch_scope
+
+    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
+    ids = letters(mask, 5)
+    ids[torch.arange(mask.shape[0]), mask.sum(-1) - 1] = ord("\n")
+    ids[~mask] = ord("\n")  # padding holds delimiters too: it must not count
+    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="delimiters")
+    with micro_batch_scope({"responses": ids}, byte_tokenizer):
+        ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
+    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("strings", [{"delimiters": ["\n", "?"]}, {"delimiters": [], "step_markers": ["\n", "?"]}])
+def test_maspo_every_token_a_delimiter_is_verl_vanilla(agg, strings, byte_tokenizer):
+    """Every token a delimiter (a segment ends after each), or a step marker (one starts at each)."""
+    from maspo_verl.batch import micro_batch_scope
+
+    old, new, adv, mask = random_batch(scale=0.6, seed=1)
+    ids = torch.where(letters(mask, 6) < ord("m"), ord("\n"), ord("?"))
+    with micro_batch_scope({"responses": ids}, byte_tokenizer):
+        ours = loss_and_grad("maspo", actor_config(segment_rule="delimiters", **strings), old, new, adv, mask, agg)
+    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/pg_clipfrac"] > 0
+    assert ours[2]["actor/ratio/segment_len_mean"] == 1.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_maspo_surprisal_quantile_zero_is_verl_gspo(agg, per_token):
+    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
+    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="surprisal", surprisal_quantile=0.0)
+    ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
+    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_maspo_surprisal_quantile_one_is_verl_vanilla(agg):
+    old, new, adv, mask = random_batch(scale=0.6, seed=1)
+    config = actor_config(segment_rule="surprisal", surprisal_quantile=1.0)
+    ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
+    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
+    assert_close(ours[0], verl[0])
+    assert_close(ours[1], verl[1])
+    assert ours[2]["actor/pg_clipfrac"] > 0
+    assert ours[2]["actor/ratio/segment_len_mean"] == 1.0
+
+
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_pgspo_alpha_one_is_verl_gspo(agg):
     old, new, adv, mask = random_batch(scale=0.02, seed=3)

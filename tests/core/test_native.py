@@ -169,7 +169,7 @@ def test_without_a_compiler_the_torch_path_runs_with_a_warning(monkeypatch, tmp_
     monkeypatch.setenv("MASPO_VERL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
-    native._library.cache_clear()
+    native.load_library.cache_clear()
     try:
         assert "no-such-cc" in native.unavailable()
         mask = torch.ones(2, 12, dtype=torch.bool)
@@ -177,24 +177,24 @@ def test_without_a_compiler_the_torch_path_runs_with_a_warning(monkeypatch, tmp_
         config = GranularLossConfig(loss_mode="maspo", segment_rule="logprob", min_segment_len=2)
         with pytest.warns(UserWarning, match="segmentation runs on torch ops: the C path is unavailable"):
             ids = segments.compute_segment_ids(mask, config, old_log_prob=lp)
-        native._library.cache_clear()
+        native.load_library.cache_clear()
         monkeypatch.delenv("CC")
         assert torch.equal(ids, segments.compute_segment_ids(mask, config, old_log_prob=lp))
     finally:
-        native._library.cache_clear()
+        native.load_library.cache_clear()
 
 
 def test_the_library_is_built_once_and_loaded_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("MASPO_VERL_CACHE", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    native._library.cache_clear()
+    native.load_library.cache_clear()
     try:
         assert native.unavailable() is None
         built = list(tmp_path.glob("segment_ids-*.so"))
         assert len(built) == 1 and not list(tmp_path.glob(".*"))  # no half-written file left
         # a second process (a cleared cache) loads the file: it never calls the compiler again
-        native._library.cache_clear()
+        native.load_library.cache_clear()
         monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
         assert native.unavailable() is None
     finally:
-        native._library.cache_clear()
+        native.load_library.cache_clear()

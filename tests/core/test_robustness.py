@@ -6,13 +6,16 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.lab.bench import count_host_syncs
-from tests.helpers import actor_config, random_batch
+from tests.helpers import BYTE_VOCABULARY, actor_config, random_batch
 
 CONFIGS = {
     "maspo_fixed": dict(segment_window=4),
     "maspo_logprob": dict(segment_rule="logprob", logprob_per_sample=True, min_segment_len=2, max_segment_len=6),
     "maspo_tokenval": dict(segment_rule="tokenval", min_segment_len=2),
     "maspo_words": dict(segment_rule="words", min_segment_len=2, max_segment_len=6),
+    # codec ids beyond the byte vocabulary in scope: no delimiter found, max_segment_len cuts
+    "maspo_delimiters": dict(segment_rule="delimiters", min_segment_len=2, max_segment_len=6),
+    "maspo_surprisal": dict(segment_rule="surprisal", surprisal_quantile=0.3, min_segment_len=2),
     "maspo_log_clip_segmean": dict(
         segment_window=3, clip_schedule="log_adaptive", clip_exponent=-0.5, agg_mode="seg-mean-token-mean"
     ),
@@ -33,7 +36,7 @@ def run_config(config, old, new, adv, mask, agg="seq-mean-token-mean"):
     # words of 3 tokens, the first row without words (tokenval fallback)
     words = (torch.arange(mask.numel()).reshape(mask.shape) % mask.shape[1]) // 3
     words[0] = NO_WORD
-    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}):
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, BYTE_VOCABULARY):
         loss, metrics = get_policy_loss_fn(config.policy_loss.loss_mode)(old, new, adv, mask, agg, config)
     loss.backward()
     return loss, new.grad, metrics

@@ -14,8 +14,10 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 
 from maspo_verl import plugin
+from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.plugin import checks, hooks
+from maspo_verl.token_sets import TOKEN_SETS
 from tests.helpers import actor_config, compose_config
 
 OFFSET = 128264
@@ -161,6 +163,22 @@ def test_tokenval_ids_reach_the_loss_through_verls_real_ppo_loss():
     assert log_probs.grad is not None
 
 
+def test_the_actors_tokenizer_reaches_the_delimiters_rule_through_verls_real_ppo_loss(tmp_path):
+    """verl's engine worker attaches its ``HFModelConfig`` (the loaded tokenizer included) to the actor
+    config that ppo_loss receives; the hook hands that tokenizer to the loss. Byte-level ids here."""
+    import verl.workers.utils.losses as verl_losses
+    from verl.workers.config import HFModelConfig
+
+    from maspo_verl.local.assets import ensure_assets
+
+    config = actor_config(segment_rule="delimiters")
+    config.model_config = HFModelConfig(path=ensure_assets(cache_dir=tmp_path)["model"])
+    # "Yes." " No!\n" "ok": ". " across two tokens, "\n" inside one; "a.b": no delimiter
+    data, log_probs, _ = v1_micro_batch([list(b"Yes. No!\nok"), list(b"a.b")], prompt_lens=[3, 2])
+    _, metrics = verl_losses.ppo_loss(config, {"log_probs": log_probs}, data)
+    assert metrics["actor/ratio/segments_per_seq"].aggregate() == pytest.approx((3 + 1) / 2)
+
+
 def test_tokenval_outside_ppo_loss_says_how_to_fix_it():
     old = torch.zeros(1, 4)
     with pytest.raises(RuntimeError, match="no verl micro-batch is in scope"):
@@ -209,7 +227,5 @@ def test_hook_install_is_idempotent(restore_hook):
     first = restore_hook.ppo_loss
     assert hooks.install_ppo_loss_hook() is None
     assert restore_hook.ppo_loss is first
-    assert plugin.registered() == {
-        "policy_losses": ["maspo", "ctpo", "pgspo"],
-        "advantage_estimators": ["maspo_span_grpo"],
-    }
+    assert plugin.registered() == {"policy_losses": list(TOKEN_SETS), "advantage_estimators": [SPAN_GRPO]}
+    assert {"maspo", "ctpo", "pgspo"} <= set(TOKEN_SETS)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.math.conftest import LOCAL_SPECS, REPO
+from tests.helpers import REPO
+from tests.math.fixtures import LOCAL_SPECS
 
 pytestmark = pytest.mark.e2e
 

@@ -1,12 +1,11 @@
 """The three lab commands run end to end on tiny settings and leave their outputs."""
 
 import csv
-from pathlib import Path
+
+import pytest
 
 from maspo_verl.lab.__main__ import main
 from maspo_verl.util import preset_names
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_estimators_command(tmp_path):
@@ -76,7 +75,7 @@ def test_bench_command(tmp_path):
 
 
 def test_steptime_reads_verl_console_lines():
-    from maspo_verl.lab import steptime
+    from maspo_verl.lab import bench, steptime
 
     log = (
         "step:1 - actor/pg_loss:0.5 - timing_s/gen:3.0 - timing_s/step:20.0\n"
@@ -86,6 +85,35 @@ def test_steptime_reads_verl_console_lines():
     assert steptime.step_times(log) == {1: 20.0, 2: 2.0, 3: 4.0}
     rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in steptime.step_times(log).items()]
     rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in steptime.step_times(log).items()]
-    table = {r["preset"]: r for r in steptime.summarise(rows, "grpo")}
+    table = {r["preset"]: r for r in bench.summarise_steps(rows, "grpo")}
     assert table["grpo"]["median_s"] == 3.0 and table["grpo"]["steps"] == 2  # step 1 left out
     assert table["ctpo"]["x_grpo_median"] == 2.0 and table["ctpo"]["x_grpo_min"] == 2.0
+
+
+TINY_BENCH = ["--B", "4", "--T", "64", "--reps", "1", "--warmup", "0", "--no-profile", "--only", "grpo"]
+
+
+def test_default_output_is_a_scratch_folder(tmp_path, monkeypatch, capsys):
+    """Without --out or --update-docs nothing committed is touched: the results go to outputs/lab/<command>/."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs" / "results" / "bench").mkdir(parents=True)
+    main(["bench", *TINY_BENCH])
+    out = tmp_path / "outputs" / "lab" / "bench"
+    assert (out / "bench.csv").exists()
+    assert (out / "COMMAND.txt").read_text().startswith("python -m maspo_verl.lab bench --B 4 ")
+    assert not any((tmp_path / "docs" / "results" / "bench").iterdir())
+    assert capsys.readouterr().out.strip().endswith(f"results: {out}/")
+
+
+def test_update_docs_writes_the_committed_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:  # not a checkout's root: no docs/results/ here
+        main(["bench", "--update-docs", *TINY_BENCH])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):  # one destination only
+        main(["bench", "--update-docs", "--out", str(tmp_path / "x"), *TINY_BENCH])
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    main(["bench", "--update-docs", *TINY_BENCH])
+    command = (tmp_path / "docs" / "results" / "bench" / "COMMAND.txt").read_text().splitlines()[0]
+    assert command == "python -m maspo_verl.lab bench --update-docs " + " ".join(TINY_BENCH)
+    assert not (tmp_path / "outputs").exists()

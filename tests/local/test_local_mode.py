@@ -111,10 +111,10 @@ def test_feature_guard_checks_the_process_group_signature(monkeypatch):
 
 
 def test_dedup_backend():
-    assert local._dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
-    assert local._dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
-    assert local._dedup_backend("gloo") == "gloo"
-    assert local._dedup_backend(None) is None
+    assert local.dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert local.dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert local.dedup_backend("gloo") == "gloo"
+    assert local.dedup_backend(None) is None
 
 
 def test_activate_registers(monkeypatch):

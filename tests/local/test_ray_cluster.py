@@ -17,8 +17,7 @@ from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
 from maspo_verl import local
 from maspo_verl.local import ray_cluster
-from tests.helpers import compose_config
-from tests.math.conftest import run_script
+from tests.helpers import compose_config, run_script
 
 USER_PATHS = [
     "actor_rollout_ref.model.path=/models/tiny",

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-LOCAL_SPECS = [
-    f"gsm8k:train={FIXTURES / 'gsm8k_train.jsonl'}",
-    f"gsm8k:test={FIXTURES / 'gsm8k_test.jsonl'}",
-    f"math={FIXTURES / 'math_train.jsonl'}",
-    f"math500={FIXTURES / 'math500_test.jsonl'}",
-    f"dapo17k={FIXTURES / 'dapo17k_train.jsonl'}",
-    f"aime24={FIXTURES / 'aime24_test.json'}",
-    f"aime25={FIXTURES / 'aime25_test.jsonl'}",
-]
+from tests.helpers import compose_config
+from tests.math.fixtures import LOCAL_SPECS
 
 
 def require_math_verify() -> None:
@@ -29,7 +17,7 @@ def require_math_verify() -> None:
     try:
         import math_verify  # noqa: F401
     except ImportError:
-        pytest.fail("math-verify is not installed: pip install 'maspo-verl[math]' (or 'math-verify[antlr4_9_3]')")
+        pytest.fail("math-verify is not installed: pip install -e '.[math]' (or 'math-verify[antlr4_9_3]')")
 
 
 @pytest.fixture(scope="session")
@@ -43,27 +31,6 @@ def prepared_dir(tmp_path_factory) -> Path:
         argv += ["--local", spec]
     assert prepare.main(argv) == 0
     return out
-
-
-def script_env(**extra: str) -> dict[str, str]:
-    """The environment for a recipe script: this interpreter as python3, nothing inherited that steers it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_", "LOSS"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHON"] = sys.executable
-    env["HOME"] = env.get("HOME", "/root")
-    env.update(extra)
-    return env
-
-
-def run_script(script: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(REPO / script), *args],
-        cwd=REPO,
-        env=script_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def loss_section(stdout: str) -> dict:
@@ -83,6 +50,4 @@ def dry_run_command(stdout: str) -> tuple[str, list[str]]:
 
 
 def compose(config_name: str, overrides: list[str]):
-    from tests.helpers import compose_config
-
     return compose_config(*overrides, config_name=config_name)

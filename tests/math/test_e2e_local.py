@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.math.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from maspo_verl.math import prepare
-from tests.math.conftest import FIXTURES
+from tests.math.fixtures import FIXTURES
 
 EXPECTED = {  # output file -> ground truths, in order
     "gsm8k_train.parquet": ["7", "2000"],  # "#### 2,000" -> 2000; the row without #### is dropped

@@ -9,13 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.math.conftest import REPO, compose, dry_run_command, loss_section, run_script
+from tests.helpers import REPO, run_script
+from tests.math.conftest import compose, dry_run_command, loss_section
 
 SCRIPTS = {
     "grpo": ("recipes/math/run_grpo.sh", {}),
     "gspo": ("recipes/math/run_gspo.sh", {}),
     "ctpo_la": ("recipes/math/run_ctpo_la.sh", {}),
     "megatron": ("recipes/math/run_megatron.sh", {}),
+    "maspo_steps": ("recipes/math/run_maspo_steps.sh", {}),
+    "maspo_surprisal": ("recipes/math/run_maspo_surprisal.sh", {}),
 }
 # the generic script with every knob moved off its default
 CUSTOM = (
@@ -92,6 +95,24 @@ def test_ctpo_la(dry_runs):
         0.5,
     )
     assert section["bypass_mode"] is True
+
+
+def test_maspo_steps(dry_runs):
+    """The dry run opens no model: the delimiters are resolved against MODEL_PATH's tokenizer at launch."""
+    out = _ok(dry_runs["maspo_steps"])
+    pl = loss_section(out)["policy_loss"]
+    assert (pl["loss_mode"], pl["segment_rule"]) == ("maspo", "delimiters")
+    assert pl["delimiters"] == ["\n\n", "\n", ". ", "? ", "! "] and pl["step_markers"] == []
+    assert (pl["min_segment_len"], pl["max_segment_len"]) == (3, 100)
+    assert "resolves its strings against Qwen/Qwen2.5-Math-1.5B's tokenizer at launch" in out
+    assert loss_section(out)["bypass_mode"] is True
+
+
+def test_maspo_surprisal(dry_runs):
+    section = loss_section(_ok(dry_runs["maspo_surprisal"]))
+    pl = section["policy_loss"]
+    assert (pl["loss_mode"], pl["segment_rule"], pl["surprisal_quantile"]) == ("maspo", "surprisal", 0.2)
+    assert section["bypass_mode"] is True  # surprisal from the engine's log-probs
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "ctpo_la"])

@@ -116,7 +116,7 @@ def test_grading_off_the_main_thread(monkeypatch):
     import maspo_verl.math.reward as reward
 
     monkeypatch.setattr(reward, "POOL_WORKERS", 1)
-    reward._reset_pool()
+    reward.reset_pool()
     cases = [("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("\\boxed{1/2}", "\\frac12", 1.0), ("\\boxed{3}", "0.5", 0.0)]
     results: dict[int, float] = {}
 
@@ -130,5 +130,5 @@ def test_grading_off_the_main_thread(monkeypatch):
         for t in threads:
             t.join(timeout=240)
     finally:
-        reward._reset_pool()
+        reward.reset_pool()
     assert results == {i: expected for i, (_, _, expected) in enumerate(cases)}

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import compose_config
+from tests.helpers import REPO, compose_config
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {
     "maspo_fixed": "recipes/speech/run_maspo_fixed.sh",
     "maspo_logprob": "recipes/speech/run_maspo_logprob.sh",

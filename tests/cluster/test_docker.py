@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.math.conftest import REPO
+from tests.helpers import REPO
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 
@@ -47,9 +47,23 @@ def test_no_model_or_data_download_at_build_time():
 
 
 def test_dockerignore_keeps_checkout_lean():
+    import fnmatch
+
     ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
-    for entry in (".git", ".venv", "data", "checkpoints"):
-        assert entry in ignore
+    for entry in (".git", ".venv", ".venv-verl090", ".venv-verlmain", "data", "checkpoints"):
+        assert any(fnmatch.fnmatch(entry, pattern) for pattern in ignore), entry
+
+
+def test_copies_what_the_install_reads():
+    """`pip install .` in the image reads pyproject.toml, its license files and every package folder it maps."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    needed = {"pyproject.toml", *pyproject["project"]["license-files"], *setuptools["package-dir"].values()}
+    needed |= {p.split(".")[0] for p in setuptools["packages"] if p.split(".")[0] not in setuptools["package-dir"]}
+    copied = {src for line in _instructions() if line.upper().startswith("COPY ") for src in line.split()[1:-1]}
+    assert needed <= copied, sorted(needed - copied)
 
 
 def test_hadolint_clean():

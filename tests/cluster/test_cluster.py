@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 
 import pytest
 
-from tests.math.conftest import REPO, run_script, script_env
+from tests.helpers import REPO, run_script, script_env
 
 
 def _field(stdout: str, name: str) -> str:
@@ -36,7 +37,7 @@ def test_ray_submit_dry_run():
     assert runtime_env == json.loads(_field(out.stdout, "runtime_env"))
     assert runtime_env["working_dir"] == str(REPO)
     assert runtime_env["pip"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}[math]"]  # our package, every node
-    assert ".venv" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]
+    assert ".venv*" in runtime_env["excludes"] and ".git" in runtime_env["excludes"]  # every venv, git data
     assert runtime_env["env_vars"]["WANDB_MODE"] == "offline"
     # nothing verl or the local mode sets itself: Ray refuses a ray.init naming a job's variable
     assert not {"TOKENIZERS_PARALLELISM", "NCCL_DEBUG"} & set(runtime_env["env_vars"])
@@ -126,6 +127,16 @@ def test_cluster_docs_give_the_commands_ci_runs(doc):
         "ray job submit -- python -m maspo_verl.main local=cpu loss=maspo_fixed",
         "bash recipes/cluster/ray_submit.sh local=cpu",
     ]
+    if doc == "README.md":  # the full ray_submit.sh command (the knobs that shrink the recipe): the cluster README
+        order[-1] = "ray_submit.sh: recipes/cluster/README.md"
     positions = [text.find(command) for command in order]
     assert -1 not in positions, [c for c, p in zip(order, positions, strict=True) if p == -1]
     assert positions == sorted(positions), positions
+
+
+def test_ray_submit_without_ray_says_what_to_do(tmp_path):
+    """No `ray` on PATH (the venv not activated): a clear message instead of `command not found`."""
+    (tmp_path / "python3").symlink_to(sys.executable)  # the script's own python3 (stdlib only), and no ray
+    out = run_script("recipes/cluster/ray_submit.sh", PATH=f"{tmp_path}:/usr/bin:/bin", PIP_SPEC="")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no `ray` on PATH" in out.stderr and "source .venv/bin/activate" in out.stderr, out.stderr

@@ -1,0 +1,229 @@
+"""The docs run as written and agree with the code.
+
+- no merge-conflict markers in any tracked text file;
+- the documented CPU commands (each recipe's dry run, `check`, the lab's `--help`, a composed dry run, bad
+  overrides), taken from the Markdown files themselves, run as printed in a fresh shell: an empty HOME and
+  cache, no venv on PATH, then the README's activation line;
+- the README's field table holds the values the presets compose to (tests/docs_table.py);
+- the README, the results README and the lab CLI list the same lab commands.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import docs_table
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted(ROOT.glob("recipes/*/README.md")), ROOT / "docker" / "README.md"]
+RECIPE_READMES = sorted(ROOT.glob("recipes/*/README.md"))
+
+
+# ---- merge-conflict markers ------------------------------------------------------------------------------------
+
+
+def conflict_markers(text: str) -> list[int]:
+    """1-based lines of conflict markers: `<<<<<<< x` / `>>>>>>> x` anywhere, `=======` between them."""
+    found, inside = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if re.match(r"(<<<<<<<|>>>>>>>)( |$)", line):
+            found.append(number)
+            inside = line.startswith("<")
+        elif inside and line == "=======":
+            found.append(number)
+    return found
+
+
+def test_conflict_marker_detection():
+    sample = "a\n<<<<<<< HEAD\nours\n=======\ntheirs\n>>>>>>> words\nTitle\n=======\n"
+    assert conflict_markers(sample) == [2, 4, 6]  # the heading underline outside a block is no marker
+    assert conflict_markers("x = 1\n<<<<<<<<<< not one\n") == []
+
+
+def test_no_conflict_markers_in_tracked_files():
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    bad = {}
+    for name in filter(None, listed.stdout.split("\0")):
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary
+        lines = conflict_markers(data.decode("utf-8", errors="replace"))
+        if lines:
+            bad[name] = lines
+    assert not bad, f"merge-conflict markers (file: lines): {bad}"
+
+
+# ---- documented commands, run as printed ------------------------------------------------------------------------
+
+
+def bash_blocks(path: Path) -> list[tuple[int, str]]:
+    """(first line number, text) of each ```bash block."""
+    text = path.read_text()
+    blocks = re.finditer(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in blocks]
+
+
+def commands(path: Path) -> list[tuple[str, str]]:
+    """(where, command) of every command in the file's bash blocks, continuation lines joined."""
+    out = []
+    for first, block in bash_blocks(path):
+        lines = block.splitlines()
+        i = 0
+        while i < len(lines):
+            start, command = i, lines[i]
+            while command.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                command = command[:-1] + " " + lines[i].strip()
+            if command.strip() and not command.lstrip().startswith("#"):
+                out.append((f"{path.relative_to(ROOT)}:{first + start}", command.strip()))
+            i += 1
+    return out
+
+
+def kind(command: str) -> str | None:
+    """Which kind of documented CPU command this is (None: not one these tests run)."""
+    if "# fails: " in command:
+        return "bad override"
+    if command.startswith("DRY_RUN=1 "):
+        return "recipe dry run"
+    if "maspo.dry_run=true" in command:
+        return "dry run"
+    if command.split("#")[0].split() == ["python", "-m", "maspo_verl", "check"]:
+        return "check"
+    if command.startswith("python -m maspo_verl.lab") and "--help" in command.split("#")[0]:
+        return "lab help"
+    return None
+
+
+def documented() -> list[tuple[str, str, str]]:
+    seen, out = set(), []
+    for path in DOCS:
+        for where, command in commands(path):
+            k, key = kind(command), re.sub(r"\s+#.*$", "", command)
+            if k and key not in seen:
+                seen.add(key)
+                out.append((where, k, command))
+    return out
+
+
+def activation() -> str:
+    """The README's activation line: the block right after its two top (set-up) commands."""
+    blocks = [block.strip() for _, block in bash_blocks(README)]
+    assert blocks[2].startswith("source ") and "activate" in blocks[2], blocks[2]
+    return blocks[2]
+
+
+def test_every_kind_is_documented():
+    found = {(where.split(":")[0], k) for where, k, _ in documented()}
+    for path in RECIPE_READMES:
+        assert (str(path.relative_to(ROOT)), "recipe dry run") in found, f"{path}: no `DRY_RUN=1 bash ...` command"
+    for k in ("check", "lab help", "dry run", "bad override"):
+        assert ("README.md", k) in found, f"README.md shows no {k} command"
+    assert activation() == "source .venv/bin/activate"
+
+
+def fresh_env(tmp_path: Path) -> dict:
+    """A new login's environment: empty HOME and cache, PATH without any venv, nothing project-specific."""
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and not Path(p, "..", "pyvenv.cfg").exists()]
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    return {"HOME": str(home), "MASPO_VERL_CACHE": str(cache), "PATH": os.pathsep.join(path), "LANG": "C.UTF-8"}
+
+
+@pytest.fixture(scope="module")
+def venv_python():
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv here: bash .ci/setup makes it")
+    return python
+
+
+@pytest.mark.parametrize(("where", "kind_", "command"), documented(), ids=[f"{w} {k}" for w, k, _ in documented()])
+def test_documented_command_runs_as_printed(where, kind_, command, tmp_path, venv_python):
+    script = f"{activation()}\n{command}\n"
+    t0 = time.monotonic()
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=fresh_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    seconds, output = time.monotonic() - t0, run.stdout + run.stderr
+    shown = f"{where}: {command}\nrc={run.returncode} after {seconds:.0f} s\n{output[-3000:]}"
+    if kind_ == "bad override":
+        assert run.returncode != 0, shown
+        expected = command.split("# fails: ", 1)[1].strip()
+        assert expected in output, f"the error does not say {expected!r}\n{shown}"
+        assert seconds < 60, f"fails only after {seconds:.0f} s\n{shown}"
+        return
+    assert run.returncode == 0, shown
+    if kind_ == "recipe dry run":
+        assert "DRY_RUN=1" in output, shown
+    elif kind_ == "dry run":
+        assert re.search(r"^\s*loss_mode: \w+", output, re.M), shown
+    elif kind_ == "check":
+        assert '"ok": true' in run.stdout, shown
+    elif kind_ == "lab help":
+        assert "usage: python -m maspo_verl.lab" in run.stdout, shown
+
+
+@pytest.fixture
+def bare_python(tmp_path):
+    """An interpreter with nothing installed (as a fresh shell without the venv has)."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, capture_output=True)
+    return bare / "bin" / "python"
+
+
+def test_recipe_without_the_package_says_what_to_do(tmp_path, bare_python):
+    """A recipe run by an interpreter that lacks the package stops before doing anything, naming the fix."""
+    env = {**fresh_env(tmp_path), "PYTHON": str(bare_python), "DRY_RUN": "1"}
+    run = subprocess.run(["bash", str(ROOT / "recipes" / "math" / "run_gspo.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "lacks maspo_verl hydra verl" in run.stderr and "source .venv/bin/activate" in run.stderr, run.stderr
+    assert "command:" not in run.stdout  # stopped before launching
+
+
+def test_lab_without_its_dependencies_says_what_to_do(tmp_path, bare_python):
+    """From the checkout's root the package itself imports; the lab names what is missing before any work."""
+    run = subprocess.run([str(bare_python), "-m", "maspo_verl.lab", "race"], cwd=ROOT, env=fresh_env(tmp_path),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "lacks torch, verl, hydra, matplotlib" in run.stderr and "source .venv/bin/activate" in run.stderr
+
+
+# ---- docs that agree with the code ------------------------------------------------------------------------------
+
+
+def test_field_table_matches_the_presets():
+    text = README.read_text()
+    assert text == docs_table.updated(text), "README.md's field table is out of date: python -m tests.docs_table"
+
+
+def test_field_table_covers_every_field():
+    lines = README.read_text().split("\n")
+    start, end = docs_table.table_span(lines)
+    documented_ = docs_table.documented_fields(lines[start:end])
+    assert documented_ == docs_table.policy_loss_fields(), documented_ ^ docs_table.policy_loss_fields()
+
+
+def lab_commands(path: Path) -> set[str]:
+    return {m for _, block in bash_blocks(path) for m in re.findall(r"python -m maspo_verl\.lab ([a-z]\w*)", block)}
+
+
+def test_readmes_and_cli_list_the_same_lab_commands():
+    from maspo_verl.lab.__main__ import COMMANDS
+
+    cli = {name for name, _ in COMMANDS}
+    assert lab_commands(README) == cli
+    assert lab_commands(ROOT / "docs" / "results" / "README.md") == cli
