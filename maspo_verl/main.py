@@ -3,7 +3,8 @@
 Composes ``hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
 runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry.
 
-- ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then.
+- ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then: a short
+  console log, the run's metrics and whole log in its run folder, a closing block at the end.
 - ``maspo.dry_run=true`` stops after verl's own config validation and prints the resolved
   policy-loss section: no Ray, no GPU.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from maspo_verl.batch_sizes import check_batch_sizes
 from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.util import config_dir
 
@@ -50,18 +52,33 @@ def dry_run(config: DictConfig) -> dict:
 
 
 def run(config: DictConfig) -> None:
-    """Optional local mode, start-up checks, then verl's main_ppo body (or the dry run). The local mode
-    fills in its model and data first, so the checks see the config that runs (e.g. the tokenizer that
-    ``segment_rule=delimiters`` resolves its strings against)."""
+    """Batch-size checks, the local mode's preparation, start-up checks, then verl's main_ppo body (or
+    the dry run). The local mode fills in its model and data before the start-up checks, so they see
+    the config that runs (e.g. the tokenizer that ``segment_rule=delimiters`` resolves its strings
+    against); a local run's console, run folder and Ray temp dirs are the session's."""
     maspo = config.get("maspo", {}) or {}
-    if maspo.get("local"):
-        from maspo_verl.local import prepare
+    check_batch_sizes(config)
+    if not maspo.get("local"):
+        run_startup_checks(config)
+        if maspo.get("dry_run"):
+            dry_run(config)
+        else:
+            _verl_main(config)
+        return
+    from maspo_verl import local
 
-        prepare(config)
-    run_startup_checks(config)
     if maspo.get("dry_run"):
+        local.prepare(config)
+        run_startup_checks(config)
         dry_run(config)
         return
+    with local.session(config):
+        local.prepare(config)  # before verl's trainer module: it picks the platform on import
+        run_startup_checks(config)
+        _verl_main(config)
+
+
+def _verl_main(config: DictConfig) -> None:
     from verl.trainer.main_ppo import main as verl_main
 
     verl_main.__wrapped__(config)  # the function under verl's @hydra.main

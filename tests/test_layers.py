@@ -32,6 +32,7 @@ CORE = {
     "fsq",
     "inspection",
     "vocab",
+    "batch_sizes",
 }
 # what each part may import from the package, besides itself (ARCHITECTURE: core <- plugin <- recipes and tools)
 ALLOWED = {

@@ -11,11 +11,15 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   ``maspo_verl.local.autoload``, when ``MASPO_VERL_LOCAL`` is set): registers the ``cpu`` platform,
   the ``hf`` rollout (replica + adapter) and de-duplicates the process-group backend string. These
   work around checks hard-coded in verl; each verl attribute they rely on is checked first
-  (``missing_features``), and the mode is refused with the list of what is missing.
+  (``missing_features``), and the mode is refused with the list of what is missing. It also installs
+  the short console (``run_log``).
+- ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
+  output in the run folder, the closing block, and the private Ray cluster's temp dir removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -37,6 +41,12 @@ LOCAL_ENV = {
 }
 
 _activated = False
+# temp dirs of private Ray clusters this process started (removed by the session)
+CREATED_TEMP_DIRS: list[str] = []
+# what a run adds to LOCAL_ENV where the user has not set it (_run_env)
+RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
+# the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
+LOG_SETTINGS = ("quiet", "print_config")
 
 
 # verl attributes the local mode relies on: (module, attribute path)
@@ -146,6 +156,9 @@ def activate() -> None:
     if problem:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
     _unpin_fsdp2_offload()
+    from maspo_verl.local.run_log import install_worker_hooks
+
+    install_worker_hooks()
     _activated = True
 
 
@@ -170,17 +183,53 @@ def _is_unset(value) -> bool:
     return value is None or (isinstance(value, str) and value.strip() in ("", "null", "None"))
 
 
-def prepare(config) -> dict:
-    """Fill in the local mode's paths, environment and overrides on the composed (mutable) config."""
-    from omegaconf import open_dict
+def check_settings(config) -> str:
+    """The local mode named by ``maspo.local`` (ValueError if unknown); FieldError for a bad log setting."""
+    from maspo_verl.validation import check_bool
 
     mode = str(config.maspo.local).lower()
     if mode not in LOCAL_MODES:
         raise ValueError(f"maspo.local={config.maspo.local!r}: supported local modes are {LOCAL_MODES}")
+    for key in LOG_SETTINGS:
+        if key in config.maspo:
+            check_bool(f"maspo.{key}", config.maspo[key])
+    return mode
+
+
+@contextlib.contextmanager
+def session(config):
+    """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``)."""
+    from maspo_verl.local.run_log import session as run_session
+
+    check_settings(config)
+    with run_session(config, CREATED_TEMP_DIRS):
+        yield
+
+
+def _run_env(config) -> dict[str, str]:
+    """Environment of a run, on top of ``LOCAL_ENV``, unless the user set it: TransferQueue's thread
+    count within the physical cores (it warns in every process otherwise), the tracking backends'
+    files in the run folder."""
+    import psutil
+
+    from maspo_verl.local.run_log import tracking_env
+
+    env = tracking_env(config)
+    if not os.environ.get("TQ_NUM_THREADS"):
+        env["TQ_NUM_THREADS"] = str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1))
+    return env
+
+
+def prepare(config) -> dict:
+    """Fill in the local mode's paths, environment and overrides on the composed (mutable) config."""
+    from omegaconf import open_dict
+
+    mode = check_settings(config)
     check_verl_features()
     from maspo_verl.local import ray_cluster
 
-    env = ray_cluster.local_env(LOCAL_ENV, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
+    # what a Ray job sets, it keeps
+    env = ray_cluster.local_env({**LOCAL_ENV, **_run_env(config)}, ray_cluster.job_env_vars())
     os.environ.update(env)
     activate()
 
@@ -216,9 +265,13 @@ def prepare(config) -> dict:
         if address is None:
             _fit_private_cluster(config)
     ray_init = config.ray_kwargs.ray_init
+    from maspo_verl.local.run_log import run_dir, shown_path
+
+    folder = "" if config.maspo.get("dry_run") else f" run_folder={shown_path(run_dir())}"
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
-        f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}",
+        f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
+        f"{folder}",
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
@@ -234,7 +287,9 @@ def _fit_private_cluster(config) -> None:
 
 
 def _private_temp_dir() -> str:
-    return tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
+    folder = tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
+    CREATED_TEMP_DIRS.append(folder)
+    return folder
 
 
 def _fit_tokenval_to_embedded(policy_loss) -> None:

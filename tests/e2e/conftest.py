@@ -1,14 +1,19 @@
 """e2e fixtures: run ``python -m maspo_verl.main local=cpu ...`` in a subprocess and read verl's step metrics.
 
 The trainer starts its own private Ray cluster (``address: local``) in a temp dir unique to the
-run; afterwards every process of that run is stopped: the process group of the trainer, then any
+run (ours, or with ``own_ray_dir=False`` the one the local mode creates and removes itself);
+afterwards every process of that run is stopped: the process group of the trainer, then any
 process whose command line names the run's Ray temp dir (raylet, GCS, workers). Nothing outside
 that run is touched, so other Ray clusters on the machine survive.
+
+The run folder (``hydra.run.dir``) is in the test's tmp dir; the step metrics are read from the
+``file`` logger's ``metrics.jsonl`` there (every metric), else from the console's step lines.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +27,9 @@ import pytest
 
 # verl's step-line parser and the process-group/Ray-cluster stopper are the lab's (``lab learn``)
 from maspo_verl.lab.learn import ANSI, STEP_LINE, parse_steps, stop_run  # noqa: F401
+from maspo_verl.local.run_log import read_metrics
+
+RAY_TEMP_DIR = re.compile(r"ray_temp_dir=(\S+)")
 
 
 @dataclass
@@ -32,9 +40,23 @@ class LocalRun:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     # seconds since launch at which the trainer log showed each milestone (see MILESTONES)
     milestones: dict[str, float] = field(default_factory=dict)
+    run_dir: Path | None = None  # hydra.run.dir: metrics.jsonl, run.log
+    ray_dir: str | None = None  # the run's Ray temp dir
+    ray_dir_left: bool = False  # whether it still existed when the trainer had exited
 
     def tail(self, n: int = 120) -> str:
         return "\n".join(self.log.splitlines()[-n:])
+
+    @property
+    def config_text(self) -> str:
+        """The composed config as Hydra saved it in the run folder."""
+        return (self.run_dir / ".hydra" / "config.yaml").read_text()
+
+    @property
+    def full_log(self) -> str:
+        """Everything the trainer printed, the lines the short console leaves out included (run.log)."""
+        path = self.run_dir / "run.log"
+        return path.read_text(errors="replace") if path.is_file() else self.log
 
 
 def manager_overrides(module: Path, name: str) -> list[str]:
@@ -48,8 +70,16 @@ def manager_overrides(module: Path, name: str) -> list[str]:
     ]
 
 
-def run_local(overrides: list[str], log_path: Path, timeout_s: float = 420, cache_dir: str | None = None) -> LocalRun:
-    ray_dir = tempfile.mkdtemp(prefix="mvl_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
+def run_local(
+    overrides: list[str],
+    log_path: Path,
+    timeout_s: float = 420,
+    cache_dir: str | None = None,
+    own_ray_dir: bool = True,
+) -> LocalRun:
+    # short: Ray's socket paths are length-limited
+    ray_dir = tempfile.mkdtemp(prefix="mvl_ray_", dir="/tmp") if own_ray_dir else None
+    run_dir = log_path.parent / f"{log_path.stem}_run"
     # a private cluster: no address for the local mode to join
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -61,7 +91,8 @@ def run_local(overrides: list[str], log_path: Path, timeout_s: float = 420, cach
         "-m",
         "maspo_verl.main",
         "local=cpu",
-        f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
+        f"hydra.run.dir={run_dir}",
+        *([f"+ray_kwargs.ray_init._temp_dir={ray_dir}"] if ray_dir else []),
         *overrides,
     ]
     start = time.monotonic()
@@ -76,16 +107,32 @@ def run_local(overrides: list[str], log_path: Path, timeout_s: float = 420, cach
         returncode = None
     finally:
         milestones["exit"] = time.monotonic() - start
-        stop_run(proc, ray_dir)
+        if ray_dir is None:  # the one the local mode named in its start line (read long before the exit)
+            named = RAY_TEMP_DIR.search(log_path.read_text(errors="replace"))
+            ray_dir = named.group(1) if named else None
+        left = ray_dir is not None and os.path.exists(ray_dir)
+        if ray_dir is not None:
+            stop_run(proc, ray_dir)
         reader.join(timeout=15)
-        shutil.rmtree(ray_dir, ignore_errors=True)
+        if ray_dir is not None:
+            shutil.rmtree(ray_dir, ignore_errors=True)
     wall = time.monotonic() - start
     log = log_path.read_text(errors="replace")
-    return LocalRun(returncode=returncode, log=log, wall_s=wall, steps=parse_steps(log), milestones=milestones)
+    steps = read_metrics(run_dir / "metrics.jsonl") or parse_steps(log)
+    return LocalRun(
+        returncode=returncode,
+        log=log,
+        wall_s=wall,
+        steps=steps,
+        milestones=milestones,
+        run_dir=run_dir,
+        ray_dir=ray_dir,
+        ray_dir_left=left,
+    )
 
 
 MILESTONES = {
-    "ray_init": "ray init kwargs:",  # driver composed + validated the config, Ray starts now
+    "ray_init": "maspo_verl local=",  # driver composed + validated the config, Ray starts now
     "ray_started": "Started a local Ray instance",
     "workers_ready": "reward loop manager initialized",
     "training_done": "Final validation metrics",
@@ -119,7 +166,12 @@ def local_cache_dir(tmp_path_factory):
 def local_run(tmp_path, local_cache_dir):
     """``local_run(overrides, timeout_s=...) -> LocalRun``; the trainer log is kept in tmp_path."""
 
-    def _run(overrides: list[str], timeout_s: float = 480) -> LocalRun:
-        return run_local(overrides, tmp_path / "trainer.log", timeout_s=timeout_s, cache_dir=local_cache_dir)
+    def _run(overrides: list[str], timeout_s: float = 480, own_ray_dir: bool = True) -> LocalRun:
+        log = tmp_path / "trainer.log"
+        for i in range(1, 100):  # a test may run the trainer more than once
+            if not log.exists():
+                break
+            log = tmp_path / f"trainer{i}.log"
+        return run_local(overrides, log, timeout_s=timeout_s, cache_dir=local_cache_dir, own_ray_dir=own_ray_dir)
 
     return _run

@@ -8,11 +8,13 @@ and toy data, and checks verl's logged step metrics (not just the exit code). ~1
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import manager_overrides
+from maspo_verl.local.run_log import STEP_KEYS, read_metrics
+from tests.e2e.conftest import manager_overrides, parse_steps
 
 pytestmark = pytest.mark.e2e
 
@@ -26,8 +28,8 @@ COMMON = [
 ]
 
 
-def _run(local_run, overrides: list[str]):
-    run = local_run(COMMON + overrides)
+def _run(local_run, overrides: list[str], **kwargs):
+    run = local_run(COMMON + overrides, **kwargs)
     step_times = [m.get("timing_s/step", 0.0) for _, m in sorted(run.steps.items())]
     ms = {k: round(v, 1) for k, v in run.milestones.items()}
     print(
@@ -61,16 +63,56 @@ def _check_common(run) -> None:
 
 
 def test_maspo_fixed_v1(local_run):
-    """Fixed windows W=4 on 32-token responses: exactly 8 segments of 4 tokens per sequence."""
+    """Fixed windows W=4 on 32-token responses: exactly 8 segments of 4 tokens per sequence. The run as
+    the README shows it (the local mode's own Ray temp dir): a short log that ends with the closing block."""
     window = 4
-    run = _run(local_run, ["loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.segment_window={window}"])
+    run = _run(
+        local_run,
+        ["loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.segment_window={window}"],
+        own_ray_dir=False,
+    )
     _check_common(run)
+    _check_readable_log(run)
     for step, metrics in run.steps.items():
         context = f"step {step}\n--- trainer log tail ---\n{run.tail()}"
         assert metrics["actor/ratio/segment_len_mean"] == pytest.approx(window, abs=1e-4), context
         assert metrics["actor/ratio/segments_per_seq"] == pytest.approx(RESPONSE_LEN / window, abs=1e-4), context
         # two mini-batches per step: the second update sees ratios away from 1
         assert metrics["actor/ratio/max"] > 1.0 or metrics["actor/ratio/min"] < 1.0, context
+
+
+def _check_readable_log(run) -> None:
+    """The console is short, its step lines agree with the metrics file, it ends with the closing block
+    (which names the files and repeats the last step's metrics), and the Ray temp dir is gone."""
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    # the lines printed, without the fixture's time prefix (a progress bar's carriage returns, read back
+    # as line ends, continue its line)
+    console = re.findall(r"^\[ *[\d.]+s\] (.*)$", run.log, flags=re.M)
+    assert len(console) <= 150, f"{len(console)} lines{context}"
+    metrics_file = run.run_dir / "metrics.jsonl"
+    assert sorted(read_metrics(metrics_file)) == list(range(1, STEPS + 1)), context
+    # one short step line per step, in verl's format, with the file's values to 4 significant digits
+    shown = parse_steps(run.log)
+    assert sorted(shown) == list(range(1, STEPS + 1)), context
+    for step, values in shown.items():
+        assert set(values) == {k for k in STEP_KEYS if k in run.steps[step]}, context
+        for key, value in values.items():
+            assert value == pytest.approx(run.steps[step][key], rel=1e-3, abs=1e-12), (step, key, context)
+        assert max(len(line) for line in console if f"step:{step} -" in line) < 300, context
+    # the closing block is last
+    start = next(i for i, line in enumerate(console) if line.startswith("==== maspo_verl local run"))
+    block = console[start:]
+    assert block[0].startswith(f"==== maspo_verl local run done: {STEPS} of {STEPS} steps in "), context
+    assert [line.split()[0] for line in block[1:]] == ["final", "metrics", "log", "config", "checkpoints"], block
+    last = run.steps[STEPS]
+    final = dict(item.rsplit(" ", 1) for item in block[1].split(": ", 1)[1].split(" | "))
+    assert {label: float(v) for label, v in final.items()} == pytest.approx(
+        {label: last[key] for key, label in STEP_KEYS.items() if key in last}, rel=1e-3
+    ), block
+    assert str(metrics_file.relative_to(run.run_dir)) in block[2] and (run.run_dir / "run.log").is_file(), block
+    # verl's known-harmless start-up warnings: left out of the console, kept in run.log
+    assert "engine is not available" not in run.log and "engine is not available" in run.full_log, context
+    assert run.ray_dir and run.ray_dir.startswith("/tmp/maspo_ray_") and not run.ray_dir_left, run.ray_dir
 
 
 def test_maspo_tokenval_bypass_v1(local_run):
@@ -103,9 +145,11 @@ def test_maspo_tokenval_bypass_v1(local_run):
 
 
 def test_ctpo_legacy_trainer(local_run):
-    """CTPO (prefix ratios, no segments) on the legacy trainer (trainer.use_v1=False)."""
-    run = _run(local_run, ["loss=ctpo", "trainer.use_v1=false"])
+    """CTPO (prefix ratios, no segments) on the legacy trainer (trainer.use_v1=False), whose TaskRunner
+    prints the resolved config when asked (maspo.print_config=true)."""
+    run = _run(local_run, ["loss=ctpo", "trainer.use_v1=false", "maspo.print_config=true"])
     _check_common(run)
+    assert "'actor_rollout_ref'" in run.log and "'maspo'" in run.log and len(run.log.splitlines()) > 500, run.tail()
     for step, metrics in run.steps.items():
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
 

@@ -1,7 +1,9 @@
 """End-to-end: the trainer features real runs use, in the local CPU mode (verl's real trainer on CPU).
 
-- two data-parallel workers (FSDP2 on gloo) with dynamic micro-batch sizes and ``seg-mean-token-mean``;
-- reference policy + KL loss, validation before and during training, a checkpoint at every step;
+- two data-parallel workers (FSDP2 on gloo) with the local preset's batch settings (no batch override)
+  and ``seg-mean-token-mean``;
+- reference policy + KL loss, dynamic micro-batch sizes (actor, log-prob and reference passes),
+  validation before and during training, a checkpoint at every step;
 - resume (``trainer.resume_mode=auto``) from the step-1 checkpoint of that run, in a fresh folder: the
   weights the resumed trainer holds right after loading (as it syncs them to the rollout) equal the
   saved ones, the step counter continues at 2, and the optimizer, scheduler and data-loader states it
@@ -41,8 +43,8 @@ def _check_trained(run, steps: list[int]) -> str:
 
 
 def test_two_data_parallel_workers(local_run):
-    """trainer.n_gpus_per_node=2: two FSDP ranks (the private Ray cluster gets two logical GPUs),
-    verl's dynamic batch sizes for the actor and log-prob passes, MASPO with seg-mean-token-mean."""
+    """``local=cpu trainer.n_gpus_per_node=2`` with the preset's batch settings: two FSDP ranks (the private
+    Ray cluster gets two logical GPUs) each take half of every mini-batch; MASPO with seg-mean-token-mean."""
     run = local_run(
         COMMON
         + [
@@ -51,17 +53,12 @@ def test_two_data_parallel_workers(local_run):
             "actor_rollout_ref.actor.policy_loss.agg_mode=seg-mean-token-mean",
             "trainer.n_gpus_per_node=2",
             "trainer.total_training_steps=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.actor.use_dynamic_bsz=true",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=160",
         ]
     )
     context = _check_trained(run, [1, 2])
-    workers = set(re.findall(r"\(WorkerDict pid=(\d+)\)", run.log))
+    workers = set(re.findall(r"\(WorkerDict pid=(\d+)\)", run.full_log))
     assert len(workers) == 2, f"trainer workers {workers}{context}"
-    assert "[rank1]" in run.log, context  # torch.distributed names the second rank
+    assert "[rank1]" in run.full_log, context  # torch.distributed names the second rank
     for metrics in run.steps.values():
         assert metrics["actor/ratio/segment_len_mean"] == pytest.approx(4, abs=1e-4), context
 
@@ -92,6 +89,11 @@ def _same(a, b) -> bool:
 
 def test_kl_validation_checkpoint_and_resume(local_run, tmp_path, monkeypatch):
     features = [
+        # dynamic micro-batches of at most two sequences (prompt <= 64 + response 16 tokens)
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=160",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=160",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",

@@ -278,6 +278,7 @@ def test_ray_submit_recipe_local_mode(head, tmp_path):
         "bash",
         str(REPO / "recipes/cluster/ray_submit.sh"),
         "local=cpu",
+        "maspo.quiet=false",  # verl's own console line, every metric, to compare with wandb's
         "actor_rollout_ref.actor.policy_loss.segment_window=4",
         "actor_rollout_ref.rollout.ignore_eos=true",
     ]

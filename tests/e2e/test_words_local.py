@@ -47,7 +47,7 @@ def test_word_ids_reach_the_loss_aligned_with_the_tokens(local_run, tmp_path):
     assert metrics["actor/ratio/segments_per_seq"] == pytest.approx(metrics["critic/score/mean"], abs=1e-6), context
     assert metrics["actor/ratio/words_fallback_frac"] == pytest.approx(0.25, abs=1e-9), context
     assert metrics["actor/ratio/segments_per_seq"] > math.ceil(32 / WINDOW), context  # words, not the window
-    assert "word ids do not match" not in run.log, context
+    assert "word ids do not match" not in run.full_log, context
     check_inspection(tmp_path / "inspect", tmp_path / "report")
 
 

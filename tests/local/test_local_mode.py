@@ -156,6 +156,8 @@ def local_env(monkeypatch):
 
     for key in local.LOCAL_ENV:
         monkeypatch.setenv(key, os.environ.get(key, ""))
+    for key in (*local.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):  # set by prepare, or would steer it
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
 
 
@@ -169,6 +171,12 @@ def test_prepare_embedded_defaults(local_env, tmp_path):
     assert (pl.codec_offset, pl.codec_size, list(pl.fsq_levels)) == (0, 256, [4, 4, 4, 4])
     env = config.ray_kwargs.ray_init.runtime_env.env_vars
     assert env.MASPO_VERL_LOCAL == "cpu" and env.VERL_PLATFORM == "cpu"
+    # TransferQueue's threads within the physical cores (it warns in every process otherwise); the
+    # file logger in the run folder
+    import psutil
+
+    assert 1 <= int(env.TQ_NUM_THREADS) <= min(8, psutil.cpu_count(logical=False) or 8)
+    assert env.VERL_FILE_LOGGER_PATH.endswith("/metrics.jsonl")
     assert os.environ["MASPO_VERL_LOCAL"] == "cpu"
     assert config.actor_rollout_ref.rollout.name == "hf"
     assert config.trainer.n_gpus_per_node == 1 and config.ray_kwargs.ray_init.num_gpus == 1
@@ -224,7 +232,17 @@ def test_local_yaml_overrides():
     assert config.maspo.local == "cpu"
     assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
     assert config.data.dataloader_num_workers == 0
-    assert json.loads(json.dumps(list(config.trainer.logger))) == ["console"]
+    assert json.loads(json.dumps(list(config.trainer.logger))) == ["console", "file"]
+    assert config.maspo.quiet is True and config.maspo.print_config is False
+
+
+@pytest.mark.parametrize("key", ["quiet", "print_config"])
+def test_log_settings_are_checked(key):
+    from maspo_verl.validation import FieldError
+
+    config = _compose(["local=cpu", f"maspo.{key}=sometimes"])
+    with pytest.raises(FieldError, match=f"maspo.{key}='sometimes' is invalid: allowed true or false"):
+        local.check_settings(config)
 
 
 def _server(model_path, response_length=8, seed=0):

@@ -36,7 +36,7 @@ def env(monkeypatch):
     """A clean process environment for prepare() (restored afterwards)."""
     from verl.plugin.platform import platform_manager
 
-    for key in (*local.LOCAL_ENV, "RAY_ADDRESS", ray_cluster.JOB_CONFIG_ENV):
+    for key in (*local.LOCAL_ENV, *local.RUN_ENV, "RAY_ADDRESS", ray_cluster.JOB_CONFIG_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
     return monkeypatch

@@ -1,0 +1,406 @@
+"""A local run a person can read: a short console, the whole output in a file, a closing block.
+
+verl's console in the local mode is ~1,100 lines, most of them the resolved config (printed by the
+TaskRunner), warnings every Ray worker prints on start-up, and two ~5,000-character metric lines. With
+``maspo.quiet=true`` (the default of ``local=cpu``):
+
+- workers (``install_worker_hooks``, from ``activate`` in every local-mode process): verl's
+  ``Tracking`` gets a compact ``console`` backend (one short ``step:N - key:value`` line per step, in
+  verl's own format, with the metrics of ``STEP_KEYS``); the TaskRunner's config dump is printed only
+  with ``maspo.print_config=true``;
+- driver (``session``): every line printed by the driver or forwarded by Ray from a worker goes to
+  ``<run folder>/run.log``; on the console, lines matching ``KNOWN_NOISE`` (each a start-up message
+  known to be harmless here) are left out, and nothing else; at the end, a closing block says how many
+  steps ran, the final metrics, and where the metrics (``trainer.logger`` ``file`` backend, in the run
+  folder), the log, the config and the checkpoints are, also when the run fails; the private Ray
+  cluster is shut down and its temp dir removed.
+
+The run folder is Hydra's output folder (``hydra.run.dir``, by default ``outputs/<date>/<time>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import numbers
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+# metric key -> label in the closing block; the step line shows these keys when present
+STEP_KEYS = {
+    "critic/score/mean": "score",
+    "actor/pg_loss": "pg_loss",
+    "actor/pg_clipfrac": "clipfrac",
+    "actor/ratio/segments_per_seq": "segments/seq",
+    "actor/kl_loss": "kl_loss",
+    "actor/grad_norm": "grad_norm",
+    "response_length/mean": "response_len",
+    "timing_s/step": "step_s",
+}
+VALIDATION_PREFIX = "val-core/"  # validation scores, shown too
+
+# (why it is harmless here, pattern) of console lines the quiet console leaves out
+KNOWN_NOISE = (
+    (
+        "verl's optional engines are not installed (the local mode uses FSDP)",
+        re.compile(r"engine is not available: ModuleNotFoundError"),
+    ),
+    ("the local mode sets VERL_PLATFORM=cpu itself", re.compile(r"Platform override from VERL_PLATFORM: cpu$")),
+    ("no libnuma on this host (NUMA pinning is for accelerators)", re.compile(r"Failed to set NUMA affinity: libnuma")),
+    ("Ray's advice on a blocking call inside verl", re.compile(r"^Using blocking ray\.get inside async actor")),
+    ("a torch deprecation note", re.compile(r"is_fx_tracing will return true for both fx\.symbolic_trace")),
+    ("a torchdata deprecation note", re.compile(r"UserWarning: 'set_vital' is deprecated")),
+    ("verl's dump of the Ray arguments (the start line names the cluster)", re.compile(r"^ray init kwargs: ")),
+    ("Ray's token-authentication note (a private cluster)", re.compile(r"Token authentication is enabled for")),
+)
+PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes the source line
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAY_PREFIX = re.compile(r"^\([^()]*pid=[^()]*\) ?")
+
+
+def is_trainer_config(obj) -> bool:
+    return isinstance(obj, dict) and {"actor_rollout_ref", "trainer", "data"} <= set(obj)
+
+
+def _maspo_setting(config, key: str, default):
+    maspo = (config or {}).get("maspo") if hasattr(config or {}, "get") else None
+    value = maspo.get(key) if hasattr(maspo, "get") else None
+    return default if value is None else value
+
+
+def format_step(data: dict, step: int) -> str | None:
+    """verl's console format (``step:N - key:value - ...``) for the keys of ``STEP_KEYS`` and validation."""
+    items = [(k, data[k]) for k in STEP_KEYS if k in data]
+    items += sorted((k, v) for k, v in data.items() if k.startswith(VALIDATION_PREFIX))
+    shown = [f"{k}:{_number(v)}" for k, v in items if isinstance(v, numbers.Number) and not isinstance(v, bool)]
+    return " - ".join([f"step:{step}", *shown]) if shown else None
+
+
+def _number(value) -> str:
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    return f"{float(value):.4g}"
+
+
+class StepLine:
+    """A ``Tracking`` backend: one short line per step on the console."""
+
+    def log(self, data, step):
+        line = format_step(data, step)
+        if line:
+            print(line, flush=True)
+
+    def flush(self):
+        pass
+
+    def finish(self):
+        pass
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def _compact_console(original):
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = signature.bind(self, *args, **kwargs).arguments.get("config")
+        loggers = getattr(self, "logger", None)
+        if isinstance(loggers, dict) and "console" in loggers and _maspo_setting(config, "quiet", True):
+            loggers["console"] = StepLine()
+            if hasattr(self, "console_logger"):
+                self.console_logger = loggers["console"]
+
+    return __init__
+
+
+def _tracking_signature(original) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if "default_backend" not in params or "config" not in params:
+        return f"verl.utils.tracking.Tracking.__init__ has parameters {params}, expected default_backend and config"
+    return None
+
+
+def _config_dump_on_request(original):
+    def pprint(obj, *args, **kwargs):
+        if is_trainer_config(obj) and not _maspo_setting(obj, "print_config", False):
+            return None
+        return original(obj, *args, **kwargs)
+
+    return pprint
+
+
+def install_worker_hooks() -> None:
+    """In every local-mode process: the compact console backend, and the config dump on request only.
+    verl's TaskRunner prints the config with ``pprint`` (``from pprint import pprint``); plugins load
+    before ``verl.trainer`` is imported, so the TaskRunner's module binds the wrapped function."""
+    import pprint as pprint_module
+
+    from verl.utils import tracking
+
+    from maspo_verl.plugin.hooks import patch
+
+    patch("compact_console", tracking.Tracking, "__init__", _compact_console, _tracking_signature)
+    patch("config_dump_on_request", pprint_module, "pprint", _config_dump_on_request)
+
+
+# ------------------------------------------------------------------ driver side
+
+
+class _Console:
+    """Receives every complete line written to stdout/stderr: all of them to the log file, to the
+    console those that match no ``KNOWN_NOISE`` pattern."""
+
+    def __init__(self, log_path: Path, noise):
+        self.log = open(log_path, "a", buffering=1, errors="replace")  # noqa: SIM115 (closed by session)
+        self.noise = noise
+        self.hidden: dict[str, int] = {}
+        self.lock = threading.RLock()
+        self._echo_of: tuple[str, str] | None = None  # (prefix, reason) of a hidden Python warning
+
+    def line(self, text: str, target) -> None:
+        plain = ANSI.sub("", text)
+        self.log.write(plain + "\n")
+        prefix = RAY_PREFIX.match(plain)
+        head = prefix.group(0) if prefix else ""
+        body = plain[len(head) :]
+        echo_of, self._echo_of = self._echo_of, None
+        if echo_of is not None and echo_of[0] == head and body.startswith("  "):  # the warning's source line
+            self.hidden[echo_of[1]] += 1
+            return
+        for reason, pattern in self.noise:
+            if pattern.search(body):
+                self.hidden[reason] = self.hidden.get(reason, 0) + 1
+                if PYTHON_WARNING.match(body):
+                    self._echo_of = (head, reason)
+                return
+        target.write(text + "\n")
+        target.flush()
+
+
+class _LineStream:
+    """A stand-in for sys.stdout/sys.stderr that hands complete lines to ``_Console``."""
+
+    def __init__(self, target, console: _Console):
+        self._target = target
+        self._console = console
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        with self._console.lock:
+            self._pending += text
+            *lines, self._pending = self._pending.split("\n")
+            for line in lines:
+                self._console.line(line, self._target)
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def close_pending(self) -> None:
+        with self._console.lock:
+            if self._pending:
+                self._console.line(self._pending, self._target)
+                self._pending = ""
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+_fallback_run_dir: Path | None = None
+
+
+def run_dir() -> Path:
+    """The run folder: Hydra's output folder, else ``outputs/<date>/<time>`` (called without Hydra)."""
+    global _fallback_run_dir
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        if _fallback_run_dir is None:
+            _fallback_run_dir = Path("outputs", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S")).resolve()
+        return _fallback_run_dir
+
+
+def backends(config) -> list[str]:
+    """``trainer.logger``: verl's tracking backends of the run."""
+    value = config.trainer.get("logger") or []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def tracking_env(config) -> dict[str, str]:
+    """Environment that puts the run's tracking files in its run folder, where the user has not chosen:
+    verl's ``file`` logger, TensorBoard's event files, wandb's (offline) run folder."""
+    out, chosen, env = run_dir(), set(k for k, v in os.environ.items() if v), {}
+    wanted = backends(config)
+    if "file" in wanted and not {"VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT"} & chosen:
+        env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+    if "tensorboard" in wanted and "TENSORBOARD_DIR" not in chosen:
+        env["TENSORBOARD_DIR"] = str(out / "tensorboard")
+    if "wandb" in wanted and "WANDB_DIR" not in chosen:
+        env["WANDB_DIR"] = str(out)
+    return env
+
+
+def metrics_path(config) -> Path | None:
+    """Where verl's ``file`` logger writes (None when ``file`` is not in ``trainer.logger``)."""
+    if "file" not in backends(config):
+        return None
+    if os.environ.get("VERL_FILE_LOGGER_PATH"):
+        return Path(os.environ["VERL_FILE_LOGGER_PATH"])
+    root = Path(os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", ".")))
+    return root / str(config.trainer.project_name) / f"{config.trainer.experiment_name}.jsonl"
+
+
+def read_metrics(path: Path | None) -> dict[int, dict]:
+    """step -> metrics of verl's ``file`` logger (one JSON object ``{"step", "data"}`` a line)."""
+    steps: dict[int, dict] = {}
+    if path is None or not path.is_file():
+        return steps
+    for raw in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(raw)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a failure
+    return steps
+
+
+def shown_path(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(Path.cwd()))
+    return str(path)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _failure_line(error: BaseException) -> str:
+    """The cause: the last line of a remote traceback (Ray's errors carry the worker's), else the error."""
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = lines[-1] if lines else ""
+    if not cause:
+        return type(error).__name__
+    if not re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", cause):
+        cause = f"{type(error).__name__}: {cause}"
+    return cause if len(cause) <= 400 else cause[:400] + " ..."
+
+
+def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float, error=None) -> str:
+    metrics_file = metrics_path(config)
+    steps = read_metrics(metrics_file)
+    trained = sorted(s for s, m in steps.items() if s >= 1 and any(k.startswith("actor/") for k in m))
+    total = config.trainer.get("total_training_steps")
+    of_total = f" of {total}" if isinstance(total, int) else ""
+    status = "done" if error is None else "FAILED"
+    lines = [f"==== maspo_verl local run {status}: {len(trained)}{of_total} steps in {_duration(wall_s)} ===="]
+    if error is not None:
+        lines.append(f"error        {_failure_line(error)}")
+    if trained:
+        last = steps[trained[-1]]
+        shown = [f"{label} {_number(last[key])}" for key, label in STEP_KEYS.items() if key in last]
+        lines.append(f"final        step {trained[-1]}: " + " | ".join(shown))
+    if metrics_file is None:
+        lines.append("metrics      not written: add 'file' to trainer.logger")
+    elif not metrics_file.is_file():
+        lines.append(f"metrics      none: no step finished ({shown_path(metrics_file)} is written from the first)")
+    else:
+        lines.append(f"metrics      {shown_path(metrics_file)} (every metric of every step, one JSON object a line)")
+    note = f"; {hidden} known-harmless start-up lines left out above" if hidden else ""
+    lines.append(f"log          {shown_path(log_path)} (the whole console output{note})")
+    if "tensorboard" in backends(config):
+        folder = Path(os.environ.get("TENSORBOARD_DIR") or "tensorboard_log")
+        lines.append(f"tensorboard  {shown_path(folder)} (tensorboard --logdir {shown_path(folder)})")
+    if "wandb" in backends(config):
+        folder = Path(os.environ.get("WANDB_DIR") or ".") / "wandb"
+        lines.append(f"wandb        {shown_path(folder)} (offline runs: wandb sync {shown_path(folder)}/offline-run-*)")
+    hydra_config = out / ".hydra" / "config.yaml"
+    if hydra_config.is_file():
+        lines.append(f"config       {shown_path(hydra_config)} (maspo.print_config=true prints the resolved one)")
+    lines.append(f"checkpoints  {_checkpoints(config)}")
+    return "\n".join(lines)
+
+
+def _checkpoints(config) -> str:
+    folder = Path(os.path.expanduser(str(config.trainer.get("default_local_dir") or "checkpoints")))
+    latest = folder / "latest_checkpointed_iteration.txt"
+    if latest.is_file():
+        return f"{shown_path(folder)} (latest: global_step_{latest.read_text().strip()})"
+    return f"none saved (trainer.save_freq={config.trainer.get('save_freq')}; they go to {shown_path(folder)})"
+
+
+@contextlib.contextmanager
+def session(config, created_temp_dirs: list[str]):
+    """Around verl's trainer in the driver: the filtered console and run.log, then the closing block,
+    the private Ray cluster shut down and its temp dirs (``created_temp_dirs``) removed."""
+    out = run_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "run.log"
+    quiet = bool(_maspo_setting(config, "quiet", True))
+    console = _Console(log_path, KNOWN_NOISE if quiet else ())
+    streams = {"stdout": _LineStream(sys.stdout, console), "stderr": _LineStream(sys.stderr, console)}
+    originals = {name: getattr(sys, name) for name in streams}
+    handlers = _redirect_handlers({id(originals[name]): stream for name, stream in streams.items()})
+    for name, stream in streams.items():
+        setattr(sys, name, stream)
+    start = time.monotonic()
+    error = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _stop_private_cluster(created_temp_dirs)
+        for name, stream in streams.items():
+            stream.close_pending()
+            setattr(sys, name, originals[name])
+        for handler, stream in handlers:
+            handler.setStream(stream)
+        block = closing_block(config, out, log_path, sum(console.hidden.values()), time.monotonic() - start, error)
+        console.log.write(block + "\n")
+        console.log.close()
+        print(block, flush=True)
+
+
+def _redirect_handlers(replacements: dict[int, _LineStream]) -> list:
+    """Point logging handlers bound to the original stdout/stderr (Hydra's, Ray's) at the line streams."""
+    changed = []
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for lg in loggers:
+        for handler in lg.handlers:
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in replacements:
+                with contextlib.suppress(AttributeError):  # logging.lastResort follows sys.stderr itself
+                    changed.append((handler, handler.setStream(replacements[id(handler.stream)])))
+    return changed
+
+
+def _stop_private_cluster(temp_dirs: list[str]) -> None:
+    """Shut down the Ray cluster this driver started and remove its temp dirs (none when it joined one)."""
+    if not temp_dirs:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for folder in list(temp_dirs):
+        for _ in range(10):  # the cluster's processes may still be writing their last logs
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.exists(folder):
+                break
+            time.sleep(0.5)
+        temp_dirs.remove(folder)

@@ -1,0 +1,285 @@
+"""The local mode's short console (``maspo_verl.local.run_log``): step lines, filter, closing block, session.
+
+Lines below are verl's, Ray's and torch's, as a local run printed them (paths shortened).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pprint
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from maspo_verl.lab.learn import parse_steps
+from maspo_verl.local import run_log
+from maspo_verl.local.run_log import KNOWN_NOISE, STEP_KEYS, closing_block, format_step, read_metrics
+
+SITE = "/venv/lib/python3.11/site-packages"
+ENGINE_WARNING = [
+    f"{SITE}/verl/workers/engine/__init__.py:32: UserWarning: torchtitan engine is not available: "
+    "ModuleNotFoundError(\"No module named 'torchtitan'\")",
+    '  warnings.warn(f"torchtitan engine is not available: {e!r}", stacklevel=1)',
+]
+NOISE = [
+    "[2026-11-24 02:58:25,859][verl.plugin.platform.platform_manager][INFO] - Platform override from "
+    "VERL_PLATFORM: cpu",
+    *ENGINE_WARNING,
+    "(pid=5951) INFO:2026-11-24 02:58:35,881:Platform override from VERL_PLATFORM: cpu",
+    *[f"(pid=5951) {line}" for line in ENGINE_WARNING],
+    f"(TaskRunnerV1 pid=5951) {SITE}/torchdata/stateful_dataloader/stateful_dataloader.py:379: UserWarning: "
+    "'set_vital' is deprecated, please do not call",
+    '(TaskRunnerV1 pid=5951)   torch.set_vital("Dataloader", "enabled", "True")  # type: ignore[attr-defined]',
+    "(WorkerDict pid=6209) Warning: Failed to set NUMA affinity: libnuma.so: cannot open shared object file",
+    "\x1b[36m(AgentLoopWorkerTQ pid=6521)\x1b[0m Using blocking ray.get inside async actor. This blocks the loop.",
+    "(WorkerDict pid=6209) [rank0]:W1124 02:59:10.399000 6209 torch/fx/_symbolic_trace.py:56] is_fx_tracing will "
+    "return true for both fx.symbolic_trace and torch.export.",
+    "ray init kwargs: {'num_cpus': 16, 'runtime_env': {}}",
+    "2026-11-24 02:58:25,979\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled for this "
+    "Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.",
+]
+KEPT = [
+    "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
+    "(TaskRunnerV1 pid=5951) INFO:2026-11-24 02:58:44,553:Total training steps: 2",
+    # a warning we do not know, and its source line
+    f"(WorkerDict pid=6209) {SITE}/verl/foo.py:3: UserWarning: something new",
+    "(WorkerDict pid=6209)   warnings.warn('something new')",
+    "(TaskRunnerV1 pid=5951) step:1 - critic/score/mean:0.25 - actor/pg_loss:-0.01",
+    # an engine that failed for another reason than not being installed
+    f"{SITE}/verl/workers/engine/__init__.py:69: UserWarning: megatron engine is not available: "
+    "ImportError('undefined symbol')",
+]
+
+
+def test_step_line_is_verl_format_with_the_chosen_metrics():
+    data = {key: float(i) / 7 for i, key in enumerate(STEP_KEYS)}
+    data |= {"actor/entropy": 5.5, "val-core/toy/acc/mean@1": 0.5, "perf/mfu/actor": 0.1, "training/flag": True}
+    line = format_step(data, 3)
+    assert len(line) < 300
+    parsed = parse_steps(line)[3]  # the lab's parser of verl's console lines
+    assert set(parsed) == set(STEP_KEYS) | {"val-core/toy/acc/mean@1"}
+    for key, value in parsed.items():
+        assert value == pytest.approx(data[key], rel=1e-3)
+    assert format_step({"actor/entropy": 1.0}, 1) is None  # nothing to show: no line
+
+
+def _feed(lines: list[str], tmp_path: Path, noise=KNOWN_NOISE) -> tuple[str, str, run_log._Console]:
+    console = run_log._Console(tmp_path / "run.log", noise)
+    target = io.StringIO()
+    stream = run_log._LineStream(target, console)
+    for line in lines:  # in pieces, as print and Ray write them
+        half = len(line) // 2
+        stream.write(line[:half])
+        stream.write(line[half:] + "\n")
+    stream.close_pending()
+    console.log.close()
+    return target.getvalue(), (tmp_path / "run.log").read_text(), console
+
+
+def test_known_noise_leaves_the_console_but_not_the_log(tmp_path):
+    shown, logged, console = _feed(NOISE + KEPT, tmp_path)
+    assert shown.splitlines() == KEPT
+    assert logged.splitlines() == [run_log.ANSI.sub("", line) for line in NOISE + KEPT]
+    assert sum(console.hidden.values()) == len(NOISE)
+    assert set(console.hidden) == {reason for reason, _ in KNOWN_NOISE}  # every pattern matched its line
+
+
+def test_a_source_line_is_hidden_only_after_its_own_warning(tmp_path):
+    other = "(WorkerDict pid=1) step:1 - x:1"
+    lines = [f"(pid=2) {ENGINE_WARNING[0]}", other, f"(pid=2) {ENGINE_WARNING[1]}", f"(pid=3) {ENGINE_WARNING[1]}"]
+    shown, _, _ = _feed(lines, tmp_path)
+    assert shown.splitlines() == [other, f"(pid=2) {ENGINE_WARNING[1]}", f"(pid=3) {ENGINE_WARNING[1]}"]
+
+
+def test_not_quiet_shows_everything(tmp_path):
+    shown, _, console = _feed(NOISE + KEPT, tmp_path, noise=())
+    assert shown.splitlines() == NOISE + KEPT
+    assert console.hidden == {}
+
+
+def _tracking_class(quiet_wrapper=True):
+    from verl.utils.tracking import Tracking
+
+    original = getattr(Tracking.__init__, "__maspo_original__", Tracking.__init__)
+
+    class Wrapped(Tracking):
+        __init__ = run_log._compact_console(original)
+
+    assert run_log._tracking_signature(original) is None
+    return Wrapped
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_tracking_console_is_compact_and_the_file_logger_keeps_everything(quiet, tmp_path, monkeypatch, capsys):
+    """verl's own Tracking with console + file: one short line on the console (quiet), every metric in the file."""
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
+    tracking = _tracking_class()("p", "e", ["console", "file"], config={"maspo": {"quiet": quiet}})
+    capsys.readouterr()
+    data = {f"extra/metric_{i}": i * 0.5 for i in range(200)} | {"critic/score/mean": 0.25, "actor/pg_loss": -0.5}
+    tracking.log(data, step=1)
+    tracking.finish()
+    out = capsys.readouterr().out.strip()
+    assert read_metrics(tmp_path / "metrics.jsonl") == {1: data}
+    if quiet:
+        assert out == "step:1 - critic/score/mean:0.25 - actor/pg_loss:-0.5"
+    else:
+        assert len(out) > 2000 and parse_steps(out)[1] == pytest.approx(data)  # verl's own line
+
+
+def test_config_dump_only_on_request(capsys):
+    quiet_pprint = run_log._config_dump_on_request(pprint.pprint)
+    config = {"actor_rollout_ref": {}, "trainer": {}, "data": {}, "maspo": {"print_config": False}}
+    quiet_pprint(config)
+    quiet_pprint("Final validation metrics: None")  # anything else is printed
+    assert capsys.readouterr().out == "'Final validation metrics: None'\n"
+    config["maspo"]["print_config"] = True
+    quiet_pprint(config)
+    assert "'actor_rollout_ref': {}" in capsys.readouterr().out
+
+
+def _write_metrics(path: Path, steps: dict[int, dict]) -> None:
+    """With verl's own ``file`` logger."""
+    from verl.utils.tracking import FileLogger
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERL_FILE_LOGGER_PATH", str(path))
+        logger = FileLogger("p", "e")
+    for step, data in steps.items():
+        logger.log(data, step)
+    logger.finish()
+
+
+def _config(tmp_path: Path, logger=("console", "file"), save_freq=-1):
+    return OmegaConf.create(
+        {
+            "trainer": {
+                "logger": list(logger),
+                "total_training_steps": 3,
+                "save_freq": save_freq,
+                "default_local_dir": str(tmp_path / "ckpt"),
+                "project_name": "p",
+                "experiment_name": "e",
+            },
+            "maspo": {"quiet": True},
+        }
+    )
+
+
+STEP = {"critic/score/mean": 0.5, "actor/pg_loss": -0.125, "actor/pg_clipfrac": 0.0, "timing_s/step": 2.5}
+
+
+def test_closing_block_reads_the_metrics_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
+    _write_metrics(
+        tmp_path / "metrics.jsonl", {0: {"val-core/x/acc/mean@1": 0.1}, 1: STEP, 2: STEP | {"actor/pg_loss": 1.5}}
+    )
+    capsys.readouterr()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    block = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", hidden=7, wall_s=75).splitlines()
+    assert block[0] == "==== maspo_verl local run done: 2 of 3 steps in 1 min 15 s ===="
+    assert block[1] == "final        step 2: score 0.5 | pg_loss 1.5 | clipfrac 0 | step_s 2.5"
+    assert block[2].startswith(f"metrics      {tmp_path / 'metrics.jsonl'} ")
+    assert "7 known-harmless start-up lines left out" in block[3]
+    assert block[4] == f"checkpoints  {tmp_path / 'ckpt'} (latest: global_step_2)"
+
+
+def test_closing_block_of_a_failed_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path))
+    _write_metrics(tmp_path / "p" / "e.jsonl", {1: STEP})
+    # what ray.get raises: the worker's traceback, the cause last
+    remote = RuntimeError(
+        'ray::TaskRunnerV1.run() (pid=1, ip=127.0.0.1)\n  File "x.py", line 1, in run\n'
+        "AssertionError: data size must be divisible by force_group_size * micro_batch_size_per_gpu"
+    )
+    block = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 0, 5, error=remote).splitlines()
+    assert block[0] == "==== maspo_verl local run FAILED: 1 of 3 steps in 5 s ===="
+    assert (
+        block[1]
+        == "error        AssertionError: data size must be divisible by force_group_size * micro_batch_size_per_gpu"
+    )
+    assert block[2].startswith("final        step 1: score 0.5")
+    no_file = closing_block(
+        _config(tmp_path, logger=["console"]), tmp_path, tmp_path / "run.log", 0, 5, KeyboardInterrupt()
+    )
+    assert "metrics      not written: add 'file' to trainer.logger" in no_file
+    assert "error        KeyboardInterrupt" in no_file and "checkpoints  none saved (trainer.save_freq=-1" in no_file
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "elsewhere"))
+    not_yet = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 0, 5, RuntimeError("x"))
+    assert f"metrics      none: no step finished ({tmp_path / 'elsewhere' / 'p' / 'e.jsonl'} is written" in not_yet
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_session_filters_logs_and_cleans_up(fails, tmp_path, monkeypatch, capsys):
+    """Around a run: the console filtered, run.log whole, logging handlers back, the closing block last,
+    the private cluster's temp dir removed, also when the run fails."""
+    monkeypatch.setattr(run_log, "_fallback_run_dir", tmp_path / "run")
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "run" / "metrics.jsonl"))
+    temp_dir = tmp_path / "maspo_ray_x"
+    (temp_dir / "session_latest" / "logs").mkdir(parents=True)
+    created = [str(temp_dir)]
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("maspo_verl.test_session").addHandler(handler)
+    original_stdout = sys.stdout
+    try:
+        with pytest.raises(RuntimeError) if fails else _nothing():
+            with run_log.session(_config(tmp_path), created):
+                for line in NOISE + KEPT[:2]:
+                    print(line)
+                logging.getLogger("maspo_verl.test_session").warning(NOISE[0])  # Hydra/Ray-style handler
+                if fails:
+                    raise RuntimeError("boom")
+    finally:
+        logging.getLogger("maspo_verl.test_session").removeHandler(handler)
+    captured = capsys.readouterr()
+    assert sys.stdout is original_stdout and handler.stream is sys.stderr
+    assert captured.out.splitlines()[:2] == KEPT[:2] and "engine is not available" not in captured.out + captured.err
+    assert captured.out.splitlines()[2].startswith("==== maspo_verl local run " + ("FAILED" if fails else "done"))
+    assert captured.out.splitlines()[-1].startswith("checkpoints  none saved")
+    logged = (tmp_path / "run" / "run.log").read_text()
+    block = "\n".join(captured.out.splitlines()[2:])
+    assert logged.count("engine is not available") == 4 and logged.rstrip().endswith(block)
+    assert not temp_dir.exists() and created == []
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_metrics_file_lines_cut_short_are_skipped(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "data": {"a": 1.0}}) + "\n" + '{"step": 2, "da')
+    assert read_metrics(path) == {1: {"a": 1.0}}
+    assert read_metrics(tmp_path / "missing.jsonl") == {} and read_metrics(None) == {}
+
+
+def test_tracking_files_go_to_the_run_folder_unless_chosen(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_log, "_fallback_run_dir", tmp_path / "run")
+    for key in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    config = _config(tmp_path, logger=["console", "file", "tensorboard", "wandb"])
+    env = run_log.tracking_env(config)
+    run = tmp_path / "run"
+    assert env == {
+        "VERL_FILE_LOGGER_PATH": str(run / "metrics.jsonl"),
+        "TENSORBOARD_DIR": str(run / "tensorboard"),
+        "WANDB_DIR": str(run),
+    }
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path / "mine"))
+    assert run_log.tracking_env(config) == {"WANDB_DIR": str(run)}
+    assert run_log.tracking_env(_config(tmp_path, logger=["console"])) == {}
+    monkeypatch.setenv("WANDB_DIR", str(run))
+    block = closing_block(config, run, run / "run.log", 0, 1)
+    assert f"tensorboard  {tmp_path / 'mine'} (tensorboard --logdir {tmp_path / 'mine'})" in block
+    assert f"wandb        {run / 'wandb'} (offline runs: wandb sync {run / 'wandb'}/offline-run-*)" in block
