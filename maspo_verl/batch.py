@@ -16,11 +16,16 @@ them a per-sample tensor field, which the agent loop stores with the sample in t
 the actor update fetches every field of its samples, and verl's data-parallel split, mini-batch
 iterator and (dynamic) micro-batching index the whole TensorDict, so the field arrives in the micro-
 batch ``ppo_loss`` scores as a jagged tensor, row-aligned with ``responses``.
+
+The actor update a loss call belongs to (its trainer step, and whether this rank writes for data-parallel
+rank 0) is in scope too (``update_scope``, set by the plugin's hook on verl's actor update): what
+``policy_loss.inspect_dir`` needs (``maspo_verl.inspection``).
 """
 
 from __future__ import annotations
 
 import contextvars
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +38,55 @@ NO_WORD = -1
 
 _micro_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_micro_batch", default=None)
 _tokenizer: contextvars.ContextVar[Any] = contextvars.ContextVar("maspo_tokenizer", default=None)
+_update: contextvars.ContextVar[Update | None] = contextvars.ContextVar("maspo_update", default=None)
+
+
+@dataclass(frozen=True)
+class Update:
+    """The actor update a loss call belongs to: the trainer step, and whether this process writes
+    what rank 0 of the data-parallel group writes (``writer``: DP rank 0 and, with model parallelism,
+    the rank that holds the model outputs)."""
+
+    step: int
+    dp_rank: int = 0
+    writer: bool = True
+
+
+class update_scope:
+    """Make ``update`` (an ``Update``) the one the loss calls in this scope belong to (the plugin's hook
+    on verl's actor update sets it; outside verl, tests and tools set it themselves)."""
+
+    def __init__(self, update: Update):
+        self.update = update
+
+    def __enter__(self):
+        self._token = _update.set(self.update)
+        return self.update
+
+    def __exit__(self, *exc):
+        _update.reset(self._token)
+
+
+def current_update() -> Update | None:
+    """The actor update in scope, or None (the loss was called outside verl's actor update)."""
+    return _update.get()
+
+
+def current_micro_batch() -> Any:
+    """The verl micro-batch in scope (a dict or TensorDict), or None."""
+    return _micro_batch.get()
+
+
+def micro_batch_flag(name: str, default: Any = None) -> Any:
+    """A non-tensor value of the micro-batch in scope (verl's ``NonTensorData``, unwrapped), else ``default``."""
+    data = _micro_batch.get()
+    if data is None or not hasattr(data, "get"):
+        return default
+    try:
+        value = data.get(name, None)
+    except Exception:  # noqa: BLE001 - a TensorDict may refuse a key it cannot stack
+        return default
+    return default if value is None else getattr(value, "data", value)
 
 
 class micro_batch_scope:

@@ -121,6 +121,10 @@ class GranularLossConfig(PolicyLossConfig):
     # run the loss through torch.compile (fewer, fused kernels: for GPUs, where the eager loss is
     # bound by kernel launches); the first call of each shape family compiles (seconds to a minute)
     compile: bool = False
+    # samples of what the loss did (maspo_verl.inspection): null = off; else a folder that data-parallel
+    # rank 0 writes one small JSON file to every `inspect_every` steps (read by `python -m maspo_verl.lab segments`)
+    inspect_dir: str | None = None
+    inspect_every: int = 10
 
     def __post_init__(self):
         check_loss_mode(self.loss_mode)
@@ -179,6 +183,9 @@ class GranularLossConfig(PolicyLossConfig):
         if self.agg_mode != "actor" and token_set is not None and not token_set.partition:
             fail("agg_mode", self.agg_mode, f"'actor' with loss_mode={self.loss_mode!r} (its sets are not a partition)")
         check_int("position_buckets", self.position_buckets, 1, MAX_POSITION_BUCKETS)
+        if self.inspect_dir is not None and (not isinstance(self.inspect_dir, str) or not self.inspect_dir.strip()):
+            fail("inspect_dir", self.inspect_dir, "null (off) or a folder path")
+        check_int("inspect_every", self.inspect_every, 1)
 
 
 def check_strings(name: str, value: Any) -> list[str]:

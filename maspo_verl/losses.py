@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from maspo_verl import clipping, ratios
+from maspo_verl import clipping, inspection, ratios
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
 
@@ -205,10 +205,18 @@ def granular_policy_loss(
     ratio either), counted in ``actor/ratio/nonfinite_tokens`` and warned about.
     """
     pl = policy_loss_config(config, loss_mode)
-    body = compiled_loss_body(loss_mode) if pl.compile else partial(loss_body, loss_mode=loss_mode)
-    pg_loss, sums, layout = body(
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights
-    )
+    step = inspection.due(pl) if pl.inspect_dir is not None else None
+    if step is not None:  # an inspected step: the eager body, which also returns the rows to write
+        pg_loss, sums, layout, rows = loss_body(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights,
+            loss_mode=loss_mode, inspect_rows=inspection.ROWS,
+        )  # fmt: skip
+        inspection.write(step, rows, pl, config, loss_mode)  # the one extra transfer of an inspected step
+    else:
+        body = compiled_loss_body(loss_mode) if pl.compile else partial(loss_body, loss_mode=loss_mode)
+        pg_loss, sums, layout = body(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights
+        )
     # the one device-to-host transfer of the call
     metrics = metrics_from_sums(sums.tolist(), layout)
     if metrics["actor/ratio/nonfinite_tokens"]:
@@ -221,10 +229,21 @@ def granular_policy_loss(
 
 
 def loss_body(
-    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights, *, loss_mode
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    config,
+    pl,
+    rollout_is_weights,
+    *,
+    loss_mode,
+    inspect_rows: int = 0,
 ):
     """The loss and the metric sums with their layout (``metric_sums``): everything of
-    ``granular_policy_loss`` that runs on the device."""
+    ``granular_policy_loss`` that runs on the device. With ``inspect_rows`` > 0 (an inspected step) also
+    the first rows of its tensors, for ``inspection.write``."""
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         response = response_mask.bool()
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
@@ -236,6 +255,8 @@ def loss_body(
         sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
         # the aggregation and metrics need only each row's last segment id
         seg_ids = None if sets.seg_ids is None else sets.seg_ids.amax(dim=-1, keepdim=True)
+        if inspect_rows:
+            full_ids = None if sets.seg_ids is None else sets.seg_ids[:inspect_rows]
         extra = sets.metrics  # the segmentation rule's own metrics, if any
         del sets
         bounds = clip_bounds(pl, config, sizes)
@@ -245,7 +266,45 @@ def loss_body(
     del log_ratio, bounds
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
     sums, layout = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
+    if inspect_rows:
+        rows = inspection.record(inspect_rows, mask, old_log_prob, log_prob, advantages, ratio, surrogate, full_ids)
+        return pg_loss, sums, layout, rows
     return pg_loss, sums, layout
+
+
+# verl's losses that one of our token sets computes exactly (docs/algorithms.md §5): inspected through it
+VERL_EQUIVALENTS = {
+    "vanilla": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1},
+    "gspo": {"loss_mode": "pgspo", "length_exponent": 1.0},
+}
+
+
+def inspect_verl_loss(
+    name: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+) -> str | None:
+    """On an inspected step (``inspection.due``), write what verl's loss ``name`` did: for ``vanilla`` and
+    ``gspo`` the ratios and clips of the token set that equals them (one token / the whole response, verl's
+    ratio-space clip; ``gspo`` has no dual clip in verl), for verl's other losses the inputs only.
+    Returns the file written, or None."""
+    import dataclasses
+
+    pl = config.policy_loss
+    step = inspection.due(pl)
+    if step is None:
+        return None
+    response = response_mask.bool()
+    same = VERL_EQUIVALENTS.get(name)
+    with torch.no_grad():
+        if same is None:
+            rows = inspection.record(inspection.ROWS, response, old_log_prob, log_prob, advantages)
+        else:
+            fields = dict(same, clip_schedule="ratio", agg_mode="actor", min_segment_len=0, max_segment_len=0)
+            twin = dataclasses.replace(pl, compile=False, **fields)
+            rows = loss_body(
+                old_log_prob, log_prob.detach(), advantages, response_mask, loss_agg_mode, config, twin,
+                rollout_is_weights, loss_mode=twin.loss_mode, inspect_rows=inspection.ROWS,
+            )[3]  # fmt: skip
+    return inspection.write(step, rows, pl, config, name)
 
 
 @cache

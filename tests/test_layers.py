@@ -30,6 +30,7 @@ CORE = {
     "util",
     "native",
     "fsq",
+    "inspection",
     "vocab",
     "batch_sizes",
 }

@@ -22,6 +22,7 @@ COMMANDS = [
     ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
+    ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
 ]
 
 

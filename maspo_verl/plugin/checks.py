@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +63,7 @@ def run_startup_checks(config) -> list[str]:
     """Checks on the composed trainer config before Ray starts; returns the warnings issued."""
     _import_reward_manager_module(config)
     issued: list[str] = []
-    for check in (_loss_checks, _span_credit_checks, _bypass_checks, *_STARTUP_CHECKS):
+    for check in (_loss_checks, _inspect_checks, _span_credit_checks, _bypass_checks, *_STARTUP_CHECKS):
         issued += check(config)
     return issued
 
@@ -92,6 +93,19 @@ def _loss_checks(config) -> list[str]:
             issued += _word_ids_checks(config, rule)
         issued += rule.startup(config)
     return issued
+
+
+def _inspect_checks(config) -> list[str]:
+    """``policy_loss.inspect_dir``: made absolute here, on the driver (Ray workers have other working
+    folders); the loss needs the actor-update hook to know the step."""
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    folder = policy_loss.get("inspect_dir", None)
+    if folder is None:
+        return []
+    if patch_problem("update_step"):
+        raise RuntimeError(f"policy_loss.inspect_dir is unavailable: {patch_problem('update_step')}")
+    policy_loss.inspect_dir = os.path.abspath(os.path.expanduser(str(folder)))
+    return []
 
 
 def _word_ids_checks(config, rule) -> list[str]:

@@ -13,6 +13,18 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   info so nothing downstream tries to average it. Word ids (``reward_extra_info[WORD_IDS_KEY]``)
   become a per-sample tensor field of their own next to ``rm_scores``, which verl carries to the
   loss's micro-batch; a list of the wrong length becomes a row without words.
+- ``update_step``: the loss learns which trainer step and which data-parallel rank it runs in
+  (``policy_loss.inspect_dir``, ``maspo_verl.inspection``): a wrapper around verl's
+  ``TrainingWorker.train_mini_batch`` (one call per actor update) puts the update in scope
+  (``maspo_verl.batch.update_scope``). The step is verl's global step where the update batch carries it
+  (the v1 trainer's samples do, as ``global_steps``), else the count of updates in this worker; both,
+  and the rank, are read only when the loss asks (on inspected runs).
+- ``verl_losses``: verl's own policy losses (``vanilla``, ``gspo``, ...) in its registry are wrapped so
+  that with ``inspect_dir`` set they write samples too (``maspo_verl.losses.inspect_verl_loss``); with
+  it unset the wrapper only tests the setting.
+- ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
+  every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
+  stops the trainer at its next batch (below).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
+import itertools
 import logging
 import numbers
 import sys
@@ -29,7 +42,7 @@ from typing import Any
 
 import torch
 
-from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY, micro_batch_scope
+from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY, micro_batch_scope, update_scope
 from maspo_verl.util import warn_once
 
 logger = logging.getLogger("maspo_verl")
@@ -293,8 +306,120 @@ def install_trainer_reward_hooks() -> None:
     after_import(TRAINER_MODULE, _hook_trainer)
 
 
+GLOBAL_STEPS_KEY = "global_steps"  # verl's v1 trainer: the step each sample was drawn for
+_updates = itertools.count(1)
+
+
+def _global_step(data) -> int | None:
+    """The largest ``global_steps`` of an update batch, when it carries them on the host; else None."""
+    try:
+        value = data.get(GLOBAL_STEPS_KEY, None) if hasattr(data, "get") else None
+    except Exception:  # noqa: BLE001 - a TensorDict may refuse a key it cannot stack
+        return None
+    value = getattr(value, "data", value)  # NonTensorData
+    if isinstance(value, torch.Tensor):
+        return int(value.max()) if value.numel() and value.device.type == "cpu" else None
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        value = [getattr(v, "data", v) for v in value]
+        return max(value) if value and all(isinstance(v, int) for v in value) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class VerlUpdate:
+    """One actor update of verl's ``TrainingWorker``: its step and whether this rank writes what
+    data-parallel rank 0 writes, each worked out when first asked (``maspo_verl.batch.Update``'s fields)."""
+
+    def __init__(self, worker, data, count: int):
+        self._worker, self._data, self._count = worker, data, count
+
+    @functools.cached_property
+    def step(self) -> int:
+        return _global_step(self._data) or self._count
+
+    @functools.cached_property
+    def dp_rank(self) -> int:
+        engine = getattr(self._worker, "engine", None)
+        if engine is not None and hasattr(engine, "get_data_parallel_rank"):
+            return int(engine.get_data_parallel_rank())
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @functools.cached_property
+    def writer(self) -> bool:
+        engine = getattr(self._worker, "engine", None)
+        holds_outputs = getattr(engine, "is_mp_src_rank_with_outputs", None)
+        return self.dp_rank == 0 and (holds_outputs is None or bool(holds_outputs()))
+
+
+def _with_update_scope(original):
+    def train_mini_batch(self, *args, **kwargs):
+        data = kwargs.get("data", args[0] if args else None)
+        with update_scope(VerlUpdate(self, data, next(_updates))):
+            return original(self, *args, **kwargs)
+
+    return train_mini_batch
+
+
+def install_update_step_hook() -> str | None:
+    """The actor update's step and rank reach the loss (``policy_loss.inspect_dir``); None, or why not."""
+    try:
+        from verl.workers.engine_workers import TrainingWorker
+    except ImportError as exc:
+        PATCHES["update_step"] = f"verl.workers.engine_workers is unavailable ({exc})"
+        return PATCHES["update_step"]
+    return patch("update_step", TrainingWorker, "train_mini_batch", _with_update_scope)
+
+
+def inspected_verl_loss(name: str, fn: Callable) -> Callable:
+    """verl's policy loss ``fn``, which also writes samples on inspected steps (``inspect_dir`` set)."""
+    if getattr(fn, "__maspo_original__", None) is not None:
+        return fn
+    from maspo_verl.losses import inspect_verl_loss
+
+    @functools.wraps(fn)
+    def loss(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        config = kwargs["config"] if "config" in kwargs else (args[5] if len(args) > 5 else None)
+        if getattr(getattr(config, "policy_loss", None), "inspect_dir", None) is not None:
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            inspect_verl_loss(
+                name, a["old_log_prob"], a["log_prob"], a["advantages"], a["response_mask"],
+                a["loss_agg_mode"], config, a.get("rollout_is_weights"),
+            )  # fmt: skip
+        return out
+
+    loss.__maspo_original__ = fn
+    return loss
+
+
+def install_verl_loss_hook() -> str | None:
+    """Wrap verl's own registered policy losses (``inspected_verl_loss``); None, or why not."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from maspo_verl.token_sets import TOKEN_SETS
+
+    expected = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config")
+    refused = []
+    for name, fn in list(POLICY_LOSS_REGISTRY.items()):
+        if name in TOKEN_SETS or getattr(fn, "__maspo_original__", None) is not None:
+            continue
+        params = tuple(inspect.signature(fn).parameters)
+        if params[: len(expected)] != expected:
+            refused.append(name)
+            continue
+        POLICY_LOSS_REGISTRY[name] = inspected_verl_loss(name, fn)
+    PATCHES["verl_losses"] = f"verl losses {refused} have another signature" if refused else None
+    return PATCHES["verl_losses"]
+
+
 def install_hooks() -> None:
     """Every hook (idempotent); why one was refused is in ``PATCHES``."""
     install_ppo_loss_hook()
     install_token_scores_hook()
     install_trainer_reward_hooks()
+    install_update_step_hook()
+    install_verl_loss_hook()
