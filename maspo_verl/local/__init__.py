@@ -179,8 +179,11 @@ def prepare(config) -> dict:
         raise ValueError(f"maspo.local={config.maspo.local!r}: supported local modes are {LOCAL_MODES}")
     check_verl_features()
     from maspo_verl.local import ray_cluster
+    from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
 
-    env = ray_cluster.local_env(LOCAL_ENV, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
+    mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
+    mode_env = {**LOCAL_ENV, MISMATCH_ENV: mismatch.to_env()}  # always set: a stale shell value never leaks in
+    env = ray_cluster.local_env(mode_env, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
     os.environ.update(env)
     activate()
 
@@ -216,12 +219,25 @@ def prepare(config) -> dict:
         if address is None:
             _fit_private_cluster(config)
     ray_init = config.ray_kwargs.ray_init
+    if mismatch.active:
+        bypass = bool((config.algorithm.get("rollout_correction", {}) or {}).get("bypass_mode", False))
+        print(
+            f"maspo_verl local: test instrument maspo.local_mismatch on ({mismatch.describe()}); "
+            + ("bypass mode: they are the old log-probs" if bypass else "no bypass mode: only diagnostics see them"),
+            flush=True,
+        )
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}",
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _plain(value):
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 def _fit_private_cluster(config) -> None:
