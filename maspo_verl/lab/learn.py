@@ -1,31 +1,50 @@
-"""Learning inside verl: the real trainer (local CPU mode) for N steps per loss preset, task and seed.
+"""Learning inside verl: the real trainer (local CPU mode) for N steps per loss preset, cell and seed.
 
 Each run is ``python -m maspo_verl.main local=cpu loss=<preset> ...`` on the embedded tiny model with
 the toy tasks of ``learn_tasks`` (a text-like and a speech-like task, sequence-level reward, known word
-spans); everything but the loss is equal across runs of a task and seed (model initialisation, data
-order, batch, learning rate, rollout). Metrics are verl's own, parsed from its console logger
-(``step:N - key:value ...``): ``critic/score/mean`` (the reward), ``actor/pg_clipfrac``,
-``timing_s/step``, ``response_length/mean``. Writes (``outputs/lab/learn/`` by default): README (table and
-findings), ``learn_steps.csv`` (per step), ``learn_runs.csv`` (per run), ``learn_summary.csv``,
-``learn_reward.png`` and ``COMMAND.txt``.
+spans); everything but the loss is equal across the runs of a cell and seed (model initialisation,
+data order, batch, learning rate, rollout). A *cell* is one point of the axes:
+
+- response length (``--lengths``, tokens; the sentence grows with it);
+- training-inference mismatch (``--mismatch``): ``none``, ``bf16`` (the rollout server's model in
+  bf16), ``SIGMA`` (Gaussian noise of that sigma on each returned log-prob) or ``bf16+SIGMA``; the
+  local mode's test instrument ``maspo.local_mismatch``. It needs ``--bypass`` (verl's
+  ``bypass_mode``: the server's log-probs are the old log-probs; otherwise verl recomputes them);
+- off-policy pressure (``--updates``): optimizer updates per batch, as that many mini-batches;
+  with 1, the old log-probs differ from the trainer's only by the mismatch.
+
+``--cells LENGTH/MISMATCH/UPDATES ...`` lists cells explicitly instead of the full product.
+
+Metrics are verl's own, read by ``read_metrics`` (today from its console logger, ``step:N -
+key:value ...``). Per run: final reward (``critic/score/mean``, mean of the last K steps), mean
+reward over all steps (the speed measure), steps to a reward gain, ``actor/pg_clipfrac``,
+``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd over steps), verl's ``rollout_corr/*`` and
+``training/rollout_*`` diagnostics when it logs them (not in bypass mode), collapses. The summary
+gives means with 95 % bootstrap intervals over seeds and paired (same-seed) differences.
+Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``--out``): README,
+``learn_steps.csv``, ``learn_runs.csv``,
+``learn_summary.csv``, ``learn_compare.csv``, ``learn_reward.png``, ``learn_sigma.png``, ``COMMAND.txt``.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab.common import log, markdown_table, prepare_out, pyplot, write_csv
-from maspo_verl.lab.learn_tasks import FRAMES_PER_WORD, RESPONSE_TOKENS
+from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
+from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS
 
 # name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
 # these responses' words)
@@ -41,23 +60,58 @@ LOSSES = {
     # one ratio per decoded word (the reward manager returns the words' token spans)
     "maspo_words": ["loss=maspo_words"],
 }
+BASELINE = "grpo"
 STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
-KEYS = ("critic/score/mean", "actor/pg_clipfrac", "actor/grad_norm", "response_length/mean", "timing_s/step")
+KEYS = (
+    "critic/score/mean",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "response_length/mean",
+    "timing_s/step",
+)
+# verl's training-inference mismatch diagnostics (decoupled mode only: verl skips them in bypass mode)
+DIAGNOSTIC_PREFIXES = ("rollout_corr/", "training/rollout_")
+NO_MISMATCH = "none"
+MISMATCH_DTYPE = "bf16"  # the knob's one non-default dtype (maspo_verl.local.mismatch validates it in the trainer)
+COLLAPSE_DROP = 0.1
+FP32 = "fp32"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--tasks", nargs="+", default=["text", "speech"], help="text and/or speech")
     p.add_argument("--losses", nargs="+", default=list(LOSSES), help=f"from {list(LOSSES)}")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per (task, loss): model init and data order")
+    p.add_argument("--seeds", type=int, default=2, help="seeds per (task, cell, loss): model init and data order")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--batch", type=int, default=8, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=4, help="responses per prompt")
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--target", type=float, default=0.45, help="reward target for 'steps to target'")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help=f"response tokens (default {RESPONSE_TOKENS})")
+    p.add_argument(
+        "--mismatch",
+        nargs="+",
+        default=None,
+        help="none | bf16 | SIGMA | bf16+SIGMA: the rollout's log-probs vs the trainer's (needs --bypass)",
+    )
+    p.add_argument("--updates", nargs="+", type=int, default=None, help="optimizer updates per batch (default 2)")
+    p.add_argument("--cells", nargs="+", default=None, help="LENGTH/MISMATCH/UPDATES ... instead of the product")
+    p.add_argument("--bypass", action="store_true", help="bypass mode: the rollout's log-probs are the old log-probs")
+    p.add_argument(
+        "--fp32-trainer",
+        action="store_true",
+        help="the actor's forward in fp32 (verl's default FSDP mixed precision computes it in bf16)",
+    )
+    p.add_argument("--target", type=float, default=None, help="absolute reward target for 'steps to target'")
+    p.add_argument("--gain", type=float, default=0.1, help="without --target: steps to reach step 1's reward + GAIN")
     p.add_argument("--last", type=int, default=3, help="final reward = mean of the last K steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out's learn_runs.csv")
+
+
+# -- verl's metrics -------------------------------------------------------------------------
 
 
 def parse_steps(log_text: str) -> dict[int, dict[str, float]]:
@@ -79,6 +133,106 @@ def parse_steps(log_text: str) -> dict[int, dict[str, float]]:
                 continue
         steps[int(m.group(1))] = metrics
     return steps
+
+
+METRICS_FILE = "metrics.jsonl"  # verl's ``file`` logger in the run folder (the local mode's default)
+
+
+def read_metrics(log_text: str, run_dir: Path) -> dict[int, dict[str, float]]:
+    """verl's metrics of one run, per step: the one place that knows where they come from. Every metric
+    at full precision from the run folder's ``metrics.jsonl`` (one ``{"step": N, "data": {...}}`` a
+    line), else the console's step lines."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return parse_steps(log_text)
+    steps: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            data = {k: float(v) for k, v in record["data"].items() if isinstance(v, int | float)}
+            steps.setdefault(int(record["step"]), {}).update(data)
+    return steps
+
+
+# -- cells --------------------------------------------------------------------------------------
+
+
+def parse_mismatch(text: str) -> tuple[str, float]:
+    """``none`` | ``bf16`` | ``SIGMA`` | ``bf16+SIGMA`` -> (log-prob dtype, noise sigma)."""
+    allowed = f"{NO_MISMATCH}, {MISMATCH_DTYPE}, a sigma >= 0 (e.g. 0.2) or {MISMATCH_DTYPE}+SIGMA"
+    if text == NO_MISMATCH:
+        return "fp32", 0.0
+    dtype, plus, rest = text.partition("+")
+    if dtype == MISMATCH_DTYPE:
+        text, base = (rest, dtype) if plus else ("0", dtype)
+    else:
+        base = "fp32"
+    try:
+        sigma = float(text)
+    except ValueError:
+        raise SystemExit(f"--mismatch {text!r}: allowed {allowed}") from None
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise SystemExit(f"--mismatch {text!r}: allowed {allowed}")
+    return base, sigma
+
+
+@dataclass(frozen=True)
+class Cell:
+    length: int
+    mismatch: str
+    updates: int
+
+    @property
+    def label(self) -> str:
+        return f"L{self.length}/{self.mismatch}/U{self.updates}"
+
+    @property
+    def sigma(self) -> float:
+        return parse_mismatch(self.mismatch)[1]
+
+    @property
+    def dtype(self) -> str:
+        return parse_mismatch(self.mismatch)[0]
+
+    def reference(self) -> Cell:
+        """The same length and updates without mismatch."""
+        return Cell(self.length, NO_MISMATCH, self.updates)
+
+
+def cells_of(args) -> list[Cell]:
+    if args.cells:
+        if any(v is not None for v in (args.lengths, args.mismatch, args.updates)):
+            raise SystemExit("--cells replaces --lengths/--mismatch/--updates: give one or the other")
+        cells = []
+        for text in args.cells:
+            parts = text.split("/")
+            if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+                raise SystemExit(f"--cells {text!r}: expected LENGTH/MISMATCH/UPDATES, e.g. 96/0.2/1")
+            cells.append(Cell(int(parts[0]), parts[1], int(parts[2])))
+    else:
+        cells = [
+            Cell(length, mismatch, updates)
+            for length in args.lengths or [RESPONSE_TOKENS]
+            for mismatch in args.mismatch or [NO_MISMATCH]
+            for updates in args.updates or [2]
+        ]
+    for cell in cells:
+        parse_mismatch(cell.mismatch)
+        if cell.mismatch != NO_MISMATCH and not args.bypass:
+            raise SystemExit(
+                f"cell {cell.label}: a mismatch reaches the loss only in bypass mode (the rollout's log-probs as "
+                "old log-probs); add --bypass"
+            )
+        if cell.updates < 1 or args.batch % cell.updates:
+            raise SystemExit(f"cell {cell.label}: updates must divide --batch {args.batch} (one mini-batch each)")
+        if cell.length < SPEECH_WORDS:
+            raise SystemExit(f"cell {cell.label}: length must be >= {SPEECH_WORDS} tokens")
+    if len(set(cells)) != len(cells):
+        raise SystemExit(f"cells given twice: {[c.label for c in cells]}")
+    return cells
+
+
+# -- one run ----------------------------------------------------------------------------------
 
 
 def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
@@ -113,11 +267,13 @@ def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
 
 
 def run_trainer(overrides: list[str], log_path: Path, timeout: float) -> tuple[int | None, str, float]:
-    """One local-mode trainer run in its own private Ray cluster; (exit code, log, wall seconds)."""
+    """One local-mode trainer run in its own private Ray cluster, with ``log_path``'s folder as its run
+    folder (its metrics file lands there); (exit code, log, wall seconds)."""
     ray_dir = tempfile.mkdtemp(prefix="mvl_learn_", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
+    cmd.append(f"hydra.run.dir={log_path.parent}")
     start = time.monotonic()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd + overrides, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -127,36 +283,50 @@ def run_trainer(overrides: list[str], log_path: Path, timeout: float) -> tuple[i
             code = None
         finally:
             stop_run(proc, ray_dir)
-    import shutil
-
     shutil.rmtree(ray_dir, ignore_errors=True)
     return code, log_path.read_text(errors="replace"), time.monotonic() - start
 
 
-def overrides_for(args, task: str, loss: str, seed: int, data: dict) -> list[str]:
+def prompt_room(sentence: str) -> int:
+    """data.max_prompt_length: "Say: <sentence>" (one token a byte) and the chat template's 19 tokens fit."""
+    return max(64, len(f"Say: {sentence}") + 24)
+
+
+def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell) -> list[str]:
     from maspo_verl.lab import learn_tasks
 
+    rows = args.batch * args.n  # responses per step
+    mini = args.batch // cell.updates
+    extra = []
+    if args.bypass:
+        extra = ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=true"]
+    if args.fp32_trainer:
+        extra.append(f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={FP32}")
+    if cell.mismatch != NO_MISMATCH:
+        extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
     return [
         *LOSSES[loss],
         f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
         f"data.train_batch_size={args.batch}",
-        f"data.max_response_length={learn_tasks.RESPONSE_TOKENS}",
+        f"data.max_prompt_length={prompt_room(data['sentence'])}",
+        f"data.max_response_length={cell.length}",
         "actor_rollout_ref.rollout.ignore_eos=true",
         f"data.seed={seed}",
         f"maspo.local_seed={seed}",
         f"actor_rollout_ref.rollout.n={args.n}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, args.batch // 2)}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch * args.n // 2}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.batch * args.n}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.batch * args.n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini * args.n}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={rows}",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.total_training_steps={args.steps}",
         "reward.reward_manager.source=importlib",
         "reward.reward_manager.name=LearnRewardManager",
         f"reward.reward_manager.module.path={learn_tasks.__file__}",
-        f"trainer.experiment_name=learn_{task}_{loss}_{seed}",
+        f"trainer.experiment_name=learn_{task}_{loss}_{seed}_{cell.label.replace('/', '_')}",
+        *extra,
     ]
 
 
@@ -167,199 +337,480 @@ def steps_to(curve: list[float], target: float) -> int | None:
     return None
 
 
-def summarise(args, runs: list[dict]) -> list[dict]:
-    out = []
-    grpo_time = {}
-    for task in args.tasks:
-        for loss in args.losses:
-            mine = [r for r in runs if r["task"] == task and r["loss"] == loss]
-            ok = [r for r in mine if r["ok"]]
-            finals = [r["final_reward"] for r in ok]
-            reached = [r["steps_to_target"] for r in ok if r["steps_to_target"] is not None]
-            row = {
-                "task": task,
-                "loss": loss,
-                "seeds_ok": f"{len(ok)}/{len(mine)}",
-                "first_reward": _mean([r["first_reward"] for r in ok]),
-                "final_reward": _mean(finals),
-                "final_sd": statistics.pstdev(finals) if len(finals) > 1 else float("nan"),
-                f"reach_{args.target:g}": f"{len(reached)}/{len(mine)}",
-                "median_steps_to_target": statistics.median(reached) if reached else float("nan"),
-                "collapses": sum(r["collapsed"] for r in mine),
-                "mean_clipfrac": _mean([r["mean_clipfrac"] for r in ok]),
-                "s_per_step": _mean([r["s_per_step"] for r in ok]),
-            }
-            if loss == "grpo":
-                grpo_time[task] = row["s_per_step"]
-            out.append(row)
-    for row in out:
-        base = grpo_time.get(row["task"])
-        row["time_vs_grpo"] = row["s_per_step"] / base if base and base == base else float("nan")
-    return out
-
-
 def _mean(values) -> float:
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(values) / len(values) if values else float("nan")
 
 
+def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> dict:
+    """One run's numbers from its per-step metrics."""
+    trained = [s for s in sorted(steps) if "critic/score/mean" in steps[s]]
+    curve = [steps[s]["critic/score/mean"] for s in trained]
+    ok = code == 0 and len(trained) == args.steps
+    k = min(args.last, len(curve))
+    final = sum(curve[-k:]) / k if k else float("nan")
+    first = curve[0] if curve else float("nan")
+    best = max((sum(curve[i : i + k]) / k for i in range(len(curve) - k + 1)), default=float("nan"))
+    target = args.target if args.target is not None else first + args.gain
+    reached = steps_to(curve, target)
+    grads = [steps[s].get("actor/grad_norm", float("nan")) for s in trained]
+    nonfinite = any(
+        not math.isfinite(steps[s].get(key, 0.0)) for s in trained for key in ("actor/pg_loss", "actor/grad_norm")
+    )
+    # collapse: the run failed, a loss or gradient went non-finite, or the reward fell by COLLAPSE_DROP from
+    # its best K-step mean (learned, then lost it)
+    reason = "failed" if not ok else "non-finite" if nonfinite else "drop" if final < best - COLLAPSE_DROP else ""
+    diagnostics = sorted({key for s in trained for key in steps[s] if key.startswith(DIAGNOSTIC_PREFIXES)})
+    return {
+        "ok": ok,
+        "exit_code": code,
+        "steps": len(trained),
+        "first_reward": first,
+        "final_reward": final,
+        "mean_reward": _mean(curve),
+        "gain": final - first,
+        "steps_to_target": reached,
+        # not reached: counted as steps + 1 (censored) in means
+        "steps_to_target_c": reached if reached is not None else args.steps + 1,
+        "collapsed": bool(reason),
+        "collapse": reason,
+        "mean_clipfrac": _mean([steps[s].get("actor/pg_clipfrac") for s in trained]),
+        "mean_ppo_kl": _mean([steps[s].get("actor/ppo_kl") for s in trained]),
+        "grad_norm_mean": _mean(grads),
+        "grad_norm_sd": statistics.pstdev(grads) if len(grads) > 1 and all(map(math.isfinite, grads)) else math.nan,
+        "s_per_step": _mean([steps[s].get("timing_s/step") for s in trained[1:]]),
+    } | {key: _mean([steps[s].get(key) for s in trained]) for key in diagnostics}
+
+
+# -- summary ----------------------------------------------------------------------------------
+
+SUMMARY_METRICS = (
+    "final_reward",
+    "mean_reward",
+    "steps_to_target_c",
+    "mean_clipfrac",
+    "grad_norm_mean",
+    "grad_norm_sd",
+)
+
+
+def _ci_text(mean: float, low: float, high: float, digits: int = 3) -> str:
+    if mean != mean:
+        return "nan"
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def summarise(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
+    out = []
+    for task in args.tasks:
+        for cell in cells:
+            base_time = None
+            for loss in args.losses:
+                mine = [r for r in runs if (r["task"], r["cell"], r["loss"]) == (task, cell.label, loss)]
+                ok = [r for r in mine if r["ok"]]
+                row = {"task": task, "cell": cell.label, "loss": loss, "seeds_ok": f"{len(ok)}/{len(mine)}"}
+                for key in SUMMARY_METRICS:
+                    row[key] = _ci_text(*bootstrap_ci([r[key] for r in ok]), digits=2 if "steps" in key else 3)
+                row["reached"] = f"{sum(r['steps_to_target'] is not None for r in ok)}/{len(mine)}"
+                row["collapses"] = sum(r["collapsed"] for r in mine)
+                row["s_per_step"] = _mean([r["s_per_step"] for r in ok])
+                base_time = row["s_per_step"] if loss == BASELINE else base_time
+                for key in sorted({k for r in ok for k in r if k.startswith(DIAGNOSTIC_PREFIXES)}):
+                    row[key] = _mean([r.get(key) for r in ok])
+                out.append(row)
+            for row in out[-len(args.losses) :]:
+                row["time_vs_grpo"] = row["s_per_step"] / base_time if base_time else float("nan")
+    return out
+
+
+def _by_seed(runs: list[dict], task: str, cell: str, loss: str, key: str) -> dict[int, float]:
+    return {
+        r["seed"]: r[key]
+        for r in runs
+        if (r["task"], r["cell"], r["loss"]) == (task, cell, loss) and r["ok"] and r[key] == r[key]
+    }
+
+
+def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float]:
+    """Seeds present in every term; the per-seed sum of sign * value, its mean and bootstrap interval."""
+    seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
+    diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
+    return (len(seeds), *bootstrap_ci(diffs))
+
+
+COMPARE_COLUMNS = (
+    "task",
+    "cell",
+    "comparison",
+    "loss",
+    "vs",
+    "metric",
+    "seeds",
+    "diff",
+    "low",
+    "high",
+    "interval_excludes_0",
+)
+
+
+def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
+    """Paired (same-seed) differences with 95 % bootstrap intervals:
+
+    - ``vs_grpo``: loss - grpo in the same cell (final reward, mean reward, steps to target);
+    - ``vs_no_mismatch``: the loss in a mismatch cell - the same loss without mismatch (final reward);
+    - ``degradation_vs_grpo``: that change minus grpo's change (> 0: the loss degrades less than grpo).
+    """
+    labels = {c.label for c in cells}
+    rows = []
+
+    def add(kind, task, cell, loss, metric, terms, other):
+        n, mean, low, high = _paired(terms)
+        if n == 0:
+            return
+        supported = (low > 0 or high < 0) and n > 1
+        rows.append(
+            {
+                "task": task,
+                "cell": cell.label,
+                "comparison": kind,
+                "loss": loss,
+                "vs": other,
+                "metric": metric,
+                "seeds": n,
+                "diff": mean,
+                "low": low,
+                "high": high,
+                "interval_excludes_0": supported,
+            }
+        )
+
+    for task in args.tasks:
+        for cell in cells:
+            for loss in args.losses:
+                if loss != BASELINE and BASELINE in args.losses:
+                    for metric in ("final_reward", "mean_reward", "steps_to_target_c"):
+                        mine = _by_seed(runs, task, cell.label, loss, metric)
+                        base = _by_seed(runs, task, cell.label, BASELINE, metric)
+                        add("vs_grpo", task, cell, loss, metric, [(1, mine), (-1, base)], BASELINE)
+                ref = cell.reference()
+                if cell.mismatch == NO_MISMATCH or ref.label not in labels:
+                    continue
+                here = _by_seed(runs, task, cell.label, loss, "final_reward")
+                there = _by_seed(runs, task, ref.label, loss, "final_reward")
+                add("vs_no_mismatch", task, cell, loss, "final_reward", [(1, here), (-1, there)], ref.label)
+                if loss != BASELINE and BASELINE in args.losses:
+                    g_here = _by_seed(runs, task, cell.label, BASELINE, "final_reward")
+                    g_there = _by_seed(runs, task, ref.label, BASELINE, "final_reward")
+                    terms = [(1, here), (-1, there), (-1, g_here), (1, g_there)]
+                    add("degradation_vs_grpo", task, cell, loss, "final_reward", terms, BASELINE)
+    return rows
+
+
+def statements(args, cells: list[Cell], summary: list[dict], comparisons: list[dict]) -> list[str]:
+    """Cell by cell, in words: which differences the intervals support (exclude 0) and which they do not."""
+
+    def fmt(c):
+        return f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+
+    lines = []
+    for task in args.tasks:
+        for cell in cells:
+            mine = [c for c in comparisons if (c["task"], c["cell"]) == (task, cell.label)]
+            if not mine:
+                continue
+            parts = []
+            for kind, metric, what in (
+                ("vs_grpo", "final_reward", "final reward vs grpo"),
+                ("vs_grpo", "mean_reward", "mean reward over the run (speed) vs grpo"),
+                ("vs_no_mismatch", "final_reward", f"final reward vs no mismatch ({cell.reference().label})"),
+                ("degradation_vs_grpo", "final_reward", "change with mismatch minus grpo's change"),
+            ):
+                rows = [c for c in mine if c["comparison"] == kind and c["metric"] == metric]
+                if not rows:
+                    continue
+                yes = [f"{c['loss']} {fmt(c)}" for c in rows if c["interval_excludes_0"]]
+                no = [c["loss"] for c in rows if not c["interval_excludes_0"]]
+                text = f"{what}: " + ("supported: " + "; ".join(yes) if yes else "no difference supported")
+                if yes and no:
+                    text += f"; not supported for {', '.join(no)}"
+                parts.append(text)
+            collapsed = [
+                f"{r['loss']} {r['collapses']}"
+                for r in summary
+                if (r["task"], r["cell"]) == (task, cell.label) and r["collapses"]
+            ]
+            parts.append("collapses: " + (", ".join(collapsed) if collapsed else "none"))
+            lines.append(f"**{task} {cell.label}**: " + ". ".join(parts) + ".")
+    return lines
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
 def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
-    out = prepare_out(args.out, argv)
     unknown = [loss for loss in args.losses if loss not in LOSSES]
     if unknown:
         raise SystemExit(f"--losses: unknown {unknown}; allowed {list(LOSSES)}")
-    logs = Path(tempfile.mkdtemp(prefix="maspo_learn_logs_"))
+    unknown = [task for task in args.tasks if task not in learn_tasks.TASKS]
+    if unknown:
+        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)}")
+    cells = cells_of(args)
+    out = Path(args.out)  # the lab CLI resolves --out / --update-docs
     step_rows, runs = [], []
-    total_start = time.monotonic()
+    if args.resume:
+        step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
+        first = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
+        prepare_out(out, argv)
+        if first:  # the command that started the results, then this one
+            resumed = (out / "COMMAND.txt").read_text()
+            (out / "COMMAND.txt").write_text(
+                first + "\nresumed with (runs already in learn_runs.csv skipped):\n" + resumed
+            )
+    else:
+        prepare_out(out, argv)
+    done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
+    logs = Path(tempfile.mkdtemp(prefix="maspo_learn_logs_"))
+    lengths = sorted({c.length for c in cells})
     for seed in range(args.seeds):
         for task in args.tasks:
-            data = learn_tasks.write_dataset(logs / f"data_seed{seed}", task, seed=seed)
-            for loss in args.losses:
-                log_path = logs / f"{task}_{loss}_{seed}.log"
-                code, text, wall = run_trainer(overrides_for(args, task, loss, seed, data), log_path, args.timeout)
-                steps = parse_steps(text)
-                trained = [s for s in sorted(steps) if "critic/score/mean" in steps[s]]
-                curve = [steps[s]["critic/score/mean"] for s in trained]
-                for s in trained:
-                    step_rows.append(
-                        {"task": task, "loss": loss, "seed": seed, "step": s}
-                        | {k: steps[s].get(k, float("nan")) for k in KEYS}
+            data = {
+                length: learn_tasks.write_dataset(logs / f"data_seed{seed}_L{length}", task, seed=seed, length=length)
+                for length in lengths
+            }
+            for cell in cells:
+                for loss in args.losses:
+                    if (task, cell.label, loss, seed) in done:
+                        continue
+                    name = f"{task}_{cell.label.replace('/', '_')}_{loss}_{seed}"
+                    run_dir = logs / name
+                    run_dir.mkdir()
+                    overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
+                    code, text, wall = run_trainer(overrides, run_dir / "trainer.log", args.timeout)
+                    steps = read_metrics(text, run_dir)
+                    key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
+                    key |= {"updates": cell.updates, "loss": loss, "seed": seed}
+                    for s in sorted(steps):
+                        if "critic/score/mean" in steps[s]:
+                            step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
+                    record = key | run_record(args, steps, code) | {"wall_s": wall}
+                    runs.append(record)
+                    log(
+                        f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
+                        f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
+                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s (log {run_dir / 'trainer.log'})"
                     )
-                ok = code == 0 and len(trained) == args.steps
-                k = min(args.last, len(curve))
-                final = sum(curve[-k:]) / k if k else float("nan")
-                first = curve[0] if curve else float("nan")
-                nonfinite = any(not math.isfinite(steps[s].get("actor/pg_loss", 0.0)) for s in trained)
-                runs.append(
-                    {
-                        "task": task,
-                        "loss": loss,
-                        "seed": seed,
-                        "ok": ok,
-                        "exit_code": code,
-                        "steps": len(trained),
-                        "first_reward": first,
-                        "final_reward": final,
-                        "steps_to_target": steps_to(curve, args.target),
-                        # collapse: the run failed, a loss went non-finite, or the reward ended below its start
-                        "collapsed": (not ok) or nonfinite or (final < first - 0.05),
-                        "mean_clipfrac": _mean([steps[s].get("actor/pg_clipfrac") for s in trained]),
-                        "s_per_step": _mean([steps[s].get("timing_s/step") for s in trained[1:]]),
-                        "wall_s": wall,
-                    }
-                )
-                log(
-                    f"learn {task} {loss} seed {seed}: exit {code}, {len(trained)} steps, reward "
-                    f"{first:.3f} -> {final:.3f}, {wall:.0f}s (log {log_path})"
-                )
-    summary = summarise(args, runs)
-    write_csv(out / "learn_steps.csv", step_rows)
-    write_csv(out / "learn_runs.csv", runs)
-    write_csv(out / "learn_summary.csv", summary)
-    plot(args, step_rows, out / "learn_reward.png")
-    (out / "README.md").write_text(readme(args, summary, runs, time.monotonic() - total_start))
-    log(f"learn: wrote {out} in {time.monotonic() - total_start:.0f}s")
+                    # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
+                    write_csv(out / "learn_steps.csv", step_rows)
+                    write_csv(out / "learn_runs.csv", _uniform(runs))
+        write_results(args, cells, out, step_rows, runs)  # the summary so far, after each seed
+    log(f"learn: wrote {out}; {sum(r['wall_s'] for r in runs) / 60:.0f} min of trainer runs")
 
 
-def plot(args, step_rows: list[dict], path: Path) -> None:
+def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], runs: list[dict]) -> None:
+    summary = summarise(args, cells, runs)
+    comparisons = compare(args, cells, runs)
+    write_csv(out / "learn_summary.csv", _uniform(summary))
+    if comparisons:
+        write_csv(out / "learn_compare.csv", comparisons)
+    else:  # e.g. grpo not among the losses: the header only
+        (out / "learn_compare.csv").write_text(",".join(COMPARE_COLUMNS) + "\n")
+    plot_steps(args, cells, step_rows, out / "learn_reward.png")
+    sigma_plot = plot_sigma(args, cells, runs, out / "learn_sigma.png")
+    total_s = sum(r["wall_s"] for r in runs)
+    (out / "README.md").write_text(readme(args, cells, summary, comparisons, runs, total_s, sigma_plot))
+
+
+INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
+TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse")
+
+
+def load_rows(path: Path) -> list[dict]:
+    """Rows of a learn CSV as the run wrote them (ints, bools, None for empty, floats)."""
+    import csv
+
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, newline="") as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for key, value in raw.items():
+                if key in TEXT_COLUMNS:
+                    row[key] = value
+                elif value in ("True", "False"):
+                    row[key] = value == "True"
+                elif value == "":
+                    row[key] = None if key in INT_COLUMNS else float("nan")
+                else:
+                    row[key] = int(value) if key in INT_COLUMNS else float(value)
+            rows.append(row)
+    return rows
+
+
+def _uniform(rows: list[dict]) -> list[dict]:
+    """Rows with the union of keys (diagnostics appear only in some runs), missing ones empty."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    return [{k: r.get(k, "") for k in keys} for r in rows]
+
+
+# -- plots and README -----------------------------------------------------------------------
+
+
+def plot_steps(args, cells: list[Cell], step_rows: list[dict], path: Path) -> None:
+    panels = [(task, cell) for task in args.tasks for cell in cells]
+    cols = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(args.tasks), figsize=(6.5 * len(args.tasks), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], args.tasks, strict=True):
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
+    for ax, (task, cell) in zip(axes.flat, panels, strict=False):
         for loss in args.losses:
             by_step: dict[int, list[float]] = {}
             for r in step_rows:
-                if r["task"] == task and r["loss"] == loss:
+                if (r["task"], r["cell"], r["loss"]) == (task, cell.label, loss):
                     by_step.setdefault(r["step"], []).append(r["critic/score/mean"])
             if not by_step:
                 continue
             xs = sorted(by_step)
-            mean = [statistics.fmean(by_step[x]) for x in xs]
-            lo = [min(by_step[x]) for x in xs]
-            hi = [max(by_step[x]) for x in xs]
-            (line,) = ax.plot(xs, mean, label=loss)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-        ax.axhline(args.target, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{task}-like task: reward (critic/score/mean), mean and seed range")
+            (line,) = ax.plot(xs, [statistics.fmean(by_step[x]) for x in xs], label=loss)
+            lo, hi = [min(by_step[x]) for x in xs], [max(by_step[x]) for x in xs]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+        ax.set_title(f"{task} {cell.label}: reward, mean and seed range", fontsize=9)
         ax.set_xlabel("training step")
-        ax.set_ylabel("reward")
+        ax.set_ylabel("critic/score/mean")
         ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def findings(args, summary: list[dict], runs: list[dict]) -> list[str]:
-    """Statements derived from the numbers (no pass/fail on which loss wins)."""
-    lines = []
-    for task in args.tasks:
-        rows = [r for r in summary if r["task"] == task and not math.isnan(r["final_reward"])]
-        if not rows:
-            continue
-        grpo = [r for r in runs if r["task"] == task and r["loss"] == "grpo"]
-        if grpo:
-            rises = [r["final_reward"] - r["first_reward"] for r in grpo if r["ok"]]
-            lines.append(
-                f"{task}: grpo's reward rose from {_mean([r['first_reward'] for r in grpo]):.3f} to "
-                f"{_mean([r['final_reward'] for r in grpo]):.3f} (rise per seed: "
-                + ", ".join(f"{x:+.3f}" for x in rises)
-                + f"; {sum(x > 0.05 for x in rises)}/{len(grpo)} seeds rose by more than 0.05)."
-            )
-        best = max(rows, key=lambda r: r["final_reward"])
-        worst = min(rows, key=lambda r: r["final_reward"])
-        lines.append(
-            f"{task}: highest final reward {best['loss']} ({best['final_reward']:.3f}), lowest "
-            f"{worst['loss']} ({worst['final_reward']:.3f}); seed spread up to "
-            f"{max((r['final_sd'] for r in rows if not math.isnan(r['final_sd'])), default=float('nan')):.3f} (sd)."
-        )
-        collapsed = [f"{r['loss']} ({r['collapses']})" for r in rows if r["collapses"]]
-        lines.append(f"{task}: collapses: {', '.join(collapsed) if collapsed else 'none'}.")
-        slow = max(rows, key=lambda r: r["time_vs_grpo"] if not math.isnan(r["time_vs_grpo"]) else 0)
-        lines.append(
-            f"{task}: wall time per step relative to grpo: "
-            + ", ".join(f"{r['loss']} {r['time_vs_grpo']:.2f}" for r in rows)
-            + f" (largest: {slow['loss']}; the tiny model makes rollout and Ray overhead dominate)."
-        )
-    return lines
+def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
+    """Final reward against the noise sigma per loss (95 % bootstrap intervals), one panel per task, length
+    and updates with at least two mismatch levels; bf16 cells as hollow markers at their sigma."""
+    groups = {}
+    for cell in cells:
+        groups.setdefault((cell.length, cell.updates), []).append(cell)
+    panels = [(task, key) for task in args.tasks for key, group in groups.items() if len(group) > 1]
+    if not panels:
+        return False
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (task, key) in zip(axes[0], panels, strict=True):
+        group = groups[key]
+        for i, loss in enumerate(args.losses):
+            shift = (i - (len(args.losses) - 1) / 2) * 0.004
+            color = None
+            for dtype, marker, fill in (("fp32", "o", True), (MISMATCH_DTYPE, "s", False)):
+                pts = []
+                for cell in sorted((c for c in group if c.dtype == dtype), key=lambda c: c.sigma):
+                    finals = [
+                        r["final_reward"]
+                        for r in runs
+                        if (r["task"], r["cell"], r["loss"]) == (task, cell.label, loss) and r["ok"]
+                    ]
+                    mean, low, high = bootstrap_ci(finals)
+                    if mean == mean:
+                        pts.append((cell.sigma + shift, mean, mean - low, high - mean))
+                if not pts:
+                    continue
+                xs, ys, lo, hi = zip(*pts, strict=True)
+                handle = ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[lo, hi],
+                    marker=marker,
+                    capsize=3,
+                    color=color,
+                    mfc=None if fill else "none",
+                    ls="-" if fill else "none",
+                    label=loss if fill else f"{loss} ({MISMATCH_DTYPE})",
+                )
+                color = handle.lines[0].get_color()
+        ax.set_title(f"{task}, {key[0]} tokens, {key[1]} update(s)/batch: final reward vs sigma", fontsize=9)
+        ax.set_xlabel("noise sigma on each rollout log-prob (bypass mode)")
+        ax.set_ylabel(f"final reward (last {args.last} steps), mean and 95% CI")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
-def readme(args, summary: list[dict], runs: list[dict], total_s: float) -> str:
-    keys = list(summary[0]) if summary else []
+def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: bool) -> str:
     cmd = "python -m maspo_verl.lab learn " + " ".join(
         [f"--tasks {' '.join(args.tasks)}", f"--seeds {args.seeds}", f"--steps {args.steps}"]
     )
+    target = f"reward {args.target:g}" if args.target is not None else f"step 1's reward + {args.gain:g}"
+    cols = ["task", "cell", "loss", "seeds_ok", *SUMMARY_METRICS, "reached", "collapses", "time_vs_grpo"]
+    cols += sorted({k for r in summary for k in r if k.startswith(DIAGNOSTIC_PREFIXES)})
+    diagnostics = any(k.startswith(DIAGNOSTIC_PREFIXES) for r in runs for k in r)
     return "\n".join(
         [
-            "# Learning inside verl: each loss preset on verl's real trainer (local CPU mode)",
+            "# Learning inside verl: loss presets on verl's real trainer (local CPU mode)",
             "",
-            f"`{cmd}` (exact command in `COMMAND.txt`); {len(runs)} runs, {total_s / 60:.1f} min in all.",
+            f"`{cmd} ...` (exact command in `COMMAND.txt`); cells {', '.join(c.label for c in cells)}; "
+            f"{len(runs)} runs, {total_s / 60:.1f} min of trainer runs in all.",
             "",
             "Every run is `python -m maspo_verl.main local=cpu loss=<preset>` (verl's trainer, Ray, FSDP2,"
             " agent-loop rollout) on the embedded tiny random Qwen2 (byte-level, ~91k parameters) with the"
             " toy tasks of `maspo_verl/lab/learn_tasks.py`: word k of 4 is the id block [64k, 64k+64); each"
             " run has one sentence (from the seed) that every prompt asks for; *text-like*: each token is a"
-            f" word, {RESPONSE_TOKENS} words; *speech-like*: a run of tokens in one block is a word (tied"
-            f" neighbours), {RESPONSE_TOKENS // FRAMES_PER_WORD} words of {FRAMES_PER_WORD} frames. Reward:"
-            " 1 - edit distance / max(|hyp|, |ref|) over words (a WER normalised to [0, 1]); the word spans"
-            " give per-token scores, used by `credit=span`.",
-            f"Per step: {args.batch} prompts x {args.n} responses of {RESPONSE_TOKENS} tokens,"
-            f" 2 mini-batches, lr {args.lr:g}; seeds set the model initialisation and data order."
-            " `maspo_fixed` uses W = 3 tokens. Everything else equal.",
+            " word (as many words as tokens); *speech-like*: a run of tokens in one block is a word (tied"
+            f" neighbours), {SPEECH_WORDS} words at any length (3 frames each at 12 tokens, 24 at 96: a higher"
+            " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words.",
+            f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"
+            " initialisation and data order, so runs of one seed start alike. `maspo_fixed` uses W = 3 tokens.",
             "",
-            f"Columns: reward at step 1 and final (mean of the last {args.last} steps, mean over seeds, sd"
-            f" over seeds), seeds reaching reward {args.target:g} and the median step they did, collapses"
-            " (run failed, non-finite loss, or final reward below the first by > 0.05), verl's"
-            " `actor/pg_clipfrac` averaged over steps, `timing_s/step` (steps 2..N) and its ratio to grpo"
-            " in the same run. All from verl's logged metrics.",
+            "A cell is `L<response tokens>/<mismatch>/U<updates per batch>`. Mismatch: the local rollout"
+            " server's test instrument (`maspo.local_mismatch`): `bf16` runs its model in bfloat16, a number"
+            " is the sigma of Gaussian noise added to each returned log-prob"
+            + (
+                "; bypass mode is on, so these log-probs are verl's old log-probs."
+                if args.bypass
+                else "; bypass mode is off (verl recomputes old log-probs)."
+            )
+            + (
+                " The actor computes in fp32 (`fsdp_config.mixed_precision.param_dtype=fp32`), as the server does"
+                " without the instrument."
+                if args.fp32_trainer
+                else " The actor computes in bf16 (verl's default FSDP mixed precision), the server in fp32."
+            )
+            + " Updates: the batch is split into that many mini-batches (one optimizer update each); with 1,"
+            " old and current log-probs differ only by the mismatch.",
             "",
-            markdown_table(summary, keys),
-            "## Findings",
+            f"Columns (mean over seeds and 95 % percentile-bootstrap interval): final reward (last {args.last}"
+            f" steps), mean reward over all {args.steps} steps (speed), steps to {target} (not reached:"
+            f" {args.steps + 1}), verl's `actor/pg_clipfrac` and `actor/grad_norm` (mean over steps, and its sd"
+            f" over steps); reached: seeds reaching the target; collapses: run failed, non-finite loss or"
+            f" gradient, or final reward {COLLAPSE_DROP:g} below the run's best {args.last}-step mean."
+            + (
+                ""
+                if diagnostics
+                else " verl logged no `rollout_corr/*` or `training/rollout_*` diagnostics: it computes them"
+                " only when it recomputes old log-probs (decoupled mode), not in bypass mode."
+            ),
             "",
-            *[f"- {line}" for line in findings(args, summary, runs)],
+            markdown_table(summary, cols),
+            "## What the intervals support, cell by cell",
             "",
+            "Paired by seed (runs of one seed share initialisation and data). An interval that excludes 0 is"
+            " called *supported*; with this many comparisons about 1 in 20 does so by chance.",
+            "",
+            *[f"- {line}" for line in statements(args, cells, summary, comparisons)],
+            "",
+            "All paired differences (`learn_compare.csv`): `vs_grpo` = loss - grpo in the cell;"
+            " `vs_no_mismatch` = the cell - the same loss without mismatch; `degradation_vs_grpo` = that"
+            " change minus grpo's (> 0: degrades less than grpo).",
+            "",
+            markdown_table(comparisons, COMPARE_COLUMNS),
             "Files: `learn_steps.csv` (verl's metrics per step and run), `learn_runs.csv`, `learn_summary.csv`,"
-            " `learn_reward.png` (reward per step, mean and seed range).",
+            " `learn_compare.csv`, `learn_reward.png` (reward per step)"
+            + (", `learn_sigma.png` (final reward vs sigma per loss)." if sigma_plot else "."),
             "",
         ]
     )

@@ -1,17 +1,18 @@
 """Toy tasks for ``python -m maspo_verl.lab learn``: verl datasets, their reward and per-token scores.
 
 Both tasks use the local mode's embedded byte-level model (ids 0..255 are bytes, which the local
-``tokenval`` rule treats as 4-digit FSQ codes) and fixed-length responses (``RESPONSE_TOKENS``, EOS
-ignored). Word k of a 4-word vocabulary is the id block ``[64 k, 64 k + 64)``. Each run has one
-sentence (drawn from the seed), which every prompt asks for ("Say: ka mi ..."): a tiny random model
-can learn to say it within a few dozen steps, while reading the prompt would take far longer. The
-response is decoded into words:
+``tokenval`` rule treats as 4-digit FSQ codes) and fixed-length responses (``RESPONSE_TOKENS`` by
+default, ``length`` in ``write_dataset``; EOS ignored). Word k of a 4-word vocabulary is the id block
+``[64 k, 64 k + 64)``. Each run has one sentence (drawn from the seed), which every prompt asks for
+("Say: ka mi ..."): a tiny random model can learn to say it within a few dozen steps, while reading
+the prompt would take far longer. The response is decoded into words:
 
 - ``text``: every response token is one word (neighbouring tokens independent); the sentence has
-  ``RESPONSE_TOKENS`` words;
+  ``length`` words;
 - ``speech``: a maximal run of tokens in the same block is one word (a word is "held" over several
-  frames, so neighbouring tokens are tied, as codec frames are); the sentence has
-  ``RESPONSE_TOKENS // FRAMES_PER_WORD`` words, no word twice in a row.
+  frames, so neighbouring tokens are tied, as codec frames are); the sentence has ``SPEECH_WORDS``
+  words, no word twice in a row, so a word lasts ``length / SPEECH_WORDS`` frames (3 at the default
+  length; longer responses are a higher frame rate, as a codec's, for the same content).
 
 Special tokens (ids >= 256) decode to nothing. The reward is sequence level:
 ``1 - edit_distance(hyp, ref) / max(|hyp|, |ref|)`` (a WER normalised by the longer word sequence, so
@@ -30,7 +31,8 @@ WORDS = ("ka", "lo", "mi", "nu")
 BLOCK = 64  # ids per word
 NUM_CODES = 256
 RESPONSE_TOKENS = 12
-FRAMES_PER_WORD = 3
+SPEECH_WORDS = 4  # words of the speech-like sentence, at any length: longer responses hold each word longer
+FRAMES_PER_WORD = RESPONSE_TOKENS // SPEECH_WORDS  # at the default length
 TASKS = ("text", "speech")
 DATA_SOURCE = "maspo_learn_{task}"
 
@@ -88,11 +90,12 @@ def token_scores_of(task: str, ids: list[int], reference: str) -> tuple[float, l
     return value, token_scores(value, token_penalties(spans, len(ids)))
 
 
-def sentence(task: str, rng: random.Random) -> str:
+def sentence(task: str, rng: random.Random, length: int = RESPONSE_TOKENS) -> str:
+    """The run's sentence for responses of ``length`` tokens."""
     if task == "text":
-        return " ".join(rng.choice(WORDS) for _ in range(RESPONSE_TOKENS))
+        return " ".join(rng.choice(WORDS) for _ in range(length))
     words = [rng.choice(WORDS)]
-    while len(words) < RESPONSE_TOKENS // FRAMES_PER_WORD:
+    while len(words) < SPEECH_WORDS:
         words.append(rng.choice([w for w in WORDS if w != words[-1]]))
     return " ".join(words)
 
@@ -110,12 +113,14 @@ def rows(task: str, n: int, target: str, split: str) -> list[dict]:
     ]
 
 
-def write_dataset(folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16) -> dict:
+def write_dataset(
+    folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16, length: int = RESPONSE_TOKENS
+) -> dict:
     import pandas as pd
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    target = sentence(task, random.Random(f"{task}-{seed}"))
+    target = sentence(task, random.Random(f"{task}-{seed}"), length)
     paths = {"sentence": target}
     for split, n in (("train", n_train), ("val", n_val)):
         paths[split] = str(folder / f"{task}_{split}.parquet")

@@ -227,9 +227,12 @@ def prepare(config) -> dict:
     mode = check_settings(config)
     check_verl_features()
     from maspo_verl.local import ray_cluster
+    from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
 
-    # what a Ray job sets, it keeps
-    env = ray_cluster.local_env({**LOCAL_ENV, **_run_env(config)}, ray_cluster.job_env_vars())
+    mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
+    # the mismatch variable always set: a stale shell value never leaks in
+    mode_env = {**LOCAL_ENV, **_run_env(config), MISMATCH_ENV: mismatch.to_env()}
+    env = ray_cluster.local_env(mode_env, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
     os.environ.update(env)
     activate()
 
@@ -268,6 +271,13 @@ def prepare(config) -> dict:
     from maspo_verl.local.run_log import run_dir, shown_path
 
     folder = "" if config.maspo.get("dry_run") else f" run_folder={shown_path(run_dir())}"
+    if mismatch.active:
+        bypass = bool((config.algorithm.get("rollout_correction", {}) or {}).get("bypass_mode", False))
+        print(
+            f"maspo_verl local: test instrument maspo.local_mismatch on ({mismatch.describe()}); "
+            + ("bypass mode: they are the old log-probs" if bypass else "no bypass mode: only diagnostics see them"),
+            flush=True,
+        )
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
@@ -275,6 +285,12 @@ def prepare(config) -> dict:
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _plain(value):
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 def _fit_private_cluster(config) -> None:

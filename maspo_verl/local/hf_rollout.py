@@ -7,7 +7,9 @@ vllm/sglang/trtllm are registered. This backend is a plain ``transformers`` mode
 
 - ``HFServer``: Ray actor holding the model; samples token by token with a KV cache and returns
   the sampled ids and their log-probs (log-softmax of logits / temperature, as verl's
-  ``logprobs_mode=processed_logprobs``), so ``bypass_mode`` gets engine log-probs.
+  ``logprobs_mode=processed_logprobs``), so ``bypass_mode`` gets engine log-probs. A test
+  instrument can make them differ from the trainer's in a controlled way (bf16 model, Gaussian
+  noise; ``maspo_verl.local.mismatch``, off by default).
 - ``HFReplica``: the ``RolloutReplica`` that starts one server per replica (registered as
   ``hf`` in ``RolloutReplicaRegistry``).
 - ``HFServerAdapter``: the ``BaseRollout`` living in the hybrid actor worker (registered as
@@ -29,6 +31,8 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+from maspo_verl.local.mismatch import LogProbMismatch
 
 logger = logging.getLogger("maspo_verl.local")
 
@@ -55,8 +59,10 @@ class HFServer:
         path = model_config.local_path
         trust = bool(getattr(model_config, "trust_remote_code", False))
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        self.mismatch = LogProbMismatch.from_env()
+        dtype = torch.bfloat16 if self.mismatch.logprob_dtype == "bf16" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, config=hf_config, torch_dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust
+            path, config=hf_config, torch_dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust
         ).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         eos = set()
@@ -66,7 +72,12 @@ class HFServer:
             elif source:
                 eos.update(int(x) for x in source)
         self.eos_ids = torch.tensor(sorted(eos), dtype=torch.long)
-        self.generator = torch.Generator().manual_seed(int(getattr(config, "seed", 0) or 0) + 1000 * replica_rank)
+        seed = int(getattr(config, "seed", 0) or 0) + 1000 * replica_rank
+        self.generator = torch.Generator().manual_seed(seed)
+        # its own stream: the noise leaves the sampled tokens as they are without it
+        self.noise_generator = torch.Generator().manual_seed(seed + 7919)
+        if self.mismatch.active:
+            logger.warning("maspo_verl local: test instrument on, rollout log-probs: %s", self.mismatch.describe())
         self.lock = asyncio.Lock()
         self.global_steps = None
         self.weight_version = 0
@@ -126,6 +137,9 @@ class HFServer:
                 if not ignore_eos and bool((self.eos_ids == token).any()):
                     break
                 input_ids = torch.tensor([[token]], dtype=torch.long)
+        if self.mismatch.noise_std > 0 and log_probs:
+            noise = torch.randn(len(log_probs), generator=self.noise_generator, dtype=torch.float64)
+            log_probs = (torch.tensor(log_probs, dtype=torch.float64) + self.mismatch.noise_std * noise).tolist()
         return tokens, log_probs
 
     async def generate(

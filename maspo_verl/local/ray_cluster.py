@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 
+from maspo_verl.local.mismatch import MISMATCH_ENV
+
 # Ray sets this for a job's entrypoint: {"runtime_env": {...}, "metadata": {...}}.
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # Local-mode variables the job's runtime env may not set to another value.
-REQUIRED = ("MASPO_VERL_LOCAL", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")
+REQUIRED = ("MASPO_VERL_LOCAL", "VERL_PLATFORM", "VERL_ENGINE_DEVICE", MISMATCH_ENV)
 # ray.init arguments of a private cluster only (Ray refuses num_cpus/num_gpus when connecting).
 PRIVATE_ONLY = ("num_cpus", "num_gpus", "include_dashboard")
 

@@ -1,0 +1,182 @@
+"""The learn command's axes and statistics, without a trainer: cells, the overrides a cell makes,
+per-run numbers from verl's per-step metrics (collapses, censoring) and the paired comparisons."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+
+import pytest
+
+from maspo_verl.lab import learn
+from maspo_verl.lab import learn_tasks as lt
+from maspo_verl.lab.common import bootstrap_ci
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    learn.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_mismatch_forms():
+    assert learn.parse_mismatch("none") == ("fp32", 0.0)
+    assert learn.parse_mismatch("bf16") == ("bf16", 0.0)
+    assert learn.parse_mismatch("0.2") == ("fp32", 0.2)
+    assert learn.parse_mismatch("bf16+0.05") == ("bf16", 0.05)
+    for bad in ("fp16", "-0.1", "nan", "bf16+x", "0.2+bf16"):
+        with pytest.raises(SystemExit, match="--mismatch"):
+            learn.parse_mismatch(bad)
+
+
+def test_cells_product_explicit_and_checked():
+    cells = learn.cells_of(
+        _args("--lengths", "12", "96", "--mismatch", "none", "0.2", "--updates", "1", "4", "--bypass")
+    )
+    assert len(cells) == 8 and cells[0] == learn.Cell(12, "none", 1) and cells[-1].label == "L96/0.2/U4"
+    assert learn.cells_of(_args())[0] == learn.Cell(lt.RESPONSE_TOKENS, "none", 2)  # the old command's meaning
+    explicit = learn.cells_of(_args("--cells", "96/none/1", "96/bf16/1", "--bypass"))
+    assert [c.label for c in explicit] == ["L96/none/U1", "L96/bf16/U1"]
+    assert explicit[1].reference() == explicit[0]
+    for argv, match in (
+        (["--mismatch", "0.2"], "add --bypass"),
+        (["--updates", "3"], "must divide --batch 8"),
+        (["--cells", "96/0.2"], "LENGTH/MISMATCH/UPDATES"),
+        (["--cells", "96/none/1", "--lengths", "12"], "one or the other"),
+        (["--cells", "96/none/1", "96/none/1"], "twice"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            learn.cells_of(_args(*argv))
+
+
+def test_overrides_of_a_cell():
+    args = _args("--bypass", "--batch", "8", "--n", "4")
+    data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
+    ov = learn.overrides_for(args, "speech", "grpo", 3, data, learn.Cell(96, "bf16+0.2", 4))
+    assert "data.max_response_length=96" in ov and "data.max_prompt_length=64" in ov
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=2" in ov  # 8 prompts / 4 updates
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8" in ov
+    assert "algorithm.rollout_correction.bypass_mode=true" in ov
+    assert "maspo.local_mismatch.logprob_dtype=bf16" in ov and "maspo.local_mismatch.noise_std=0.2" in ov
+    assert not [o for o in ov if "mixed_precision" in o]  # verl's default: the actor computes in bf16
+    fp32 = learn.overrides_for(_args("--fp32-trainer"), "speech", "grpo", 3, data, learn.Cell(12, "none", 1))
+    assert "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32" in fp32
+    plain = learn.overrides_for(_args(), "speech", "grpo", 3, data, learn.Cell(12, "none", 1))
+    assert not [o for o in plain if "bypass" in o or "local_mismatch" in o]
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=8" in plain
+    long_text = " ".join(["ka"] * 96)
+    assert learn.prompt_room(long_text) >= len("Say: " + long_text) + 19  # the chat template's tokens
+
+
+def test_speech_sentence_keeps_its_words_at_any_length(tmp_path):
+    for length in (12, 96):
+        speech = lt.write_dataset(tmp_path / str(length), "speech", seed=2, n_train=2, n_val=1, length=length)
+        words = speech["sentence"].split()
+        assert len(words) == lt.SPEECH_WORDS
+        held = [lt.WORDS.index(w) * lt.BLOCK + f for w in words for f in range(length // lt.SPEECH_WORDS)]
+        assert len(held) == length and lt.score("speech", held, speech["sentence"])[0] == 1.0
+    text = lt.write_dataset(tmp_path / "t", "text", seed=2, n_train=2, n_val=1, length=96)["sentence"].split()
+    assert len(text) == 96
+
+
+def _steps(rewards, **extra):
+    return {
+        i: {"critic/score/mean": r, "actor/grad_norm": 1.0 + i, "actor/pg_loss": 0.1} | extra
+        for i, r in enumerate(rewards, 1)
+    }
+
+
+def test_run_record_collapses_and_censoring():
+    args = _args("--steps", "6", "--last", "2", "--gain", "0.1")
+    rec = learn.run_record(args, _steps([0.3, 0.35, 0.42, 0.45, 0.44, 0.46]), 0)
+    assert rec["ok"] and not rec["collapsed"] and rec["steps_to_target"] == 3 == rec["steps_to_target_c"]
+    assert rec["final_reward"] == pytest.approx(0.45) and rec["mean_reward"] == pytest.approx(2.42 / 6)
+    assert rec["grad_norm_mean"] == pytest.approx(4.5) and rec["grad_norm_sd"] == pytest.approx(
+        statistics.pstdev(range(2, 8))
+    )
+    # learned, then lost it: final (last 2) 0.1+ below the best 2-step mean
+    dropped = learn.run_record(args, _steps([0.3, 0.5, 0.52, 0.45, 0.38, 0.38]), 0)
+    assert dropped["collapse"] == "drop" and dropped["steps_to_target"] == 2
+    flat = learn.run_record(args, _steps([0.3] * 6), 0)
+    assert not flat["collapsed"] and flat["steps_to_target"] is None and flat["steps_to_target_c"] == 7
+    bad = _steps([0.3] * 6)
+    bad[4]["actor/grad_norm"] = math.inf
+    assert learn.run_record(args, bad, 0)["collapse"] == "non-finite"
+    assert learn.run_record(args, _steps([0.3] * 5), 0)["collapse"] == "failed"  # a step missing
+    assert learn.run_record(args, _steps([0.3] * 6), 1)["collapse"] == "failed"
+    # verl's mismatch diagnostics are carried when it logs them
+    diag = learn.run_record(args, _steps([0.3] * 6, **{"rollout_corr/kl": 0.02}), 0)
+    assert diag["rollout_corr/kl"] == pytest.approx(0.02)
+
+
+def test_bootstrap_interval():
+    assert bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5, 0.5)
+    assert all(math.isnan(v) for v in bootstrap_ci([]))
+    rng = random.Random(0)
+    x = [rng.gauss(1.0, 2.0) for _ in range(400)]
+    mean, low, high = bootstrap_ci(x)
+    assert mean == pytest.approx(statistics.fmean(x))
+    half = 1.96 * statistics.stdev(x) / math.sqrt(len(x))  # the normal-theory half-width
+    assert (high - low) / 2 == pytest.approx(half, rel=0.1) and low < mean < high
+
+
+def test_paired_comparisons_by_hand():
+    args = _args("--tasks", "speech", "--losses", "grpo", "gspo", "--seeds", "4", "--bypass")
+    cells = [learn.Cell(96, "none", 1), learn.Cell(96, "0.2", 1)]
+    # grpo loses 0.1 with noise, gspo nothing; gspo is 0.05 below grpo without noise; seeds shift all alike
+    final = {("L96/none/U1", "grpo"): 0.5, ("L96/none/U1", "gspo"): 0.45, ("L96/0.2/U1", "grpo"): 0.4}
+    final[("L96/0.2/U1", "gspo")] = 0.45
+    runs = [
+        {"task": "speech", "cell": c, "loss": loss, "seed": s, "ok": True, "final_reward": v + 0.1 * s}
+        | {"mean_reward": v, "steps_to_target_c": 3, "collapsed": False}
+        for (c, loss), v in final.items()
+        for s in range(4)
+    ]
+    rows = {(r["cell"], r["comparison"], r["loss"], r["metric"]): r for r in learn.compare(args, cells, runs)}
+    vs = rows[("L96/none/U1", "vs_grpo", "gspo", "final_reward")]
+    assert vs["diff"] == pytest.approx(-0.05) and vs["low"] == pytest.approx(-0.05) and vs["interval_excludes_0"]
+    assert rows[("L96/0.2/U1", "vs_no_mismatch", "grpo", "final_reward")]["diff"] == pytest.approx(-0.1)
+    assert not rows[("L96/0.2/U1", "vs_no_mismatch", "gspo", "final_reward")]["interval_excludes_0"]
+    did = rows[("L96/0.2/U1", "degradation_vs_grpo", "gspo", "final_reward")]
+    assert did["diff"] == pytest.approx(0.1) and did["interval_excludes_0"]
+    assert not rows[("L96/none/U1", "vs_grpo", "gspo", "steps_to_target_c")]["interval_excludes_0"]
+    summary = learn.summarise(
+        args,
+        cells,
+        [
+            r
+            | {
+                "steps_to_target": 3,
+                "s_per_step": 1.0,
+                "mean_clipfrac": 0.0,
+                "grad_norm_mean": 1.0,
+                "grad_norm_sd": 0.0,
+            }
+            for r in runs
+        ],
+    )
+    lines = learn.statements(args, cells, summary, learn.compare(args, cells, runs))
+    assert "gspo +0.100" in lines[1] and "grpo -0.100" in lines[1]
+
+
+def test_runs_round_trip_through_csv_for_resume(tmp_path):
+    from maspo_verl.lab.common import write_csv
+
+    args = _args("--steps", "3", "--last", "1")
+    key = {"task": "speech", "cell": "L12/0.2/U1", "length": 12, "mismatch": "0.2", "updates": 1, "loss": "gspo"}
+    runs = [
+        key | {"seed": 0} | learn.run_record(args, _steps([0.3, 0.5, 0.5], **{"rollout_corr/kl": 0.1}), 0),
+        key | {"seed": 1} | learn.run_record(args, _steps([0.3, 0.3]), None),
+    ]
+    runs = [r | {"wall_s": 60.0} for r in runs]
+    write_csv(tmp_path / "runs.csv", learn._uniform(runs))
+    back = learn.load_rows(tmp_path / "runs.csv")
+    for row, original in zip(back, runs, strict=True):
+        for k, v in original.items():
+            assert row[k] == v or (v != v and row[k] != row[k]), k
+    assert (
+        back[1]["exit_code"] is None and back[1]["steps_to_target"] is None and math.isnan(back[1]["rollout_corr/kl"])
+    )
