@@ -1,7 +1,9 @@
-"""Small helpers shared across layers (no verl, no torch): the config folder, one-time warnings, parquet files."""
+"""Small helpers shared across layers (no verl, no torch): the config folder, verl's metrics file,
+one-time warnings, parquet files."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -26,6 +28,21 @@ def config_dir() -> Path:
 def preset_names(group: str = "loss") -> list[str]:
     """The presets of a config group (``loss=<name>``): the YAML files of ``hydra_configs/<group>/``."""
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def read_step_metrics(path: Path | None) -> dict[int, dict]:
+    """step -> metrics of verl's ``file`` logger (one JSON object ``{"step", "data"}`` a line); lines
+    cut short by a failure are skipped."""
+    steps: dict[int, dict] = {}
+    if path is None or not Path(path).is_file():
+        return steps
+    for raw in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(raw)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps
 
 
 def warn_once(message: str, category: type[Warning] = UserWarning, logger: logging.Logger | None = None) -> None:

@@ -15,12 +15,13 @@ data order, batch, learning rate, rollout). A *cell* is one point of the axes:
 
 ``--cells LENGTH/MISMATCH/UPDATES ...`` lists cells explicitly instead of the full product.
 
-Metrics are verl's own, read by ``read_metrics`` (today from its console logger, ``step:N -
-key:value ...``). Per run: final reward (``critic/score/mean``, mean of the last K steps), mean
-reward over all steps (the speed measure), steps to a reward gain, ``actor/pg_clipfrac``,
-``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd over steps), verl's ``rollout_corr/*`` and
-``training/rollout_*`` diagnostics when it logs them (not in bypass mode), collapses. The summary
-gives means with 95 % bootstrap intervals over seeds and paired (same-seed) differences.
+Metrics are verl's own, read by ``read_metrics`` (from the run folder's ``metrics.jsonl``, verl's
+``file`` logger; else its console lines ``step:N - key:value ...``). Per run: final reward
+(``critic/score/mean``, mean of the last K steps), mean reward over all steps (the speed measure),
+steps to a reward gain, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd
+over steps), verl's ``rollout_corr/*`` and ``training/rollout_*`` diagnostics when it logs them (not
+in bypass mode), collapses. The summary gives means with 95 % bootstrap intervals over seeds and
+paired (same-seed) differences.
 Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``--out``): README,
 ``learn_steps.csv``, ``learn_runs.csv``,
 ``learn_summary.csv``, ``learn_compare.csv``, ``learn_reward.png``, ``learn_sigma.png``, ``COMMAND.txt``.
@@ -29,7 +30,6 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 from __future__ import annotations
 
 import ast
-import json
 import math
 import os
 import re
@@ -45,6 +45,7 @@ from pathlib import Path
 
 from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
 from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS
+from maspo_verl.util import read_step_metrics
 
 # name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
 # these responses' words)
@@ -142,16 +143,10 @@ def read_metrics(log_text: str, run_dir: Path) -> dict[int, dict[str, float]]:
     """verl's metrics of one run, per step: the one place that knows where they come from. Every metric
     at full precision from the run folder's ``metrics.jsonl`` (one ``{"step": N, "data": {...}}`` a
     line), else the console's step lines."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
+    steps = read_step_metrics(run_dir / METRICS_FILE)
+    if not steps:
         return parse_steps(log_text)
-    steps: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            data = {k: float(v) for k, v in record["data"].items() if isinstance(v, int | float)}
-            steps.setdefault(int(record["step"]), {}).update(data)
-    return steps
+    return {s: {k: float(v) for k, v in data.items() if isinstance(v, int | float)} for s, data in steps.items()}
 
 
 # -- cells --------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import numbers
 import os
@@ -32,6 +31,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from maspo_verl.util import read_step_metrics
 
 # metric key -> label in the closing block; the step line shows these keys when present
 STEP_KEYS = {
@@ -261,20 +262,6 @@ def metrics_path(config) -> Path | None:
     return root / str(config.trainer.project_name) / f"{config.trainer.experiment_name}.jsonl"
 
 
-def read_metrics(path: Path | None) -> dict[int, dict]:
-    """step -> metrics of verl's ``file`` logger (one JSON object ``{"step", "data"}`` a line)."""
-    steps: dict[int, dict] = {}
-    if path is None or not path.is_file():
-        return steps
-    for raw in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(raw)
-            steps.setdefault(int(record["step"]), {}).update(record["data"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a failure
-    return steps
-
-
 def shown_path(path: Path) -> str:
     with contextlib.suppress(ValueError):
         return str(path.resolve().relative_to(Path.cwd()))
@@ -300,7 +287,7 @@ def _failure_line(error: BaseException) -> str:
 
 def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float, error=None) -> str:
     metrics_file = metrics_path(config)
-    steps = read_metrics(metrics_file)
+    steps = read_step_metrics(metrics_file)
     trained = sorted(s for s, m in steps.items() if s >= 1 and any(k.startswith("actor/") for k in m))
     total = config.trainer.get("total_training_steps")
     of_total = f" of {total}" if isinstance(total, int) else ""

@@ -27,7 +27,7 @@ import pytest
 
 # verl's step-line parser and the process-group/Ray-cluster stopper are the lab's (``lab learn``)
 from maspo_verl.lab.learn import ANSI, STEP_LINE, parse_steps, stop_run  # noqa: F401
-from maspo_verl.local.run_log import read_metrics
+from maspo_verl.util import read_step_metrics as read_metrics
 
 RAY_TEMP_DIR = re.compile(r"ray_temp_dir=(\S+)")
 
