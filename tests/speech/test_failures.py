@@ -279,14 +279,14 @@ def test_the_trainer_hooks_install_with_verls_v1_trainer(monkeypatch):
     installed when verl imports its v1 trainer (not before: that import resolves verl's device)."""
     from verl.trainer.ppo.v1 import replay_buffer, trainer_base
 
-    from maspo_verl import plugin
+    from maspo_verl.plugin import hooks
 
-    assert plugin.PATCHES["reward_metrics"] is None and plugin.PATCHES["run_failure"] is None
+    assert hooks.PATCHES["reward_metrics"] is None and hooks.PATCHES["run_failure"] is None
     assert trainer_base.PPOTrainer._compute_metrics.__maspo_original__
     assert replay_buffer.ReplayBuffer.sample.__maspo_original__ and replay_buffer.ReplayBufferAsync.sample
-    sample = plugin._stop_on_reported_failure(lambda self, *a: "the batch")
-    monkeypatch.setattr(plugin, "reported_run_failure", lambda: None)
+    sample = hooks._stop_on_reported_failure(lambda self, *a: "the batch")
+    monkeypatch.setattr(hooks, "reported_run_failure", lambda: None)
     assert sample(None, 1, "train", 16) == "the batch"
-    monkeypatch.setattr(plugin, "reported_run_failure", lambda: "speech reward: 8 of the last 8 samples failed")
+    monkeypatch.setattr(hooks, "reported_run_failure", lambda: "speech reward: 8 of the last 8 samples failed")
     with pytest.raises(RuntimeError, match="the run stops: speech reward: 8 of the last 8 samples failed"):
         sample(None, 1, "train", 16)

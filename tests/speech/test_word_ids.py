@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
+from maspo_verl.config import GranularLossConfig
 from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.speech.codec import FrameTableCodec
 from maspo_verl.speech.reward import register_scorer
@@ -40,10 +41,12 @@ class RecordingASR:
 
 
 def manager_config(segment_rule: str):
+    """A trainer config's reward settings and a complete MASPO policy-loss config (the preset's defaults)."""
+    policy_loss = OmegaConf.structured(GranularLossConfig(loss_mode="maspo", segment_rule=segment_rule))
     return OmegaConf.create(
         {
             "reward": {"custom_reward_function": {"reward_kwargs": dict(SETTINGS)}},
-            "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "maspo", "segment_rule": segment_rule}}},
+            "actor_rollout_ref": {"actor": {"policy_loss": policy_loss}},
         }
     )
 
