@@ -68,7 +68,7 @@ class TextTables:
         """One line per string: how many ids hold it, and how many can carry it across two tokens."""
         lines = []
         for (field_name, s), (inside, splits) in self.matches.items():
-            across = [f"{a} ending {s[:k + 1]!r} x {b} starting {s[k + 1:]!r}" for k, (a, b) in enumerate(splits)]
+            across = [f"{a} ending {s[: k + 1]!r} x {b} starting {s[k + 1 :]!r}" for k, (a, b) in enumerate(splits)]
             kind = "delimiter" if field_name == "delimiters" else "step marker"
             both = f"; across two tokens: {', '.join(across)}" if across else ""
             lines.append(f"  {kind} {s!r}: {inside} ids{both}")
