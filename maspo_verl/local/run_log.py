@@ -330,8 +330,8 @@ def _checkpoints(config) -> str:
 
 @contextlib.contextmanager
 def session(config, created_temp_dirs: list[str]):
-    """Around verl's trainer in the driver: the filtered console and run.log, then the closing block,
-    the private Ray cluster shut down and its temp dirs (``created_temp_dirs``) removed."""
+    """Around verl's trainer in the driver: the filtered console and run.log; the driver disconnected from
+    Ray, the private cluster shut down and its temp dirs (``created_temp_dirs``) removed; the closing block."""
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "run.log"
@@ -350,7 +350,7 @@ def session(config, created_temp_dirs: list[str]):
         error = exc
         raise
     finally:
-        _stop_private_cluster(created_temp_dirs)
+        _stop_ray(created_temp_dirs)
         for name, stream in streams.items():
             stream.close_pending()
             setattr(sys, name, originals[name])
@@ -376,13 +376,12 @@ def _redirect_handlers(replacements: dict[int, _LineStream]) -> list:
     return changed
 
 
-def _stop_private_cluster(temp_dirs: list[str]) -> None:
-    """Shut down the Ray cluster this driver started and remove its temp dirs (none when it joined one)."""
-    if not temp_dirs:
-        return
-    import ray
-
-    if ray.is_initialized():
+def _stop_ray(temp_dirs: list[str]) -> None:
+    """Disconnect the driver from Ray, still inside the session: Ray prints the worker lines its log
+    de-duplication held back then, so they reach run.log before the closing block. Shut down the
+    cluster this driver started and remove its temp dirs (none when it joined one)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
     for folder in list(temp_dirs):
         for _ in range(10):  # the cluster's processes may still be writing their last logs

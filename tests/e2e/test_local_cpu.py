@@ -57,10 +57,12 @@ def _check_common(run) -> None:
             assert key in metrics, f"step {step}: {key} missing from {sorted(metrics)}{context}"
         assert math.isfinite(metrics["actor/pg_loss"]), f"step {step}: pg_loss {metrics['actor/pg_loss']}{context}"
         grad = metrics["actor/grad_norm"]
-        assert math.isfinite(grad) and grad > 0, f"step {step}: grad_norm {grad}{context}"
+        assert math.isfinite(grad), f"step {step}: grad_norm {grad}{context}"
         assert metrics["response_length/mean"] == pytest.approx(RESPONSE_LEN), context
         for key in ("actor/ratio/clipfrac_low", "actor/ratio/clipfrac_high", "actor/ratio/clipfrac_dual"):
             assert 0.0 <= metrics[key] <= 1.0, f"step {step}: {key}={metrics[key]}{context}"
+    # a step whose groups all scored alike has zero advantages and a zero gradient; not every step
+    assert any(m["actor/grad_norm"] > 0 for m in run.steps.values()), context
 
 
 def test_maspo_fixed_v1(local_run):

@@ -38,7 +38,9 @@ def _check_trained(run, steps: list[int]) -> str:
     for step in steps:
         metrics = run.steps[step]
         assert math.isfinite(metrics["actor/pg_loss"]), context
-        assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0, context
+        assert math.isfinite(metrics["actor/grad_norm"]), context
+    # a step whose groups all scored alike has zero advantages and a zero gradient; not every step
+    assert any(run.steps[step]["actor/grad_norm"] > 0 for step in steps), context
     return context
 
 
@@ -58,9 +60,9 @@ def test_two_data_parallel_workers(local_run):
     context = _check_trained(run, [1, 2])
     workers = set(re.findall(r"\(WorkerDict pid=(\d+)\)", run.full_log))
     assert len(workers) == 2, f"trainer workers {workers}{context}"
-    # torch.distributed names the second rank; Ray may deliver that worker line only after the run's
-    # closing block (its log de-duplication holds repeats back), so on the console rather than in run.log
-    assert "[rank1]" in run.full_log + run.log, context
+    # torch.distributed names the second rank, in a line Ray's log de-duplication holds back (rank 0 printed
+    # the same one): the session disconnects from Ray before its closing block, which prints it into run.log
+    assert "[rank1]" in run.full_log, context
     for metrics in run.steps.values():
         assert metrics["actor/ratio/segment_len_mean"] == pytest.approx(4, abs=1e-4), context
 
