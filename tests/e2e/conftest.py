@@ -53,6 +53,11 @@ class LocalRun:
         return (self.run_dir / ".hydra" / "config.yaml").read_text()
 
     @property
+    def some_step_had_a_gradient(self) -> bool:
+        """Not every step has one: a step whose groups all scored alike has zero advantages."""
+        return any(m.get("actor/grad_norm", 0.0) > 0 for m in self.steps.values())
+
+    @property
     def full_log(self) -> str:
         """Everything the trainer printed, the lines the short console leaves out included (run.log)."""
         path = self.run_dir / "run.log"

@@ -61,8 +61,7 @@ def _check_common(run) -> None:
         assert metrics["response_length/mean"] == pytest.approx(RESPONSE_LEN), context
         for key in ("actor/ratio/clipfrac_low", "actor/ratio/clipfrac_high", "actor/ratio/clipfrac_dual"):
             assert 0.0 <= metrics[key] <= 1.0, f"step {step}: {key}={metrics[key]}{context}"
-    # a step whose groups all scored alike has zero advantages and a zero gradient; not every step
-    assert any(m["actor/grad_norm"] > 0 for m in run.steps.values()), context
+    assert run.some_step_had_a_gradient, context
 
 
 def test_maspo_fixed_v1(local_run):

@@ -66,6 +66,7 @@ def test_word_segments_full_setting(speech_assets, local_run):
     assert "do not match the response length" not in run.full_log, context
     assert all(math.isfinite(metrics[k]) for k in ("critic/advantages/mean", "critic/advantages/max")), context
     assert "adv_estimator: maspo_span_grpo" in run.config_text, context
+    assert "SpeechRewardManager" in run.config_text or "tiny.en" in run.config_text, context
 
 
 def test_a_codec_failing_on_every_batch_stops_the_run(speech_assets, local_run, monkeypatch):

@@ -41,7 +41,7 @@ class RecordingASR:
 
 
 def manager_config(segment_rule: str):
-    """A trainer config's reward settings and a complete MASPO policy-loss config (the preset's defaults)."""
+    """A trainer config's reward settings and a complete MASPO policy-loss config (the dataclass defaults)."""
     policy_loss = OmegaConf.structured(GranularLossConfig(loss_mode="maspo", segment_rule=segment_rule))
     return OmegaConf.create(
         {
