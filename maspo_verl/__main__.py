@@ -1,4 +1,6 @@
 """``python -m maspo_verl check``: does ``import verl`` load the plugin here, and what does it register?
+``python -m maspo_verl generate``: rewrite the parts of maspo_base.yaml and the README made from the declared
+settings, rules and presets (``maspo_verl.reference``).
 
 Each finding is reported on its own, never as a raw traceback: verl importable, our entry points,
 whether a fresh ``import verl`` (as in a Ray worker) registers our losses and estimator, whether the
@@ -85,13 +87,40 @@ def check() -> int:
     return 0 if report["ok"] else 1
 
 
+def generate(check_only: bool) -> int:
+    """Write (or with ``check_only`` compare) the generated parts of maspo_base.yaml and the README."""
+    from pathlib import Path
+
+    from maspo_verl import reference
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "README.md").is_file():
+        print(f"maspo_verl generate: no README.md beside {root / 'maspo_verl'}: run it in a checkout", file=sys.stderr)
+        return 2
+    if check_only:
+        stale = reference.stale(root)
+        for path in stale:
+            print(f"{path.relative_to(root)} is out of date: run `{reference.COMMAND}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in reference.write(root):
+        print(f"wrote {path.relative_to(root)}")
+    return 0
+
+
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m maspo_verl")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="import, register and report the plugin's state")
+    gen = sub.add_parser(
+        "generate",
+        help="rewrite what is made from the declared settings, rules and presets (maspo_base.yaml, README tables)",
+    )
+    gen.add_argument("--check", action="store_true", help="only say which files are out of date (exit 1 if any)")
     args = parser.parse_args(argv)
     if args.command == "check":
         return check()
+    if args.command == "generate":
+        return generate(args.check)
     return 2
 
 

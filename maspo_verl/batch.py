@@ -106,12 +106,13 @@ class micro_batch_scope:
         _micro_batch.reset(self._tokens[0])
 
 
-def current_tokenizer() -> Any:
-    """The actor's tokenizer in scope of the loss call (verl's ``ActorConfig.model_config.tokenizer``)."""
+def current_tokenizer(needed_by: str = "this segment rule") -> Any:
+    """The actor's tokenizer in scope of the loss call (verl's ``ActorConfig.model_config.tokenizer``);
+    ``needed_by`` names who asks in the error."""
     tokenizer = _tokenizer.get()
     if tokenizer is None:
         raise RuntimeError(
-            "segment_rule='delimiters' needs the actor's tokenizer, but none is in scope: outside verl, wrap the "
+            f"{needed_by} needs the actor's tokenizer, but none is in scope: outside verl, wrap the "
             "loss call in maspo_verl.batch.micro_batch_scope(data, tokenizer); inside verl, the plugin's ppo_loss "
             "hook takes it from the actor config's model_config.tokenizer, which this verl worker does not set "
             "(run `python -m maspo_verl check`)"
@@ -119,12 +120,13 @@ def current_tokenizer() -> Any:
     return tokenizer
 
 
-def current_response_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Response token ids of the micro-batch being scored, right-padded to ``mask``'s shape."""
+def current_response_ids(mask: torch.Tensor, needed_by: str = "this segment rule") -> torch.Tensor:
+    """Response token ids of the micro-batch being scored, right-padded to ``mask``'s shape (``needed_by``: who
+    asks, for the error)."""
     data = _micro_batch.get()
     if data is None:
         raise RuntimeError(
-            "this segment rule needs the response token ids, but no verl micro-batch is in scope: the loss "
+            f"{needed_by} needs the response token ids, but no verl micro-batch is in scope: the loss "
             "was called outside verl's ppo_loss (wrap the call in maspo_verl.batch.micro_batch_scope), or the "
             "plugin's ppo_loss hook is not installed (run `python -m maspo_verl check`)"
         )
@@ -138,8 +140,9 @@ def current_response_ids(mask: torch.Tensor) -> torch.Tensor:
     return responses[:, :T].to(mask.device)
 
 
-def current_word_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Word id of each token of the micro-batch being scored, right-padded to ``mask``'s shape.
+def current_word_ids(mask: torch.Tensor, needed_by: str = "this segment rule") -> torch.Tensor:
+    """Word id of each token of the micro-batch being scored, right-padded to ``mask``'s shape (``needed_by``:
+    who asks, for the error).
 
     ``NO_WORD`` (-1) on padding, between words, and on every token of a row whose ids are absent
     (no ``WORD_IDS_KEY`` in the micro-batch) or whose length differs from its response's (verl's
@@ -149,7 +152,7 @@ def current_word_ids(mask: torch.Tensor) -> torch.Tensor:
     data = _micro_batch.get()
     if data is None:
         raise RuntimeError(
-            "segment_rule='words' needs the word ids of verl's micro-batch, but none is in scope: the loss was "
+            f"{needed_by} needs the word ids of verl's micro-batch, but none is in scope: the loss was "
             "called outside verl's ppo_loss (wrap the call in maspo_verl.batch.micro_batch_scope), or the "
             "plugin's ppo_loss hook is not installed (run `python -m maspo_verl check`)"
         )

@@ -1,35 +1,73 @@
 """Hyperparameters of the granular losses, as a verl ``PolicyLossConfig`` subclass, and of the span
 credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
-Selected with ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig``
-(our ``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``,
-which does not type-check, so every field is checked in ``__post_init__``: a bad value fails when
-verl converts the actor config at start-up (``validate_config`` in the driver), not at the first
-update. The allowed segment rules and loss modes come from their registries
-(``maspo_verl.segments.SEGMENT_RULES``, ``maspo_verl.token_sets.TOKEN_SETS``). Importing this module
+Every field of ``GranularLossConfig`` is declared once as a ``Setting`` (name, default, allowed values, one
+line): the loss's own in ``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, each
+rule's in its module (``maspo_verl/segments/rules/``). The dataclass, its checks, the Hydra defaults in
+``hydra_configs/maspo_base.yaml`` and the README's field table are made from them (``python -m maspo_verl
+generate`` writes the last two). Selected with
+``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig`` (our
+``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``, which does not
+type-check, so every field is checked in ``__post_init__``: a bad value fails when verl converts the actor
+config at start-up (``validate_config`` in the driver), not at the first update. Importing this module
 registers nothing.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES, fallback_rules
+from maspo_verl import segments
+from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.token_sets import TOKEN_SETS
-from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail, reject_unknown
-from maspo_verl.vocab import MAX_SPLITS, split_count
+from maspo_verl.validation import Bool, Choice, Float, Int, OptionalPath, Setting, check_float, fail, reject_unknown
 
-CTPO_MODES = ("cumprod", "geomean")
-# paragraph and line breaks, sentence ends
-DEFAULT_DELIMITERS = ("\n\n", "\n", ". ", "? ", "! ")
-CLIP_SCHEDULES = ("ratio", "log_adaptive")
-AGG_MODES = ("actor", "seg-mean-token-mean")
 MAX_POSITION_BUCKETS = 64
+# the loss's own settings: normalisation, clipping, aggregation, metrics, compilation, inspection
+LOSS_SETTINGS = (
+    Setting("length_exponent", 1.0, Float(0.0, 1.0), "α of ℓ_t = Σ δ / abs(S(t))^α (`maspo`, `pgspo`; 1 = mean)"),
+    Setting(
+        "ctpo_mode", "cumprod", Choice(("cumprod", "geomean")), "`ctpo`: the prefix product (α 0) or its mean (α 1)"
+    ),
+    Setting(
+        "clip_schedule", "ratio", Choice(("ratio", "log_adaptive")), "ratio: verl's clip_ratio_*; log_adaptive: below"
+    ),
+    Setting("log_clip_low", 0.025, Float(0.0, lo_open=True), "log_adaptive: ε_low of the lower bound exp(−ε_low n^p)"),
+    Setting("log_clip_high", 0.05, Float(0.0, lo_open=True), "log_adaptive: ε_high of the upper bound exp(ε_high n^p)"),
+    Setting("log_clip_dual", 0.05, Float(0.0, lo_open=True), "log_adaptive: ε_c of the dual clip exp(ε_c n^p)"),
+    # |p| <= 1 covers CTPO (+-0.5) and P-GSPO (1 - alpha); beyond, n^p makes bounds that never clip
+    Setting("clip_exponent", 0.5, Float(-1.0, 1.0), "log_adaptive: p, with n = abs(S(t))"),
+    Setting(
+        "agg_mode",
+        "actor",
+        Choice(("actor", "seg-mean-token-mean")),
+        "actor: actor.loss_agg_mode; seg-mean-token-mean: token-mean per segment, mean over segments, then sequences",
+    ),
+    Setting("position_buckets", 4, Int(1, MAX_POSITION_BUCKETS), "equal parts of the response for clipfrac_posKofN"),
+    Setting("compile", False, Bool(), "run the loss through torch.compile (fused kernels, for GPUs)"),
+    Setting(
+        "inspect_dir", None, OptionalPath(), "a folder rank 0's loss writes samples of its segments to (null: off)"
+    ),
+    Setting("inspect_every", 10, Int(1), "steps between two `inspect_dir` samples"),
+)
+
+
+def declared_settings() -> tuple[Setting, ...]:
+    """Every field of ``GranularLossConfig``: the segmentation's, each rule's (registry order), the loss's."""
+    declared = (*segments.compute.SETTINGS, *(s for rule in SEGMENT_RULES.values() for s in rule.settings))
+    declared += LOSS_SETTINGS
+    names = [s.name for s in declared]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"policy_loss fields declared more than once: {twice}")
+    return declared
+
+
+SETTINGS = declared_settings()
 
 
 def check_loss_mode(loss_mode: Any) -> None:
@@ -71,129 +109,32 @@ def load_plugin() -> str | None:
     return None
 
 
-@dataclass
+def _declared_fields(cls):
+    """``cls`` as a dataclass with one field per declared setting (annotation and default from it)."""
+    cls.__annotations__ = {s.name: s.allowed.type for s in SETTINGS}
+    for s in SETTINGS:
+        mutable = isinstance(s.default, list | dict)
+        setattr(cls, s.name, field(default_factory=lambda d=s.default: copy.deepcopy(d)) if mutable else s.default)
+    return dataclass(cls)
+
+
+@_declared_fields
 class GranularLossConfig(PolicyLossConfig):
-    """Token set x normalisation x clip schedule (docs/algorithms.md).
+    """Token set x normalisation x clip schedule (docs/algorithms.md); one field per declared ``SETTINGS``.
 
     ``loss_mode`` picks the token set (``maspo_verl.token_sets``): ``maspo`` (segments), ``ctpo``
     (prefixes), ``pgspo`` (whole response). verl's own modes (``vanilla``, ``gspo``, ...) may also be
-    selected with this config; they ignore the fields below.
+    selected with this config; they ignore our fields.
     """
-
-    # MASPO segmentation (maspo_verl.segments)
-    segment_rule: str = "fixed"
-    segment_window: int = 15
-    logprob_threshold: float = 1.0
-    logprob_per_sample: bool = False
-    tokenval_threshold: float = 8.0
-    tokenval_distance: str = "fsq_l1"
-    codec_offset: int = 128264
-    codec_size: int = 65536
-    fsq_levels: list[int] = field(default_factory=lambda: [4] * 8)
-    min_segment_len: int = 0
-    max_segment_len: int = 0
-    # segment_rule=words: the rule of a sample without word times
-    words_fallback_rule: str = "tokenval"
-    # segment_rule=delimiters (maspo_verl.vocab): a segment ends after a token where a delimiter occurs
-    # (inside it or across it and the next token), a new one starts at a token where a step marker occurs
-    delimiters: list[str] = field(default_factory=lambda: list(DEFAULT_DELIMITERS))
-    step_markers: list[str] = field(default_factory=list)
-    # segment_rule=surprisal: the share of each response's tokens, most surprising first, that start a segment
-    surprisal_quantile: float = 0.2
-    # how segment ids are computed: "auto" = by the C library (maspo_verl.native) for CPU tensors in
-    # eager mode when a C compiler can build it, by torch ops otherwise (GPU, torch.compile);
-    # "torch" = always by torch ops. Both give the same ids.
-    segment_kernel: str = "auto"
-    # normalisation: l_t = sum_{S(t)} delta / |S(t)|^alpha (maspo, pgspo)
-    length_exponent: float = 1.0
-    ctpo_mode: str = "cumprod"
-    # clipping (maspo_verl.clipping)
-    clip_schedule: str = "ratio"
-    log_clip_low: float = 0.025
-    log_clip_high: float = 0.05
-    log_clip_dual: float = 0.05
-    clip_exponent: float = 0.5
-    # aggregation: "actor" uses actor.loss_agg_mode; "seg-mean-token-mean" is the token-mean inside
-    # each segment, then the mean over segments, then the mean over sequences.
-    agg_mode: str = "actor"
-    # number of equal position buckets for the clip-fraction-by-position metrics
-    position_buckets: int = 4
-    # run the loss through torch.compile (fewer, fused kernels: for GPUs, where the eager loss is
-    # bound by kernel launches); the first call of each shape family compiles (seconds to a minute)
-    compile: bool = False
-    # samples of what the loss did (maspo_verl.inspection): null = off; else a folder that data-parallel
-    # rank 0 writes one small JSON file to every `inspect_every` steps (read by `python -m maspo_verl.lab segments`)
-    inspect_dir: str | None = None
-    inspect_every: int = 10
 
     def __post_init__(self):
         check_loss_mode(self.loss_mode)
-        check_choice("segment_rule", self.segment_rule, tuple(SEGMENT_RULES))
-        check_int("segment_window", self.segment_window, 1)
-        check_float("logprob_threshold", self.logprob_threshold, -math.inf)
-        check_bool("logprob_per_sample", self.logprob_per_sample)
-        check_float("tokenval_threshold", self.tokenval_threshold, 0.0)
-        check_choice("tokenval_distance", self.tokenval_distance, TOKENVAL_DISTANCES)
-        check_int("codec_offset", self.codec_offset, 0)
-        check_int("codec_size", self.codec_size, 1)
-        is_list = isinstance(self.fsq_levels, Sequence) and not isinstance(self.fsq_levels, str | bytes)
-        levels = list(self.fsq_levels) if is_list else None
-        if not levels or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in levels):
-            fail("fsq_levels", self.fsq_levels, "a non-empty list of integers >= 2")
-        if self.tokenval_distance != "id" and math.prod(levels) != self.codec_size:
-            fail(
-                "fsq_levels",
-                self.fsq_levels,
-                f"levels whose product equals policy_loss.codec_size={self.codec_size} "
-                f"(tokenval_distance={self.tokenval_distance!r} splits codes into FSQ digits)",
-            )
-        object.__setattr__(self, "fsq_levels", levels)
-        check_choice("words_fallback_rule", self.words_fallback_rule, fallback_rules())
-        for name in ("delimiters", "step_markers"):
-            object.__setattr__(self, name, check_strings(name, getattr(self, name)))
-        if self.segment_rule == "delimiters" and not (self.delimiters or self.step_markers):
-            fail("delimiters", self.delimiters, "at least one string in delimiters or step_markers")
-        if split_count(self.delimiters + self.step_markers) > MAX_SPLITS:
-            fail(
-                "step_markers",
-                self.step_markers,
-                f"strings with at most {MAX_SPLITS} characters after the first in all, delimiters included",
-            )
-        check_float("surprisal_quantile", self.surprisal_quantile, 0.0, 1.0)
-        check_choice("segment_kernel", self.segment_kernel, SEGMENT_KERNELS)
-        check_int("min_segment_len", self.min_segment_len, 0)
-        check_int("max_segment_len", self.max_segment_len, 0)
-        if self.max_segment_len and self.max_segment_len < self.min_segment_len:
-            fail(
-                "max_segment_len",
-                self.max_segment_len,
-                f"0 (none) or an integer >= min_segment_len={self.min_segment_len}",
-            )
-        check_float("length_exponent", self.length_exponent, 0.0, 1.0)
-        check_choice("ctpo_mode", self.ctpo_mode, CTPO_MODES)
-        check_choice("clip_schedule", self.clip_schedule, CLIP_SCHEDULES)
-        check_float("log_clip_low", self.log_clip_low, 0.0, lo_open=True)
-        check_float("log_clip_high", self.log_clip_high, 0.0, lo_open=True)
-        check_float("log_clip_dual", self.log_clip_dual, 0.0, lo_open=True)
-        # |p| <= 1 covers CTPO (+-0.5) and P-GSPO (1 - alpha); beyond, n^p makes bounds that never clip
-        check_float("clip_exponent", self.clip_exponent, -1.0, 1.0)
-        check_choice("agg_mode", self.agg_mode, AGG_MODES)
-        check_bool("compile", self.compile)
+        for s in SETTINGS:
+            object.__setattr__(self, s.name, s.check(getattr(self, s.name)))
+        segments.compute.validate(self)
         token_set = TOKEN_SETS.get(self.loss_mode)
         if self.agg_mode != "actor" and token_set is not None and not token_set.partition:
             fail("agg_mode", self.agg_mode, f"'actor' with loss_mode={self.loss_mode!r} (its sets are not a partition)")
-        check_int("position_buckets", self.position_buckets, 1, MAX_POSITION_BUCKETS)
-        if self.inspect_dir is not None and (not isinstance(self.inspect_dir, str) or not self.inspect_dir.strip()):
-            fail("inspect_dir", self.inspect_dir, "null (off) or a folder path")
-        check_int("inspect_every", self.inspect_every, 1)
-
-
-def check_strings(name: str, value: Any) -> list[str]:
-    """A list of non-empty strings (``delimiters``, ``step_markers``), as a list."""
-    ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
-    if not ok or not all(isinstance(s, str) and s for s in value):
-        fail(name, value, "a list of non-empty strings")
-    return list(value)
 
 
 def _reject_unknown_fields(cls) -> None:

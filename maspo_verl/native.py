@@ -6,7 +6,7 @@ needed, in well under a second, and cached by a hash of its source and flags und
 ``$MASPO_VERL_CACHE`` (default ``$XDG_CACHE_HOME/maspo_verl``, else ``~/.cache/maspo_verl``). Without
 a compiler the torch path runs instead and ``unavailable()`` says why. The segmentation
 (``maspo_verl.segments``) asks ``config_for`` whether its rules have a C implementation (each rule's
-``native_code``) and runs ``compute_segments``; everything that crosses into C is marshalled here.
+``native_code``; the settings that cross are the rule's ``native_fields``) and runs ``compute_segments``.
 """
 
 from __future__ import annotations
@@ -186,54 +186,36 @@ def segment_ids(
     return ids, rows.raw, sizes
 
 
-def config_for(config: Any, rules: Sequence[Any], std_floor: float, max_drop: float) -> Config | None:
+def config_for(config: Any, rules: Sequence[Any]) -> Config | None:
     """The C library's settings for the policy-loss ``config`` whose segmentation runs ``rules`` (the
-    rule, then its fallback), or None when one of them has no C implementation."""
+    rule, then its fallback): the lengths, then each rule's own (``SegmentRule.native_fields``); None when
+    one of the rules has no C implementation."""
     if any(rule.native_code is None for rule in rules):
         return None
-    return _config(
-        tuple(rule.native_code for rule in rules),
-        int(config.segment_window),
-        bool(config.logprob_per_sample),
-        int(config.min_segment_len),
-        int(config.max_segment_len),
-        float(config.logprob_threshold),
-        float(config.tokenval_threshold),
-        int(config.codec_offset),
-        int(config.codec_size),
-        config.tokenval_distance,
-        tuple(int(level) for level in config.fsq_levels),
-        std_floor,
-        max_drop,
-    )
+    values = {"min_len": int(config.min_segment_len), "max_len": int(config.max_segment_len)}
+    for rule in rules:
+        values.update(rule.native_fields(config))
+    return _config(tuple(rule.native_code for rule in rules), tuple(sorted(values.items())))
 
 
 @functools.lru_cache(maxsize=64)
-def _config(
-    codes, window, per_sample, min_len, max_len, lp_threshold, tv_threshold, offset, size, distance, levels, floor, drop
-) -> Config | None:
-    groups = fsq.digit_groups(levels) if levels else []
+def _config(codes: tuple[int, ...], items: tuple[tuple[str, Any], ...]) -> Config | None:
+    values = dict(items)
+    levels = values.pop("fsq_levels", ())
+    distance = values.pop("distance", "id")
+    groups = fsq.digit_groups(levels) if levels and distance != "id" else []
     if len(groups) > MAX_GROUPS or math.prod(levels) >= 2**62:
         return None
     spec = Config(
         rule=codes[0],
         fallback_rule=codes[1] if len(codes) > 1 else 0,
-        window=window,
-        per_sample=per_sample,
-        min_len=min_len,
-        max_len=max_len,
-        logprob_threshold=lp_threshold,
-        tokenval_threshold=tv_threshold,
-        std_floor=floor,
-        max_drop=drop,
-        codec_offset=offset,
-        codec_size=size,
         distance=DISTANCES[distance],
-        n_groups=len(groups) if distance != "id" else 0,
+        n_groups=len(groups),
+        **values,
     )
     spec.tables = []  # kept alive with the struct that points at them
     radix = 1
-    for g, group in enumerate(groups if distance != "id" else []):
+    for g, group in enumerate(groups):
         width = math.prod(group)
         spec.group_radix[g], spec.group_size[g] = radix, width
         powers = radix & (radix - 1) == 0 and width & (width - 1) == 0

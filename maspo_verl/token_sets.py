@@ -10,7 +10,7 @@ Each registered ``TokenSet`` is one loss of this package: the plugin registers e
 | `pgspo` | whole response          | `length_exponent` (1 = GSPO)                                |
 
 A new loss is one subclass here, decorated with ``@register_token_set``, plus a preset in
-``hydra_configs/loss/`` (and its fields in ``maspo_verl.config`` if it needs new ones).
+``hydra_configs/loss/`` (and its settings declared in ``maspo_verl.config.LOSS_SETTINGS`` if it needs new ones).
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ class Segments(TokenSet):
         return segments.rules_in_use(config)
 
     def token_level(self, config):
-        window_one = config.get("segment_rule") == "fixed" and config.get("segment_window") == 1
-        return window_one or config.get("max_segment_len") == 1
+        return segments.token_level(config)
 
 
 @register_token_set

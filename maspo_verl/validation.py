@@ -7,6 +7,8 @@ bare field name is prefixed with ``policy_loss.``, a dotted path is used as it i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -58,3 +60,129 @@ def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open:
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         fail(name, value, "true or false")
+
+
+# ---- declared settings ---------------------------------------------------------------------------------------------
+# A setting of the policy-loss config is declared once (``Setting``): its name, default, allowed values and a
+# one-line description. ``maspo_verl.config`` builds the dataclass field, its check, the Hydra defaults and the
+# docs table from the declarations; the allowed values are one of the kinds below, each a check and its wording.
+
+
+class Allowed:
+    """What values a setting allows: ``check(path, value)`` returns the value (normalised) or raises ``FieldError``;
+    ``text`` says what is allowed, as the error and the docs table put it; ``type`` is the field's annotation."""
+
+    type: Any = Any
+    text: str = ""
+
+    def check(self, path: str, value: Any) -> Any:
+        raise NotImplementedError
+
+
+class Int(Allowed):
+    type = int
+
+    def __init__(self, minimum: int, maximum: int | None = None, note: str = ""):
+        self.minimum, self.maximum = minimum, maximum
+        self.text = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "") + note
+
+    def check(self, path, value):
+        ok = not isinstance(value, bool) and isinstance(value, int) and value >= self.minimum
+        if not ok or (self.maximum is not None and value > self.maximum):
+            fail(path, value, self.text)
+        return value
+
+
+class Float(Allowed):
+    type = float
+
+    def __init__(self, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+        bound = "" if lo == -math.inf else f" {'>' if lo_open else '>='} {lo}"
+        if hi != math.inf:
+            bound += (" and" if bound else "") + f" <= {hi}"
+        self.text = "a finite number" + bound
+
+    def check(self, path, value):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not (ok and (value > self.lo if self.lo_open else value >= self.lo) and value <= self.hi):
+            fail(path, value, self.text)
+        return value
+
+
+class Bool(Allowed):
+    type = bool
+    text = "true or false"
+
+    def check(self, path, value):
+        check_bool(path, value)
+        return value
+
+
+class Choice(Allowed):
+    """One of ``choices`` (a tuple, or a function giving it when it is asked: a registry's names)."""
+
+    type = str
+
+    def __init__(self, choices):
+        self._choices = choices
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._choices() if callable(self._choices) else self._choices)
+
+    @property
+    def text(self) -> str:
+        return "one of " + ", ".join(self.choices)
+
+    def check(self, path, value):
+        check_choice(path, value, self.choices)
+        return value
+
+
+class Strings(Allowed):
+    type = list[str]
+    text = "a list of non-empty strings"
+
+    def check(self, path, value):
+        ok = isinstance(value, Sequence) and not isinstance(value, str | bytes)
+        if not ok or not all(isinstance(s, str) and s for s in value):
+            fail(path, value, self.text)
+        return list(value)
+
+
+class Ints(Allowed):
+    type = list[int]
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        self.text = f"a non-empty list of integers >= {minimum}"
+
+    def check(self, path, value):
+        ok = isinstance(value, Sequence) and not isinstance(value, str | bytes) and len(value) > 0
+        if not ok or any(isinstance(v, bool) or not isinstance(v, int) or v < self.minimum for v in value):
+            fail(path, value, self.text)
+        return list(value)
+
+
+class OptionalPath(Allowed):
+    type = str | None
+    text = "null (off) or a folder path"
+
+    def check(self, path, value):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            fail(path, value, self.text)
+        return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One policy-loss field: its name, default, allowed values (``Allowed``) and what it does (one line)."""
+
+    name: str
+    default: Any
+    allowed: Allowed
+    doc: str
+
+    def check(self, value: Any) -> Any:
+        return self.allowed.check(self.name, value)

@@ -49,6 +49,7 @@ import torch
 from maspo_verl import fsq, inspection, segments
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.lab import common
+from maspo_verl.segments.rules import logprob, tokenval
 
 OUT = "segments"
 PREFIX = "actor_rollout_ref.actor.policy_loss."
@@ -263,7 +264,7 @@ def neighbour_distances(corpus: Corpus, settings: dict, distance: str) -> tuple[
     between random pairs of codes of the same utterance (a fixed shuffle)."""
     cfg = loss_config(settings, tokenval_distance=distance)
     packed = segments.Packed(corpus.mask)
-    dist, outside = segments.tokenval_scores(
+    dist, outside = tokenval.tokenval_scores(
         corpus.token_ids,
         packed,
         codec_offset=cfg.codec_offset,
@@ -293,10 +294,10 @@ def neighbour_distances(corpus: Corpus, settings: dict, distance: str) -> tuple[
 def logprob_drop_scores(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
     """Old-log-prob drops and their per-sample z-scores, by the logprob rule's own code."""
     packed = segments.Packed(corpus.mask)
-    drop, w = segments.logprob_drops(corpus.old_log_prob, packed)
+    drop, w = logprob.logprob_drops(corpus.old_log_prob, packed)
     n = w.sum(-1, keepdim=True, dtype=torch.float64).clamp(min=1.0)
     mu = drop.sum(-1, keepdim=True, dtype=torch.float64) / n
-    sigma = ((drop.double() - mu) * w).square().sum(-1, keepdim=True).div(n).sqrt().clamp(min=segments.STD_FLOOR)
+    sigma = ((drop.double() - mu) * w).square().sum(-1, keepdim=True).div(n).sqrt().clamp(min=logprob.STD_FLOOR)
     z = (drop.double() - mu) / sigma
     on = w.bool()
     return drop[on].double().numpy(), z[on].numpy()
@@ -318,7 +319,7 @@ def variants(corpus: Corpus, settings: dict, rules: list[str]) -> tuple[list[Var
                 "(policy_loss.codec_offset / codec_size; set them with --set)"
             )
         else:
-            for distance in segments.TOKENVAL_DISTANCES:
+            for distance in tokenval.TOKENVAL_DISTANCES:
                 if distance != "id" and not levels_fit:
                     notes.append(f"tokenval/{distance} left out: prod(fsq_levels) != codec_size")
                     continue

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.main import dry_run
 from maspo_verl.plugin.checks import run_startup_checks as startup_checks
 from maspo_verl.util import preset_names
@@ -91,7 +92,7 @@ def test_wrong_types_name_the_field(field, value, allowed):
 
 
 BAD_VALUES = [
-    ("segment_rule", "window", "fixed, logprob, tokenval"),
+    ("segment_rule", "window", ", ".join(SEGMENT_RULES)),
     ("segment_window", 0, "integer >= 1"),
     ("tokenval_distance", "l2", "id, fsq_l1, fsq_hamming"),
     ("tokenval_threshold", -1.0, ">= 0"),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from maspo_verl import native, segments
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.segments.rules import logprob
 from tests.core.test_segments import masks
 
 settings.register_profile("native", deadline=None, max_examples=300)
@@ -144,7 +145,7 @@ def test_per_sample_cutoff_is_decided_in_float64():
     x = torch.randn(4000, generator=g)
     c = x.double() + torch.randn(4000, generator=g, dtype=torch.float64) * 1e-9  # cutoffs within float32 spacing
     c[::7] = x[::7].double()  # exactly equal: not above
-    assert torch.equal(segments.above(x, c), x.double() > c)
+    assert torch.equal(logprob.above(x, c), x.double() > c)
     lp = (-torch.rand(3, 50, generator=g) * 4).float()
     mask = torch.ones(3, 50, dtype=torch.bool)
     for kernel in ["auto", "torch"]:
@@ -161,7 +162,7 @@ def test_per_sample_cutoff_is_decided_in_float64():
             drops = [float(torch.tensor(d, dtype=torch.float32)) for d in drops]  # float32 drops
             mu = math.fsum(drops) / len(drops)
             sd = math.sqrt(math.fsum((d - mu) ** 2 for d in drops) / len(drops))
-            starts = [0] + [t + 1 for t, d in enumerate(drops) if d > mu + 0.7 * max(sd, segments.STD_FLOOR)]
+            starts = [0] + [t + 1 for t, d in enumerate(drops) if d > mu + 0.7 * max(sd, logprob.STD_FLOOR)]
             assert torch.nonzero(torch.diff(ids[row], prepend=ids[row, :1] - 1)).flatten().tolist() == starts
 
 

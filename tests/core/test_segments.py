@@ -7,8 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maspo_verl import segments
+from maspo_verl import fsq, segments
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.segments import lengths
+from maspo_verl.segments.rules import logprob
 
 settings.register_profile("ci", deadline=None, max_examples=60)
 settings.load_profile("ci")
@@ -162,17 +164,15 @@ def test_fsq_digit_distances_on_known_pairs():
     b = torch.tensor([16384, 3, 1 << 14, 0, 5])
     levels = [4] * 8
     # 16383 = digits 3,3,3,3,3,3,3,0 ; 16384 = 0,0,0,0,0,0,0,1
-    assert segments.fsq_digits_distance(a, b, levels, "fsq_hamming").tolist() == [8, 1, 1, 8, 0]
-    assert segments.fsq_digits_distance(a, b, levels, "fsq_l1").tolist() == [22, 3, 1, 24, 0]
+    assert fsq.digits_distance(a, b, levels, "fsq_hamming").tolist() == [8, 1, 1, 8, 0]
+    assert fsq.digits_distance(a, b, levels, "fsq_l1").tolist() == [22, 3, 1, 24, 0]
     # digit k is (c >> 2k) & 3
     c = torch.randint(0, 65536, (200,))
     d = torch.randint(0, 65536, (200,))
     l1 = sum(((c >> (2 * k)) & 3).sub((d >> (2 * k)) & 3).abs() for k in range(8))
-    assert torch.equal(segments.fsq_digits_distance(c, d, levels, "fsq_l1"), l1)
+    assert torch.equal(fsq.digits_distance(c, d, levels, "fsq_l1"), l1)
     # mixed radix levels
-    assert segments.fsq_digits_distance(torch.tensor([7]), torch.tensor([0]), [2, 3, 5], "fsq_l1").tolist() == [
-        1 + 0 + 1
-    ]
+    assert fsq.digits_distance(torch.tensor([7]), torch.tensor([0]), [2, 3, 5], "fsq_l1").tolist() == [1 + 0 + 1]
 
 
 def test_tokenval_text_tokens_are_their_own_segments():
@@ -186,7 +186,7 @@ def test_tokenval_text_tokens_are_their_own_segments():
 def test_min_len_keeps_the_stronger_boundary():
     lp = torch.tensor([[0.0, -1.5, 0.0, -4.0, 0.0, 0.0, 0.0, -2.0]])
     mask = torch.ones_like(lp, dtype=torch.bool)
-    drops = segments.logprob_drops(lp, segments.Packed(mask))[0]  # no padding: packed is token order
+    drops = logprob.logprob_drops(lp, segments.Packed(mask))[0]  # no padding: packed is token order
     assert drops.tolist()[0][1] == 1.5
     b = boundaries_of(mask, "logprob", old_log_prob=lp, logprob_threshold=1.0, min_segment_len=3)
     # drop 1.5 at t=1 is within 3 of the forced start; 4.0 at t=3 survives; 2.0 at t=7 is 4 away: kept
@@ -208,10 +208,10 @@ def test_fixed_window_shortcut_equals_boundary_path(data):
 
 
 def suppress(boundaries, scores, mask, min_len):
-    """``segments.suppress_close`` in token order: the +inf scores of boundaries given as ``forced``."""
+    """``lengths.suppress_close`` in token order: the +inf scores of boundaries given as ``forced``."""
     packed = segments.Packed(mask)
     forced = boundaries & scores.isinf()
-    kept = segments.suppress_close(
+    kept = lengths.suppress_close(
         packed.pack(boundaries & mask, False),
         packed.pack(scores.masked_fill(scores.isinf(), 0.0)),
         min_len,
@@ -269,5 +269,5 @@ def test_fsq_distance_matches_digit_definition(levels, kind):
         da, db = (a // radix) % level, (b // radix) % level
         expected += (da - db).abs() if kind == "fsq_l1" else (da != db).long()
         radix *= level
-    got = segments.fsq_digits_distance(a, b, levels, kind)
+    got = fsq.digits_distance(a, b, levels, kind)
     assert got.dtype == torch.long and torch.equal(got, expected)

@@ -10,7 +10,8 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, current_word_ids, micro_batch_scope
-from maspo_verl.segments import WORDS_FALLBACK_METRIC, compute_segment_ids
+from maspo_verl.segments import SEGMENT_RULES, compute_segment_ids
+from maspo_verl.segments.rules.words import WORDS_FALLBACK_METRIC
 from maspo_verl.speech.asr import TimedWord
 from maspo_verl.speech.spans import word_token_ids
 from tests.helpers import actor_config
@@ -150,7 +151,10 @@ def test_loss_reports_segments_and_fallback_in_its_metrics():
 
 
 def test_fallback_rule_is_validated():
-    with pytest.raises(ValueError, match="words_fallback_rule.*fixed, logprob, tokenval"):
+    # every rule without a fallback of its own may be one, and only those
+    allowed = [name for name, rule in SEGMENT_RULES.items() if rule.fallback_field is None]
+    assert "words" not in allowed and {"fixed", "logprob", "tokenval"} <= set(allowed)
+    with pytest.raises(ValueError, match=r"words_fallback_rule='words' is invalid: allowed one of " + ", ".join(allowed)):
         actor_config(segment_rule="words", words_fallback_rule="words")
     with pytest.raises(ValueError, match="words_fallback_rule"):
         actor_config(segment_rule="words", words_fallback_rule="silence")

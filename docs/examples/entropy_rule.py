@@ -1,0 +1,37 @@
+"""entropy: a segment ends after a token the old policy found surprising (a worked example of a segment rule).
+
+To use it, copy this file into ``maspo_verl/segments/rules/``, add a preset ``hydra_configs/loss/maspo_entropy.yaml``
+(``loss_mode: maspo``, ``segment_rule: entropy``), run ``python -m maspo_verl generate`` and the tests: the rule is
+discovered, its field ``policy_loss.entropy_threshold`` is validated, documented and settable from the CLI, and the
+discovered tests (limits, validation, fuzz, data parallelism, the preset) cover it. ``tests/test_example_rule.py``
+does exactly this in a copy of the repository, under a name the code has never seen.
+"""
+
+from __future__ import annotations
+
+from maspo_verl.ratios import float_mask
+from maspo_verl.segments.packing import previous
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.validation import Float, Setting
+
+# non-finite old log-probs count as this much surprisal
+MAX_SURPRISAL = 1e4
+
+
+class EntropyRule(SegmentRule):
+    """A segment ends after a token whose old-policy surprisal −log πold exceeds `entropy_threshold`."""
+
+    name = "entropy"  # policy_loss.segment_rule=entropy
+    needs = frozenset({OLD_LOG_PROB})  # what it reads besides the mask
+    settings = (Setting("entropy_threshold", 2.0, Float(), "surprisal (nats) after which a segment ends (`entropy`)"),)
+    # surprisal is clamped to [-MAX_SURPRISAL, MAX_SURPRISAL]: below that every token ends a segment, above it none
+    limits = {"token": {"entropy_threshold": -2 * MAX_SURPRISAL}, "sequence": {"entropy_threshold": 2 * MAX_SURPRISAL}}
+
+    def candidates(self, config, packed, inputs):
+        # packed rows: column p is the row's valid token p, so the previous column is the previous valid token
+        lp = packed.pack(inputs.get(OLD_LOG_PROB)).float().nan_to_num_(nan=0.0, neginf=-MAX_SURPRISAL)
+        surprisal = lp.neg_().clamp_(-MAX_SURPRISAL, MAX_SURPRISAL).mul_(float_mask(packed.valid))
+        after = previous(surprisal)  # the surprisal of the token before each one
+        boundaries = packed.has_previous & (after > config.entropy_threshold)
+        # the strength of a boundary, for min_segment_len: the surprisal that made it
+        return Candidates(boundaries, after, None)

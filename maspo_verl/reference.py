@@ -1,0 +1,197 @@
+"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml`` and ``README.md`` made from the declared
+settings (``maspo_verl.config.SETTINGS``), the segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss
+presets (``hydra_configs/loss/``). ``python -m maspo_verl generate`` rewrites them; ``--check`` (and
+``tests/test_reference.py``) fails when a file is out of date.
+
+Each generated part stands between two marker lines and is replaced whole; the rest of each file is written by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from maspo_verl.config import SETTINGS
+from maspo_verl.segments import SEGMENT_RULES, compute
+from maspo_verl.util import config_dir, preset_names
+
+COMMAND = "python -m maspo_verl generate"
+ACTOR = "actor_rollout_ref.actor"
+# verl's own fields the table documents too: (field, key under the actor, what, allowed)
+VERL_FIELDS = (
+    (
+        "`loss_mode`",
+        "policy_loss.loss_mode",
+        "which loss (`maspo`, `ctpo`, `pgspo` are ours)",
+        "a loss registered in verl",
+    ),
+    ("`loss_agg_mode` (actor)", "loss_agg_mode", "verl's aggregation", "verl's: token-mean, seq-mean-token-mean, ..."),
+    ("`clip_ratio_low` (actor)", "clip_ratio_low", "ratio-space clip, lower (`clip_schedule=ratio`)", "verl's"),
+    ("`clip_ratio_high` (actor)", "clip_ratio_high", "ratio-space clip, upper (`clip_schedule=ratio`)", "verl's"),
+    ("`clip_ratio_c` (actor)", "clip_ratio_c", "dual clip (`clip_schedule=ratio`)", "verl's"),
+)
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return compose(config_name="maspo_trainer", overrides=list(overrides))
+
+
+def _owner(name: str) -> str:
+    if any(s.name == name for s in compute.SETTINGS):
+        return "segmentation"
+    for rule in SEGMENT_RULES.values():
+        if any(s.name == name for s in rule.settings):
+            return f"rule `{rule.name}`"
+    return "loss"
+
+
+def _value(value: Any) -> str:
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, list) and len(value) > 1 and all(v == value[0] for v in value):
+        return f"[{json.dumps(value[0])}]*{len(value)}"
+    return json.dumps(value, ensure_ascii=False).replace("|", "\\|")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _yaml_value(value: Any) -> str:
+    """A YAML flow value (JSON is YAML: strings double-quoted with escapes, lists in brackets, null)."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str | list | type(None)) else json.dumps(value)
+
+
+def base_yaml_fields() -> list[str]:
+    """The ``policy_loss`` fields of ``maspo_base.yaml``: every declared setting at its default, by owner."""
+    lines, owner = [], None
+    for s in SETTINGS:
+        if _owner(s.name) != owner:
+            owner = _owner(s.name)
+            lines.append(f"# {owner}")
+        lines.append(f"{s.name}: {_yaml_value(s.default)}  # {s.doc}")
+    return ["      " + line for line in lines]
+
+
+def _presets() -> dict[str, tuple[Any, Any]]:
+    """preset -> (its own YAML, the config it composes to)."""
+    return {
+        name: (OmegaConf.load(config_dir() / "loss" / f"{name}.yaml"), _compose(f"loss={name}"))
+        for name in preset_names()
+    }
+
+
+def _in_presets(key: str, presets: dict) -> str:
+    groups: dict[str, list[str]] = {}
+    for name, (own, composed) in presets.items():
+        if OmegaConf.select(own, f"{ACTOR}.{key}", default=None) is not None:
+            groups.setdefault(_value(OmegaConf.select(composed, f"{ACTOR}.{key}")), []).append(name)
+    return "; ".join(f"{', '.join(names)}: {value}" for value, names in groups.items()) or "–"
+
+
+def fields_table(presets: dict) -> list[str]:
+    """The README's field table: verl's fields the losses read, then every declared setting."""
+    bare = _compose("~loss")
+    rows = ["| field | of | what | default | in the presets | allowed |", "|---|---|---|---|---|---|"]
+    for cell, key, what, allowed in VERL_FIELDS:
+        default = _value(OmegaConf.select(bare, f"{ACTOR}.{key}"))
+        rows.append(f"| {cell} | verl | {what} | {default} | {_in_presets(key, presets)} | {allowed} |")
+    for s in SETTINGS:
+        key = f"policy_loss.{s.name}"
+        rows.append(
+            f"| `{s.name}` | {_owner(s.name)} | {_cell(s.doc)} | {_value(s.default)} | {_in_presets(key, presets)} "
+            f"| {_cell(s.allowed.text)} |"
+        )
+    return rows
+
+
+def rules_table() -> list[str]:
+    """The README's table of segment rules, from their declarations."""
+    names = {"old_log_prob": "old log-probs", "response_ids": "response ids", "word_ids": "word ids"}
+    rows = ["| `segment_rule` | what | settings | reads | limits | C kernel |", "|---|---|---|---|---|---|"]
+    for rule in SEGMENT_RULES.values():
+        settings = ", ".join(f"`{s.name}`" for s in rule.settings) or "–"
+        reads = ", ".join(names.get(n, n) for n in sorted(rule.needs)) or "the mask"
+        limits = "; ".join(
+            f"{limit}: " + ", ".join(f"{k}={_value(v)}" for k, v in values.items())
+            for limit, values in rule.limits.items()
+        )
+        kernel = "yes" if rule.native_code is not None else "torch ops"
+        rows.append(f"| `{rule.name}` | {_cell(rule.summary())} | {settings} | {reads} | {limits or '–'} | {kernel} |")
+    return rows
+
+
+def presets_table(presets: dict) -> list[str]:
+    """The README's table of loss presets: each one's loss, rule and first comment line."""
+    rows = ["| `loss=` | `loss_mode` | `segment_rule` | what |", "|---|---|---|---|"]
+    for name, (_, composed) in presets.items():
+        policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")
+        rule = policy_loss.segment_rule if policy_loss.loss_mode == "maspo" else "–"
+        text = (config_dir() / "loss" / f"{name}.yaml").read_text().splitlines()
+        what = next(
+            (line.lstrip("# ").strip() for line in text if line.startswith("# ") and "@package" not in line), ""
+        )
+        rows.append(
+            f"| `{name}` | `{policy_loss.loss_mode}` | {rule if rule == '–' else f'`{rule}`'} | {_cell(what)} |"
+        )
+    return rows
+
+
+def _replace(text: str, begin: str, end: str, lines: list[str], where: str) -> str:
+    """``text`` with the lines between the marker lines ``begin`` and ``end`` replaced by ``lines``."""
+    rows = text.split("\n")
+    starts = [i for i, row in enumerate(rows) if row.strip() == begin]
+    ends = [i for i, row in enumerate(rows) if row.strip() == end]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ValueError(f"{where}: expected one line {begin!r} and, after it, one line {end!r}")
+    return "\n".join(rows[: starts[0] + 1] + lines + rows[ends[0] :])
+
+
+def _readme_part(name: str) -> tuple[str, str]:
+    return f"<!-- generated: {name} ({COMMAND}) -->", f"<!-- end of generated: {name} -->"
+
+
+YAML_MARKERS = (
+    f"# generated ({COMMAND}): every declared setting at its default, so each is settable from the CLI",
+    "# end of generated settings",
+)
+
+
+def generated(root: Path) -> dict[Path, Callable[[str], str]]:
+    """file -> the function that makes its generated text from its current text."""
+    presets = _presets()
+    parts = {"fields": fields_table(presets), "rules": rules_table(), "presets": presets_table(presets)}
+
+    def readme(text: str) -> str:
+        for name, lines in parts.items():
+            text = _replace(text, *_readme_part(name), lines, "README.md")
+        return text
+
+    yaml_lines = base_yaml_fields()
+    return {
+        root / "README.md": readme,
+        config_dir() / "maspo_base.yaml": lambda text: _replace(text, *YAML_MARKERS, yaml_lines, "maspo_base.yaml"),
+    }
+
+
+def stale(root: Path) -> list[Path]:
+    """The files whose generated parts are out of date."""
+    return [path for path, make in generated(root).items() if make(path.read_text()) != path.read_text()]
+
+
+def write(root: Path) -> list[Path]:
+    """Rewrite the generated parts; returns the files that changed."""
+    changed = []
+    for path, make in generated(root).items():
+        text = path.read_text()
+        new = make(text)
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed

@@ -1,0 +1,76 @@
+"""Who shares a ratio in MASPO: contiguous segments of a response (docs/algorithms.md, "Segmentation rules").
+
+A rule (``policy_loss.segment_rule``) turns [B, T] inputs into a boolean *boundary* tensor (True where a new
+segment starts), a boundary *score* used by ``min_segment_len`` suppression, and the boundaries that must stay;
+the boundaries' running count gives the segment ids. Everything is vectorised over [B, T]: no Python loop over
+tokens or samples, no host sync. Masks may be right- or left-padded and may have holes (multi-turn tool
+outputs): rules work on packed rows, where "previous token" is the previous *valid* token.
+
+| module | what it holds |
+|---|---|
+| ``rule`` | what a rule declares (settings, inputs, limits, fallback, C kernel) and ``candidates``'s types |
+| ``rules/`` | the rules, one module each, discovered on import (``registry``) |
+| ``registry`` | the registered rules, and which of them a config runs (with its fallback) and what they read |
+| ``packing`` | packed rows (valid tokens moved to the front) |
+| ``lengths`` | ``min_segment_len`` / ``max_segment_len`` for every rule |
+| ``compute`` | one segmentation: rule, lengths, ids; the C path (``maspo_verl.native``) or torch ops |
+| ``text_tables`` | the tokenizer's text tables for rules that find strings (``delimiters``) |
+"""
+
+from maspo_verl.segments.compute import (
+    SEGMENT_KERNELS,
+    compute_boundaries,
+    compute_segment_ids,
+    compute_segments,
+    packed_boundaries,
+    token_level,
+)
+from maspo_verl.segments.packing import Packed, previous
+from maspo_verl.segments.registry import (
+    SEGMENT_RULES,
+    configured_rule,
+    discover,
+    fallback_rules,
+    inputs_needed,
+    register_segment_rule,
+    rules_in_use,
+    setting,
+)
+from maspo_verl.segments.rule import (
+    FROM_MICRO_BATCH,
+    OLD_LOG_PROB,
+    RESPONSE_IDS,
+    TOKENIZER,
+    WORD_IDS,
+    Candidates,
+    RuleInputs,
+    SegmentRule,
+)
+
+discover()
+
+__all__ = [
+    "FROM_MICRO_BATCH",
+    "OLD_LOG_PROB",
+    "RESPONSE_IDS",
+    "SEGMENT_KERNELS",
+    "SEGMENT_RULES",
+    "TOKENIZER",
+    "WORD_IDS",
+    "Candidates",
+    "Packed",
+    "RuleInputs",
+    "SegmentRule",
+    "compute_boundaries",
+    "compute_segment_ids",
+    "compute_segments",
+    "configured_rule",
+    "fallback_rules",
+    "inputs_needed",
+    "packed_boundaries",
+    "previous",
+    "register_segment_rule",
+    "rules_in_use",
+    "setting",
+    "token_level",
+]

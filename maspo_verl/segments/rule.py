@@ -1,0 +1,133 @@
+"""What a segment rule is: the declarations a rule module makes and the one function it implements.
+
+A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule`` and declares:
+
+- ``name``: the value of ``policy_loss.segment_rule`` that selects it; its docstring's first paragraph says
+  what it does (the README's rules table shows it);
+- ``settings``: its policy-loss fields (``Setting``: name, default, allowed values, one line each). The config
+  dataclass, its validation, the Hydra defaults and the docs table are built from them;
+- ``needs``: the inputs it reads besides the mask (``OLD_LOG_PROB``, ``RESPONSE_IDS``, ``WORD_IDS``, ``TOKENIZER``);
+- ``limits``: settings under which it ends a segment at every valid token (``"token"``: GRPO's ratio) or never
+  (``"sequence"``: GSPO's), for any inputs; the limit tests run each one it declares, and ``token_level`` asks
+  the first;
+- optionally ``fallback_field`` (the field naming the rule for rows it cannot segment) and ``fallback_metric``,
+  ``reads_codec`` (it reads codec codes), ``native_code`` with ``native_fields`` (its C kernel and the settings
+  that cross into it, ``maspo_verl.native``), ``validate`` (checks across fields), ``startup`` (work on the
+  composed trainer config before Ray) and ``direct_ids`` (a closed formula for the ids).
+
+``candidates`` gets the config, the rows packed (``Packed``) and its inputs, and proposes boundaries with their
+strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from maspo_verl.batch import current_response_ids, current_tokenizer, current_word_ids
+from maspo_verl.segments.packing import Packed
+from maspo_verl.validation import Setting
+
+# What a rule reads besides the mask. The old log-probs come with every loss call; the response ids, word ids
+# and the actor's tokenizer from the verl micro-batch in scope (``maspo_verl.batch``), which the plugin's hooks
+# provide.
+OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS, TOKENIZER = "old_log_prob", "response_ids", "word_ids", "tokenizer"
+FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
+LIMITS = ("token", "sequence")
+
+
+@dataclass
+class Candidates:
+    """What a rule proposes on the packed rows: boundaries, their strength for min-length
+    suppression, the boundaries that must stay whatever their neighbours (None: only the first valid
+    token), and metrics of the rule (name -> 0-d tensor, moved to the host with the loss's other
+    metrics). Boundaries stand on valid tokens only; scores are finite. The tensors are the rule's
+    own: the segmentation modifies them in place."""
+
+    boundaries: torch.Tensor
+    scores: torch.Tensor
+    forced: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class RuleInputs:
+    """The inputs of one segmentation ([B, T] tensors in token order; the tokenizer), each fetched when a rule
+    first asks for it. ``configured`` names the configured rule in errors; ``for_rule`` gives the view a rule
+    reads through, which names the rule that asked too when it is another (a fallback)."""
+
+    def __init__(self, mask: torch.Tensor, configured: str, old_log_prob=None, response_ids=None):
+        self.mask = mask
+        self.configured = configured
+        self._given = {OLD_LOG_PROB: old_log_prob, RESPONSE_IDS: response_ids}
+        self._asking = configured
+
+    def for_rule(self, rule: SegmentRule) -> RuleInputs:
+        view = object.__new__(RuleInputs)
+        view.__dict__.update(self.__dict__)
+        view._asking = rule.name
+        return view
+
+    @property
+    def who(self) -> str:
+        """The configured rule (and the rule asking, when it is its fallback), for error messages."""
+        own = f"segment_rule={self.configured!r}"
+        return own if self._asking == self.configured else f"{own} (through its fallback {self._asking!r})"
+
+    def get(self, name: str) -> Any:
+        value = self._given.get(name)
+        if value is not None:
+            return value
+        if name == OLD_LOG_PROB:
+            raise ValueError(f"{self.who} needs old_log_prob")
+        if name == RESPONSE_IDS:
+            value = current_response_ids(self.mask, self.who)
+        elif name == WORD_IDS:
+            value = current_word_ids(self.mask, self.who)
+        else:
+            value = current_tokenizer(self.who)
+        self._given[name] = value
+        return value
+
+
+class SegmentRule:
+    """A segmentation rule: its declarations (module docstring of ``maspo_verl.segments.rule``) and
+    ``candidates`` on the packed rows."""
+
+    name: ClassVar[str]
+    settings: ClassVar[tuple[Setting, ...]] = ()
+    needs: ClassVar[frozenset[str]] = frozenset()
+    limits: ClassVar[dict[str, dict[str, Any]]] = {}
+    fallback_field: ClassVar[str | None] = None
+    fallback_metric: ClassVar[str | None] = None
+    reads_codec: ClassVar[bool] = False
+    native_code: ClassVar[int | None] = None
+
+    @classmethod
+    def summary(cls) -> str:
+        """What the rule does, in one line: its docstring's first paragraph."""
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+    def candidates(self, config: Any, packed: Packed, inputs: RuleInputs) -> Candidates:
+        raise NotImplementedError
+
+    def token_level(self, config: Any) -> bool:
+        """True when the settings give every token its own segment: they equal the declared ``"token"`` limit."""
+        limit = self.limits.get("token")
+        return bool(limit) and all(getattr(config, k, None) == v for k, v in limit.items())
+
+    def validate(self, config: Any) -> None:
+        """Checks across fields (each field alone is checked by its ``Setting``); raise ``FieldError``."""
+
+    def native_fields(self, config: Any) -> dict[str, Any]:
+        """The C kernel's settings from the config (``maspo_verl.native.Config`` field -> value)."""
+        return {}
+
+    def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
+        """Segment ids (token order) by a closed formula when there is one (None: go through the boundaries)."""
+        return None
+
+    def startup(self, trainer_config: Any) -> list[str]:
+        """Start-up work on the composed trainer config (before Ray); returns the warnings issued."""
+        return []

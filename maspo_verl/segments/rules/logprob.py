@@ -1,0 +1,90 @@
+"""logprob: a new segment where the old policy's log-prob drops by more than a threshold."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from maspo_verl.ratios import float_mask
+from maspo_verl.segments.packing import Packed
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.validation import Bool, Float, Setting
+
+# per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries
+STD_FLOOR = 1e-3
+# drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude
+MAX_DROP = 1e4
+
+
+def logprob_drops(old_log_prob: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_p = lp_{p-1} - lp_p over valid neighbours (packed), zero where there is no previous token;
+    returns (drops, has_previous as 0/1 floats)."""
+    lp = packed.pack(old_log_prob).float().nan_to_num_(nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
+    drop = torch.zeros_like(lp)
+    torch.sub(lp[:, :-1], lp[:, 1:], out=drop[:, 1:])
+    # zero where there is no previous valid token (a product: finite drops, cheaper than a select)
+    w = float_mask(packed.has_previous)
+    return drop.clamp_(-MAX_DROP, MAX_DROP).mul_(w), w
+
+
+def per_sample_cutoffs(drop: torch.Tensor, w: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each row's drop cutoff mu + threshold * max(sigma, ``STD_FLOOR``) [B, 1], float64: mu and sigma
+    the mean and population standard deviation of the row's drops (``w``: 0/1, which are drops)."""
+    n = w.sum(-1, keepdim=True, dtype=torch.float64).clamp(min=1.0)
+    mu = drop.sum(-1, keepdim=True, dtype=torch.float64) / n
+    var = drop.double().sub_(mu).mul_(w).square_().sum(-1, keepdim=True) / n
+    return mu + threshold * var.sqrt().clamp(min=STD_FLOOR)
+
+
+def above(x: torch.Tensor, cutoffs: torch.Tensor) -> torch.Tensor:
+    """float32 x > float64 cutoffs exactly, compared in float32: against each cutoff rounded down to a
+    float32 (a float32 exceeds c exactly when it exceeds the largest float32 <= c)."""
+    low = cutoffs.float()
+    # the -inf operand is made on the device (a tensor from a Python scalar would be a host-to-device copy)
+    down = torch.nextafter(low, torch.full_like(low, -math.inf))
+    return x > torch.where(low.double() > cutoffs, down, low)
+
+
+def logprob_candidates(
+    old_log_prob: torch.Tensor, packed: Packed, threshold: float, per_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, scores) of the logprob rule (packed): a boundary where the drop exceeds
+    ``threshold``, or with ``per_sample`` the row's cutoff (``per_sample_cutoffs``: a z-score above
+    ``threshold``, decided in float64). The score is the drop itself, which orders a row's boundaries
+    as their z-scores do."""
+    drop, w = logprob_drops(old_log_prob, packed)
+    above_cut = above(drop, per_sample_cutoffs(drop, w, threshold)) if per_sample else drop > threshold
+    return above_cut.logical_and_(packed.valid), drop
+
+
+class LogprobRule(SegmentRule):
+    """A new segment where the old policy's log-prob drops by more than `logprob_threshold` (`logprob_per_sample`: in
+    units of the sample's own drop mean and standard deviation)."""
+
+    name = "logprob"
+    needs = frozenset({OLD_LOG_PROB})
+    settings = (
+        Setting("logprob_threshold", 1.0, Float(), "log-prob drop (nats, or z-score per sample) that starts a segment"),
+        Setting("logprob_per_sample", False, Bool(), "`logprob_threshold` in units of each sample's drop mean/std"),
+    )
+    # drops are clamped to +-MAX_DROP: a threshold below -MAX_DROP is passed by every drop, one above it by none
+    limits = {
+        "token": {"logprob_threshold": -2 * MAX_DROP, "logprob_per_sample": False},
+        "sequence": {"logprob_threshold": 2 * MAX_DROP, "logprob_per_sample": False},
+    }
+    native_code = 1
+
+    def candidates(self, config, packed, inputs):
+        boundaries, scores = logprob_candidates(
+            inputs.get(OLD_LOG_PROB), packed, config.logprob_threshold, config.logprob_per_sample
+        )
+        return Candidates(boundaries, scores)
+
+    def native_fields(self, config):
+        return {
+            "logprob_threshold": float(config.logprob_threshold),
+            "per_sample": int(bool(config.logprob_per_sample)),
+            "std_floor": STD_FLOOR,
+            "max_drop": MAX_DROP,
+        }

@@ -1,0 +1,49 @@
+"""surprisal: forking tokens, the most surprising share of each response's tokens, start segments."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from maspo_verl.ratios import float_mask
+from maspo_verl.segments.packing import Packed
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.segments.rules.logprob import MAX_DROP
+from maspo_verl.validation import Float, Setting
+
+
+def surprisal_candidates(
+    old_log_prob: torch.Tensor, packed: Packed, quantile: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, scores) of the surprisal rule on the packed rows: the k = floor(q L + 1/2) tokens of
+    largest surprisal -log pi_old (float32; ties to the earlier token) of each row of L valid tokens
+    start segments. The score is the surprisal."""
+    B, T = packed.valid.shape
+    lp = packed.pack(old_log_prob).float().nan_to_num_(nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
+    surprisal = lp.neg_().clamp_(-MAX_DROP, MAX_DROP).mul_(float_mask(packed.valid))
+    ranked = surprisal.masked_fill(~packed.valid, -math.inf)  # padding ranks last
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=order.device).expand(B, T))
+    count = packed.lengths.double().mul_(quantile).add_(0.5).floor_().long()
+    return (rank < count).logical_and_(packed.valid), surprisal
+
+
+class SurprisalRule(SegmentRule):
+    """Forking tokens: the `surprisal_quantile` share of each response's tokens with the largest −log πold start
+    segments (0: GSPO's one segment, 1: GRPO's every token)."""
+
+    name = "surprisal"
+    needs = frozenset({OLD_LOG_PROB})
+    settings = (
+        Setting(
+            "surprisal_quantile",
+            0.2,
+            Float(0.0, 1.0),
+            "share of each response's tokens, most surprising first, that start a segment (`surprisal`)",
+        ),
+    )
+    limits = {"token": {"surprisal_quantile": 1.0}, "sequence": {"surprisal_quantile": 0.0}}
+
+    def candidates(self, config, packed, inputs):
+        return Candidates(*surprisal_candidates(inputs.get(OLD_LOG_PROB), packed, config.surprisal_quantile))

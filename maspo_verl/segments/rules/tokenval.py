@@ -1,0 +1,101 @@
+"""tokenval: a new segment where neighbouring speech-codec codes are far apart."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from maspo_verl import fsq
+from maspo_verl.segments.packing import Packed, previous
+from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, SegmentRule
+from maspo_verl.validation import Choice, Float, Int, Ints, Setting, fail
+
+TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
+
+
+def tokenval_scores(
+    token_ids: torch.Tensor,
+    packed: Packed,
+    *,
+    codec_offset: int,
+    codec_size: int,
+    distance: str,
+    fsq_levels: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distance between neighbouring codec codes (packed, an integer type); returns (distance,
+    outside_codec_boundary).
+
+    A token outside [codec_offset, codec_offset + codec_size) (text, special tokens), and the
+    token after it, start segments of their own: the second tensor marks them.
+    """
+    # int32 when the ids fit: several times faster than int64 on CPU
+    dtype = torch.int32 if codec_offset + codec_size < 2**31 else torch.long
+    ids = packed.pack(token_ids.to(dtype))
+    in_codec = (ids >= codec_offset).logical_and_(ids < codec_offset + codec_size)
+    # code + 1 inside the codec, 0 outside: the previous column brings the previous code and membership
+    code1 = ids.sub_(codec_offset - 1).mul_(in_codec)
+    prev_code1 = previous(code1)
+    has_prev = packed.has_previous
+    both = (prev_code1 > 0).logical_and_(in_codec).logical_and_(has_prev)
+    if distance == "id":
+        dist = (code1 - prev_code1).abs_()
+    else:
+        dist = fsq.distance(code1.sub_(1).clamp_(min=0), prev_code1.sub_(1).clamp_(min=0), fsq_levels, distance)
+    return dist.mul_(both), has_prev & ~both
+
+
+class TokenvalRule(SegmentRule):
+    """A new segment where neighbouring codec codes (id − `codec_offset`) differ by more than `tokenval_threshold`
+    under `tokenval_distance`; text and special tokens are segments of their own."""
+
+    name = "tokenval"
+    needs = frozenset({RESPONSE_IDS})
+    settings = (
+        Setting("tokenval_threshold", 8.0, Float(0.0), "code distance above which a new segment starts"),
+        Setting(
+            "tokenval_distance",
+            "fsq_l1",
+            Choice(TOKENVAL_DISTANCES),
+            "id: abs(code difference); fsq_l1 / fsq_hamming: over the FSQ digits of `fsq_levels`",
+        ),
+        Setting("codec_offset", 128264, Int(0), "vocabulary id of code 0 (Llasa-1B: 128264)"),
+        Setting("codec_size", 65536, Int(1), "number of codec codes"),
+        Setting("fsq_levels", [4] * 8, Ints(2), "FSQ levels of the codebook (XCodec2: [4]*8); product = `codec_size`"),
+    )
+    # every code distance is at most the codec's size (id) or its digit count x the largest level (fsq):
+    # below 2**31; a threshold of 0 with the id distance ends a segment at every change of code
+    limits = {"sequence": {"tokenval_threshold": float(2**31)}}
+    reads_codec = True
+    native_code = 2
+
+    def candidates(self, config, packed, inputs):
+        dist, outside = tokenval_scores(
+            inputs.get(RESPONSE_IDS),
+            packed,
+            codec_offset=config.codec_offset,
+            codec_size=config.codec_size,
+            distance=config.tokenval_distance,
+            fsq_levels=config.fsq_levels,
+        )
+        scores = dist.float()
+        return Candidates(packed.valid & (scores > config.tokenval_threshold), scores, outside)
+
+    def validate(self, config):
+        if config.tokenval_distance != "id" and math.prod(config.fsq_levels) != config.codec_size:
+            fail(
+                "fsq_levels",
+                config.fsq_levels,
+                f"levels whose product equals policy_loss.codec_size={config.codec_size} "
+                f"(tokenval_distance={config.tokenval_distance!r} splits codes into FSQ digits)",
+            )
+
+    def native_fields(self, config):
+        return {
+            "tokenval_threshold": float(config.tokenval_threshold),
+            "codec_offset": int(config.codec_offset),
+            "codec_size": int(config.codec_size),
+            "distance": config.tokenval_distance,
+            "fsq_levels": tuple(int(level) for level in config.fsq_levels),
+        }
