@@ -4,7 +4,7 @@
 - the documented CPU commands (each recipe's dry run, `check`, the lab's `--help`, a composed dry run, bad
   overrides), taken from the Markdown files themselves, run as printed in a fresh shell: an empty HOME and
   cache, no venv on PATH, then the README's activation line;
-- the README's field table holds the values the presets compose to (tests/docs_table.py);
+- the README's generated tables are checked in tests/test_reference.py;
 - the README, the results README and the lab CLI list the same lab commands.
 """
 
@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests import docs_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -203,18 +201,6 @@ def test_lab_without_its_dependencies_says_what_to_do(tmp_path, bare_python):
 
 
 # ---- docs that agree with the code ------------------------------------------------------------------------------
-
-
-def test_field_table_matches_the_presets():
-    text = README.read_text()
-    assert text == docs_table.updated(text), "README.md's field table is out of date: python -m tests.docs_table"
-
-
-def test_field_table_covers_every_field():
-    lines = README.read_text().split("\n")
-    start, end = docs_table.table_span(lines)
-    documented_ = docs_table.documented_fields(lines[start:end])
-    assert documented_ == docs_table.policy_loss_fields(), documented_ ^ docs_table.policy_loss_fields()
 
 
 def lab_commands(path: Path) -> set[str]:

@@ -7,10 +7,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
-from maspo_verl.config import GranularLossConfig
-from maspo_verl.segments import SEGMENT_RULES
+from maspo_verl.config import SETTINGS, GranularLossConfig
 from maspo_verl.main import dry_run
 from maspo_verl.plugin.checks import run_startup_checks as startup_checks
+from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.util import preset_names
 from tests.helpers import SMALL, compose_config
 
@@ -214,3 +214,36 @@ def test_span_credit_without_per_token_scores_warns_that_it_is_grpo():
         warnings.simplefilter("always")
         issued = startup_checks(cfg)
     assert len(issued) == 1 and "gives verl's grpo advantages" in issued[0]
+
+
+def bad_values(allowed) -> list:
+    """Values each kind of declared ``Allowed`` must refuse (a new kind must be added here)."""
+    from maspo_verl import validation as v
+
+    if isinstance(allowed, v.Int):
+        return [allowed.minimum - 1, 2.5, True] + ([allowed.maximum + 1] if allowed.maximum is not None else [])
+    if isinstance(allowed, v.Float):
+        return [float("nan"), "1.0", allowed.hi + 1 if allowed.hi != float("inf") else float("inf")] + (
+            [allowed.lo] if allowed.lo_open else ([allowed.lo - 1] if allowed.lo != -float("inf") else [])
+        )
+    if isinstance(allowed, v.Bool):
+        return ["yes", 1]
+    if isinstance(allowed, v.Choice):
+        return ["no-such-choice", 3]
+    if isinstance(allowed, v.Strings):
+        return ["a string", [""], [1]]
+    if isinstance(allowed, v.Ints):
+        return [[], [allowed.minimum - 1], "4"]
+    if isinstance(allowed, v.OptionalPath):
+        return ["  ", 3]
+    raise AssertionError(f"no bad values known for {type(allowed).__name__}: add them to bad_values()")
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_every_declared_setting_refuses_bad_values_naming_itself_and_the_allowed_ones(setting):
+    assert GranularLossConfig(loss_mode="maspo", **{setting.name: setting.default}) is not None
+    for value in bad_values(setting.allowed):
+        with pytest.raises(ValueError) as err:
+            GranularLossConfig(loss_mode="maspo", **{setting.name: value})
+        assert str(err.value).startswith(f"policy_loss.{setting.name}="), (value, str(err.value))
+        assert setting.allowed.text in str(err.value), (value, str(err.value))

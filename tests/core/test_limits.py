@@ -2,11 +2,16 @@
 independent loop references."""
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
+from maspo_verl import segments
+from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
+from maspo_verl.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
 from tests.helpers import actor_config, random_batch
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
@@ -33,68 +38,6 @@ def assert_close(a, b, tol=1e-6):
     assert diff <= tol, f"max abs diff {diff:.3e} > {tol}"
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("scale", [0.05, 0.6])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_maspo_window_one_is_verl_vanilla(agg, scale, per_token):
-    old, new, adv, mask = random_batch(scale=scale, seed=1, per_token=per_token)
-    ours = loss_and_grad("maspo", actor_config(segment_rule="fixed", segment_window=1), old, new, adv, mask, agg)
-    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[1].abs().sum() > 0
-    # the large-scale case really exercises both clips and the dual clip
-    if scale > 0.5:
-        assert ours[2]["actor/pg_clipfrac"] > 0
-    assert ours[2]["actor/pg_clipfrac"] == pytest.approx(verl[2]["actor/pg_clipfrac"], abs=1e-6)
-
-
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("window", [20, 1000])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_maspo_window_at_least_length_is_verl_gspo(agg, window, per_token):
-    """Per-token advantages (span credit) with one shared ratio: verl's GSPO-token."""
-    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
-    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="fixed", segment_window=window)
-    ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
-    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
-
-
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("per_token", [False, True])
-def test_maspo_one_word_over_everything_is_verl_gspo(agg, per_token):
-    """segment_rule=words, one word covering each whole response (padding included): verl's GSPO."""
-    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-
-    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
-    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="words", words_fallback_rule="fixed")
-    with micro_batch_scope({WORD_IDS_KEY: torch.zeros(mask.shape, dtype=torch.long)}):
-        ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
-    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
-    assert ours[2]["actor/ratio/words_fallback_frac"] == 0.0
-
-
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_maspo_one_word_per_token_is_verl_vanilla(agg):
-    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-
-    old, new, adv, mask = random_batch(scale=0.6, seed=1)
-    words = torch.arange(mask.shape[1]).expand(mask.shape)
-    with micro_batch_scope({WORD_IDS_KEY: words}):
-        config = actor_config(segment_rule="words", words_fallback_rule="fixed")
-        ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
-    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[2]["actor/pg_clipfrac"] > 0
-
-
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """The local mode's byte-level tokenizer (id b is byte b): "\n" is id 10, "?" id 63, letters their bytes."""
@@ -111,73 +54,140 @@ def letters(mask: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randint(ord("a"), ord("z") + 1, mask.shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("per_token", [False, True])
-def test_maspo_delimiter_only_at_the_end_is_verl_gspo(agg, per_token, byte_tokenizer):
-    """segment_rule=delimiters (default strings), each response's only delimiter its last token: one segment."""
-    from maspo_verl.batch import micro_batch_scope
+def codec_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Ids inside the default codec range whose neighbours all differ (every code distance > 0)."""
+    B, T = mask.shape
+    codes = (torch.arange(T) * 7 + torch.arange(B)[:, None] * 13) % 65536
+    return codes + 128264
 
-    old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
+
+def alternating(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` with every other token masked out: each valid token is a run (a turn) of its own."""
+    return mask & (torch.arange(mask.shape[1]) % 2 == 0)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A setting of one of our losses that must equal a verl loss: its policy-loss settings, the micro-batch fields
+    in scope (``scope(mask)``; the byte-level tokenizer with ``tokenizer``) and how the mask is changed."""
+
+    id: str
+    settings: dict
+    scope: Callable | None = None
+    tokenizer: bool = False
+    reshape_mask: Callable | None = None
+
+
+def declared(limit: str) -> list[Case]:
+    """Each rule's declared ``limit`` (``SegmentRule.limits``), with the inputs it reads: old log-probs, codec
+    ids whose neighbours differ, no word ids (rows fall back), the byte-level tokenizer."""
+    cases = []
+    for rule in SEGMENT_RULES.values():
+        if limit in rule.limits:
+            reads_ids = RESPONSE_IDS in segments.inputs_needed(actor_config(segment_rule=rule.name).policy_loss)
+            cases.append(
+                Case(
+                    f"{rule.name}-declared",
+                    {"segment_rule": rule.name, **rule.limits[limit]},
+                    (lambda mask: {"responses": codec_ids(mask)}) if reads_ids else None,
+                    tokenizer=TOKENIZER in rule.needs,
+                )
+            )
+    return cases
+
+
+def one_word(mask):
+    return {WORD_IDS_KEY: torch.zeros(mask.shape, dtype=torch.long)}
+
+
+def word_per_token(mask):
+    return {WORD_IDS_KEY: torch.arange(mask.shape[1]).expand(mask.shape)}
+
+
+def delimiter_at_the_end(mask):
     ids = letters(mask, 5)
     ids[torch.arange(mask.shape[0]), mask.sum(-1) - 1] = ord("\n")
     ids[~mask] = ord("\n")  # padding holds delimiters too: it must not count
-    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="delimiters")
-    with micro_batch_scope({"responses": ids}, byte_tokenizer):
-        ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
-    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+    return {"responses": ids}
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("strings", [{"delimiters": ["\n", "?"]}, {"delimiters": [], "step_markers": ["\n", "?"]}])
-def test_maspo_every_token_a_delimiter_is_verl_vanilla(agg, strings, byte_tokenizer):
-    """Every token a delimiter (a segment ends after each), or a step marker (one starts at each)."""
-    from maspo_verl.batch import micro_batch_scope
+def delimiter_everywhere(mask):
+    return {"responses": torch.where(letters(mask, 6) < ord("m"), ord("\n"), ord("?"))}
 
-    old, new, adv, mask = random_batch(scale=0.6, seed=1)
-    ids = torch.where(letters(mask, 6) < ord("m"), ord("\n"), ord("?"))
-    with micro_batch_scope({"responses": ids}, byte_tokenizer):
-        ours = loss_and_grad("maspo", actor_config(segment_rule="delimiters", **strings), old, new, adv, mask, agg)
-    verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
-    assert ours[2]["actor/pg_clipfrac"] > 0
-    assert ours[2]["actor/ratio/segment_len_mean"] == 1.0
+
+# the sequence ratio: every declared limit, and inputs under which a rule finds one segment per response
+GSPO_CASES = declared("sequence") + [
+    Case("fixed-window-T", {"segment_rule": "fixed", "segment_window": 20}),
+    Case("words-one-word-over-everything", {"segment_rule": "words", "words_fallback_rule": "fixed"}, one_word),
+    Case("delimiters-only-at-the-end", {"segment_rule": "delimiters"}, delimiter_at_the_end, tokenizer=True),
+    Case("turns-no-holes", {"segment_rule": "turns"}),
+    Case("pgspo-alpha-one", {"loss_mode": "pgspo"}),
+]
+# the token ratio: every declared limit, and inputs under which a rule gives every token a segment
+VANILLA_CASES = declared("token") + [
+    Case("words-one-word-per-token", {"segment_rule": "words", "words_fallback_rule": "fixed"}, word_per_token),
+    Case(
+        "delimiters-everywhere", {"segment_rule": "delimiters", "delimiters": ["\n", "?"]}, delimiter_everywhere, True
+    ),
+    Case(
+        "step-markers-everywhere",
+        {"segment_rule": "delimiters", "delimiters": [], "step_markers": ["\n", "?"]},
+        delimiter_everywhere,
+        True,
+    ),
+    Case("turns-every-token-its-own-run", {"segment_rule": "turns"}, reshape_mask=alternating),
+    Case("turns-window-one-with-holes", {"segment_rule": "turns", "turn_window": 1}, reshape_mask=alternating),
+]
+
+
+def run_case(case: Case, config, old, new, adv, mask, agg, tokenizer):
+    mask = case.reshape_mask(mask) if case.reshape_mask else mask
+    settings = dict(case.settings)
+    loss_mode = settings.setdefault("loss_mode", "maspo")
+    scope = micro_batch_scope(case.scope(mask) if case.scope else {}, tokenizer if case.tokenizer else None)
+    with scope:
+        return loss_and_grad(loss_mode, config(**settings), old, new, adv, mask, agg), mask
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("per_token", [False, True])
-def test_maspo_surprisal_quantile_zero_is_verl_gspo(agg, per_token):
+@pytest.mark.parametrize("case", GSPO_CASES, ids=lambda c: c.id)
+def test_one_ratio_per_response_is_verl_gspo(case, agg, per_token, byte_tokenizer):
+    """Per-token advantages (span credit) with one shared ratio: verl's GSPO-token."""
     old, new, adv, mask = random_batch(scale=0.01, seed=2, per_token=per_token)
-    config = actor_config(clip_low=3e-4, clip_high=4e-4, segment_rule="surprisal", surprisal_quantile=0.0)
-    ours = loss_and_grad("maspo", config, old, new, adv, mask, gspo_agg_mode(agg))
+    ours, mask = run_case(
+        case, lambda **kw: actor_config(3e-4, 4e-4, **kw), old, new, adv, mask, gspo_agg_mode(agg), byte_tokenizer
+    )
     verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
     assert_close(ours[0], verl[0])
     assert_close(ours[1], verl[1])
-    assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
+    assert ours[1].abs().sum() > 0
+    if case.settings.get("loss_mode", "maspo") == "maspo":
+        assert ours[2]["actor/ratio/segments_per_seq"] == 1.0
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-def test_maspo_surprisal_quantile_one_is_verl_vanilla(agg):
-    old, new, adv, mask = random_batch(scale=0.6, seed=1)
-    config = actor_config(segment_rule="surprisal", surprisal_quantile=1.0)
-    ours = loss_and_grad("maspo", config, old, new, adv, mask, agg)
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("case", VANILLA_CASES, ids=lambda c: c.id)
+def test_one_ratio_per_token_is_verl_vanilla(case, agg, scale, per_token, byte_tokenizer):
+    old, new, adv, mask = random_batch(scale=scale, seed=1, per_token=per_token)
+    ours, mask = run_case(case, actor_config, old, new, adv, mask, agg, byte_tokenizer)
     verl = loss_and_grad("vanilla", actor_config(loss_mode="vanilla"), old, new, adv, mask, agg)
     assert_close(ours[0], verl[0])
     assert_close(ours[1], verl[1])
-    assert ours[2]["actor/pg_clipfrac"] > 0
+    assert ours[1].abs().sum() > 0
     assert ours[2]["actor/ratio/segment_len_mean"] == 1.0
+    # the large-scale case really exercises both clips and the dual clip
+    if scale > 0.5:
+        assert ours[2]["actor/pg_clipfrac"] > 0
+    assert ours[2]["actor/pg_clipfrac"] == pytest.approx(verl[2]["actor/pg_clipfrac"], abs=1e-6)
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_pgspo_alpha_one_is_verl_gspo(agg):
-    old, new, adv, mask = random_batch(scale=0.02, seed=3)
-    ours = loss_and_grad("pgspo", actor_config(3e-4, 4e-4, loss_mode="pgspo"), old, new, adv, mask, gspo_agg_mode(agg))
-    verl = loss_and_grad("gspo", actor_config(3e-4, 4e-4, loss_mode="vanilla"), old, new, adv, mask, agg)
-    assert_close(ours[0], verl[0])
-    assert_close(ours[1], verl[1])
+def test_every_rule_declares_a_limit_or_has_a_case():
+    """A rule whose settings reach neither limit is still checked against verl through inputs that do."""
+    covered = {c.settings.get("segment_rule") for c in GSPO_CASES + VANILLA_CASES}
+    assert set(SEGMENT_RULES) <= covered, set(SEGMENT_RULES) - covered
 
 
 def test_pgspo_alpha_zero_is_the_full_product():

@@ -154,7 +154,8 @@ def test_fallback_rule_is_validated():
     # every rule without a fallback of its own may be one, and only those
     allowed = [name for name, rule in SEGMENT_RULES.items() if rule.fallback_field is None]
     assert "words" not in allowed and {"fixed", "logprob", "tokenval"} <= set(allowed)
-    with pytest.raises(ValueError, match=r"words_fallback_rule='words' is invalid: allowed one of " + ", ".join(allowed)):
+    expected = r"words_fallback_rule='words' is invalid: allowed one of " + ", ".join(allowed)
+    with pytest.raises(ValueError, match=expected):
         actor_config(segment_rule="words", words_fallback_rule="words")
     with pytest.raises(ValueError, match="words_fallback_rule"):
         actor_config(segment_rule="words", words_fallback_rule="silence")

@@ -1,0 +1,56 @@
+"""What is generated from the declarations (``maspo_verl.reference``) is up to date and complete: the Hydra defaults
+in ``hydra_configs/maspo_base.yaml`` and the README's fields, rules and presets tables."""
+
+import dataclasses
+import subprocess
+import sys
+
+from omegaconf import OmegaConf
+from verl.workers.config import PolicyLossConfig
+
+from maspo_verl import reference
+from maspo_verl.config import SETTINGS, GranularLossConfig
+from maspo_verl.segments import SEGMENT_RULES
+from maspo_verl.util import config_dir, preset_names
+from tests.helpers import REPO, compose_config
+
+
+def test_the_generated_files_are_up_to_date():
+    out = subprocess.run(
+        [sys.executable, "-m", "maspo_verl", "generate", "--check"], cwd=REPO, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr  # names the files and the command to run
+
+
+def test_a_stale_table_is_found_and_rewritten(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (REPO / "README.md").read_text()
+    readme.write_text(text.replace("| `segment_window` |", "| `segment_windows` |", 1))
+    assert reference.write(tmp_path) == [readme] and readme.read_text() == text
+
+
+def test_the_dataclass_has_exactly_the_declared_fields_and_defaults():
+    ours = [
+        f
+        for f in dataclasses.fields(GranularLossConfig)
+        if f.name not in {g.name for g in dataclasses.fields(PolicyLossConfig)}
+    ]
+    assert [f.name for f in ours] == [s.name for s in SETTINGS]
+    built = GranularLossConfig(loss_mode="maspo")
+    assert all(getattr(built, s.name) == s.default for s in SETTINGS)
+
+
+def test_the_composed_defaults_are_the_declared_ones():
+    composed = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor.policy_loss)
+    assert {s.name: composed[s.name] for s in SETTINGS} == {s.name: s.default for s in SETTINGS}
+
+
+def test_the_readme_tables_name_every_setting_rule_and_preset():
+    text = (REPO / "README.md").read_text()
+    for s in SETTINGS:
+        assert f"| `{s.name}` |" in text, s.name
+    for name in SEGMENT_RULES:
+        assert f"| `{name}` |" in text, name
+    for name in preset_names():
+        assert f"| `{name}` |" in text, name
+    assert (config_dir() / "maspo_base.yaml").read_text().count(reference.YAML_MARKERS[0]) == 1
