@@ -15,8 +15,11 @@ data order, batch, learning rate, rollout). A *cell* is one point of the axes:
 
 ``--cells LENGTH/MISMATCH/UPDATES ...`` lists cells explicitly instead of the full product.
 
-Metrics are verl's own, read by ``read_metrics`` (from the run folder's ``metrics.jsonl``, verl's
-``file`` logger; else its console lines ``step:N - key:value ...``). Per run: final reward
+``--losses`` takes loss presets (``hydra_configs/loss/``; default: all, and ``maspo_fixed+span``, a
+preset with the credit preset ``credit=span``); ``ADJUSTMENTS`` fits a preset to these short responses.
+
+Runs go through ``maspo_verl.lab.runs``; metrics are verl's own (the run folder's ``metrics.jsonl``,
+verl's ``file`` logger; else its console lines ``step:N - key:value ...``). Per run: final reward
 (``critic/score/mean``, mean of the last K steps), mean reward over all steps (the speed measure),
 steps to a reward gain, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd
 over steps), verl's ``rollout_corr/*`` and ``training/rollout_*`` diagnostics when it logs them (not
@@ -29,42 +32,24 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 
 from __future__ import annotations
 
-import ast
 import math
-import os
-import re
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
 from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS
-from maspo_verl.util import read_step_metrics
+from maspo_verl.lab.runs import run_local
+from maspo_verl.util import preset_names
 
-# name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
-# these responses' words)
-LOSSES = {
-    "grpo": ["loss=grpo"],
-    "gspo": ["loss=gspo"],
-    "maspo_fixed": ["loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.segment_window=3"],
-    "maspo_logprob": ["loss=maspo_logprob"],
-    "maspo_tokenval": ["loss=maspo_tokenval"],
-    "ctpo": ["loss=ctpo"],
-    "pgspo": ["loss=pgspo"],
-    "maspo_fixed+span": ["loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.segment_window=3", "credit=span"],
-    # one ratio per decoded word (the reward manager returns the words' token spans)
-    "maspo_words": ["loss=maspo_words"],
-}
 BASELINE = "grpo"
-STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
+# a loss of ``--losses`` is a loss preset (``loss=<name>``) or PRESET+CREDIT with a credit preset (``credit=``)
+CREDIT_SEP = "+"
+# maspo_fixed's window (15 tokens, a syllable at 50 Hz) is longer than these responses' words: W = 3 tokens
+ADJUSTMENTS = {"maspo_fixed": ["actor_rollout_ref.actor.policy_loss.segment_window=3"]}
+# every loss preset, the baseline first, and MASPO fixed windows with span credit (the per-token scores travel)
+DEFAULT_LOSSES = [BASELINE, *(p for p in preset_names() if p != BASELINE), f"maspo_fixed{CREDIT_SEP}span"]
 KEYS = (
     "critic/score/mean",
     "actor/pg_clipfrac",
@@ -84,7 +69,12 @@ FP32 = "fp32"
 
 def add_arguments(p) -> None:
     p.add_argument("--tasks", nargs="+", default=["text", "speech"], help="text and/or speech")
-    p.add_argument("--losses", nargs="+", default=list(LOSSES), help=f"from {list(LOSSES)}")
+    p.add_argument(
+        "--losses",
+        nargs="+",
+        default=DEFAULT_LOSSES,
+        help=f"loss presets {preset_names()}, each optionally +CREDIT (credit presets {preset_names('credit')})",
+    )
     p.add_argument("--seeds", type=int, default=2, help="seeds per (task, cell, loss): model init and data order")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--batch", type=int, default=8, help="prompts per step (data.train_batch_size)")
@@ -110,43 +100,6 @@ def add_arguments(p) -> None:
     p.add_argument("--last", type=int, default=3, help="final reward = mean of the last K steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out's learn_runs.csv")
-
-
-# -- verl's metrics -------------------------------------------------------------------------
-
-
-def parse_steps(log_text: str) -> dict[int, dict[str, float]]:
-    """verl's console logger prints ``step:N - key:value - key:value ...`` once per step."""
-    steps: dict[int, dict[str, float]] = {}
-    for raw in log_text.splitlines():
-        m = STEP_LINE.search(ANSI.sub("", raw))
-        if not m:
-            continue
-        metrics = {}
-        for item in m.group(2).split(" - "):
-            key, sep, value = item.rpartition(":")
-            if not sep:
-                continue
-            value = WRAPPED.sub(r"\1", value.strip())
-            try:
-                metrics[key.strip()] = float(ast.literal_eval(value))
-            except (ValueError, SyntaxError, TypeError):
-                continue
-        steps[int(m.group(1))] = metrics
-    return steps
-
-
-METRICS_FILE = "metrics.jsonl"  # verl's ``file`` logger in the run folder (the local mode's default)
-
-
-def read_metrics(log_text: str, run_dir: Path) -> dict[int, dict[str, float]]:
-    """verl's metrics of one run, per step: the one place that knows where they come from. Every metric
-    at full precision from the run folder's ``metrics.jsonl`` (one ``{"step": N, "data": {...}}`` a
-    line), else the console's step lines."""
-    steps = read_step_metrics(run_dir / METRICS_FILE)
-    if not steps:
-        return parse_steps(log_text)
-    return {s: {k: float(v) for k, v in data.items() if isinstance(v, int | float)} for s, data in steps.items()}
 
 
 # -- cells --------------------------------------------------------------------------------------
@@ -230,56 +183,25 @@ def cells_of(args) -> list[Cell]:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
-    """Stop the run's process group, then any process of its private Ray cluster (named by its temp dir)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=15)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    for attempt in range(10):
-        left = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                try:
-                    if ray_dir in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                        left.append(int(entry.name))
-                except OSError:
-                    continue
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGTERM if attempt < 5 else signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(1)
+def loss_overrides(loss: str) -> list[str]:
+    """``PRESET`` or ``PRESET+CREDIT`` -> the trainer's overrides (the preset's adjustment for these tasks too)."""
+    preset, _, credit = loss.partition(CREDIT_SEP)
+    return [f"loss={preset}", *ADJUSTMENTS.get(preset, []), *([f"credit={credit}"] if credit else [])]
 
 
-def run_trainer(overrides: list[str], log_path: Path, timeout: float) -> tuple[int | None, str, float]:
-    """One local-mode trainer run in its own private Ray cluster, with ``log_path``'s folder as its run
-    folder (its metrics file lands there); (exit code, log, wall seconds)."""
-    ray_dir = tempfile.mkdtemp(prefix="mvl_learn_", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
-    cmd.append(f"hydra.run.dir={log_path.parent}")
-    start = time.monotonic()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd + overrides, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            stop_run(proc, ray_dir)
-    shutil.rmtree(ray_dir, ignore_errors=True)
-    return code, log_path.read_text(errors="replace"), time.monotonic() - start
+def check_losses(losses: list[str]) -> None:
+    """Every name of ``--losses`` (and of ``ADJUSTMENTS``) a preset: a clear error at start, not in a run."""
+    presets, credits = preset_names(), preset_names("credit")
+    stale = sorted(set(ADJUSTMENTS) - set(presets))
+    if stale:
+        raise SystemExit(f"learn.ADJUSTMENTS: {stale} are not loss presets (hydra_configs/loss/: {presets})")
+    for loss in losses:
+        preset, plus, credit = loss.partition(CREDIT_SEP)
+        if preset not in presets or (plus and credit not in credits):
+            raise SystemExit(
+                f"--losses {loss!r}: allowed a loss preset {presets}, optionally {CREDIT_SEP}CREDIT with a credit "
+                f"preset {credits} (e.g. maspo_fixed{CREDIT_SEP}span)"
+            )
 
 
 def prompt_room(sentence: str) -> int:
@@ -300,7 +222,7 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
     if cell.mismatch != NO_MISMATCH:
         extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
     return [
-        *LOSSES[loss],
+        *loss_overrides(loss),
         f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
         f"data.train_batch_size={args.batch}",
@@ -545,9 +467,7 @@ def statements(args, cells: list[Cell], summary: list[dict], comparisons: list[d
 def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
-    unknown = [loss for loss in args.losses if loss not in LOSSES]
-    if unknown:
-        raise SystemExit(f"--losses: unknown {unknown}; allowed {list(LOSSES)}")
+    check_losses(args.losses)
     unknown = [task for task in args.tasks if task not in learn_tasks.TASKS]
     if unknown:
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)}")
@@ -579,11 +499,9 @@ def run(args, argv) -> None:
                     if (task, cell.label, loss, seed) in done:
                         continue
                     name = f"{task}_{cell.label.replace('/', '_')}_{loss}_{seed}"
-                    run_dir = logs / name
-                    run_dir.mkdir()
                     overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
-                    code, text, wall = run_trainer(overrides, run_dir / "trainer.log", args.timeout)
-                    steps = read_metrics(text, run_dir)
+                    result = run_local(overrides, logs / name, timeout_s=args.timeout)
+                    steps, code, wall = result.steps, result.returncode, result.wall_s
                     key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
                     key |= {"updates": cell.updates, "loss": loss, "seed": seed}
                     for s in sorted(steps):
@@ -594,7 +512,7 @@ def run(args, argv) -> None:
                     log(
                         f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
                         f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
-                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s (log {run_dir / 'trainer.log'})"
+                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s (run folder {result.run_dir})"
                     )
                     # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
                     write_csv(out / "learn_steps.csv", step_rows)
@@ -759,7 +677,8 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             f" neighbours), {SPEECH_WORDS} words at any length (3 frames each at 12 tokens, 24 at 96: a higher"
             " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words.",
             f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"
-            " initialisation and data order, so runs of one seed start alike. `maspo_fixed` uses W = 3 tokens.",
+            " initialisation and data order, so runs of one seed start alike."
+            + "".join(f" `{p}` with `{' '.join(o.rsplit('.', 1)[-1] for o in ov)}`." for p, ov in ADJUSTMENTS.items()),
             "",
             "A cell is `L<response tokens>/<mismatch>/U<updates per batch>`. Mismatch: the local rollout"
             " server's test instrument (`maspo.local_mismatch`): `bf16` runs its model in bfloat16, a number"

@@ -186,7 +186,7 @@ def packed(asr, codes, texts):
 
 # ---- step-time split -------------------------------------------------------------------------------------
 def step_split(args, workdir: Path) -> tuple[list[dict], int | None]:
-    from maspo_verl.lab.learn import parse_steps, run_trainer
+    from maspo_verl.lab.runs import run_local
     from maspo_verl.speech.local_assets import build
 
     assets = build(str(workdir / "assets"))
@@ -196,8 +196,9 @@ def step_split(args, workdir: Path) -> tuple[list[dict], int | None]:
         f"data.max_response_length={args.response_tokens}",
         "actor_rollout_ref.rollout.ignore_eos=true",
     ]
-    code, text, wall = run_trainer(overrides, workdir / "trainer.log", args.timeout)
-    log(f"reward bench: training run exit {code}, {wall:.0f}s (log {workdir / 'trainer.log'})")
+    result = run_local(overrides, workdir / "trainer", timeout_s=args.timeout)
+    code = result.returncode
+    log(f"reward bench: training run exit {code}, {result.wall_s:.0f}s (run folder {result.run_dir})")
     from omegaconf import OmegaConf
 
     from maspo_verl.util import config_dir
@@ -205,7 +206,7 @@ def step_split(args, workdir: Path) -> tuple[list[dict], int | None]:
     local = OmegaConf.load(Path(config_dir()) / "local" / "cpu.yaml")
     samples = int(local.data.train_batch_size) * int(local.actor_rollout_ref.rollout.n)
     rows = []
-    for step, m in sorted(parse_steps(text).items()):
+    for step, m in sorted(result.steps.items()):
         reward_s = m.get("reward/score_s/mean", float("nan")) * samples
         rows.append(
             {

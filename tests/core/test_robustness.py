@@ -2,33 +2,55 @@
 
 import pytest
 import torch
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from omegaconf import OmegaConf
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.lab.bench import count_host_syncs
+from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.util import config_dir, preset_names
 from tests.helpers import BYTE_VOCABULARY, actor_config, random_batch
 
-CONFIGS = {
-    "maspo_fixed": dict(segment_window=4),
-    "maspo_logprob": dict(segment_rule="logprob", logprob_per_sample=True, min_segment_len=2, max_segment_len=6),
-    "maspo_tokenval": dict(segment_rule="tokenval", min_segment_len=2),
-    "maspo_words": dict(segment_rule="words", min_segment_len=2, max_segment_len=6),
-    # codec ids beyond the byte vocabulary in scope: no delimiter found, max_segment_len cuts
-    "maspo_delimiters": dict(segment_rule="delimiters", min_segment_len=2, max_segment_len=6),
-    "maspo_surprisal": dict(segment_rule="surprisal", surprisal_quantile=0.3, min_segment_len=2),
-    "maspo_log_clip_segmean": dict(
-        segment_window=3, clip_schedule="log_adaptive", clip_exponent=-0.5, agg_mode="seg-mean-token-mean"
-    ),
-    "ctpo_cumprod": dict(loss_mode="ctpo", clip_schedule="log_adaptive"),
-    "ctpo_geomean": dict(loss_mode="ctpo", ctpo_mode="geomean", clip_schedule="log_adaptive", clip_exponent=-0.5),
-    "pgspo": dict(loss_mode="pgspo", length_exponent=0.5),
-}
+
+def shipped_policy_losses() -> dict[str, dict]:
+    """Each loss preset of ours (hydra_configs/loss/, loss_mode a maspo_verl token set): its policy_loss section."""
+    found = {}
+    for name in preset_names():
+        section = OmegaConf.load(config_dir() / "loss" / f"{name}.yaml").actor_rollout_ref.actor.policy_loss
+        if section.loss_mode in TOKEN_SETS:
+            found[name] = OmegaConf.to_container(section)
+    return found
+
+
+def variations(policy_loss: dict) -> dict[str, dict]:
+    """Settings that matter for robustness, chosen by what a preset is (not by its name): the preset as
+    shipped; short segments (many boundaries in 8..64 tokens); PPO's plain ratio clip; MASPO's
+    segment-mean aggregation; CTPO's geometric mean with shrinking bounds."""
+    out = {"shipped": {}, "ratio_clip": {"clip_schedule": "ratio"}}
+    if policy_loss["loss_mode"] == "maspo":
+        if policy_loss["segment_rule"] == "fixed":
+            out["short"] = {"segment_window": 3}
+        else:  # (delimiters: the codec ids are beyond the byte vocabulary in scope, so max_segment_len cuts)
+            out["short"] = {"min_segment_len": 2, "max_segment_len": 6}
+        out["segment_mean"] = {**out["short"], "agg_mode": "seg-mean-token-mean"}
+    if policy_loss["loss_mode"] == "ctpo":
+        out["geomean"] = {"ctpo_mode": "geomean", "clip_exponent": -0.5}
+    return {label: {**policy_loss, **changes} for label, changes in out.items()}
+
+
+PRESETS = shipped_policy_losses()
+CONFIGS = {f"{name}/{label}": config for name, pl in PRESETS.items() for label, config in variations(pl).items()}
+
+
+def test_every_preset_is_covered_or_verls_own():
+    for name in set(preset_names()) - set(PRESETS):
+        mode = OmegaConf.load(config_dir() / "loss" / f"{name}.yaml").actor_rollout_ref.actor.policy_loss.loss_mode
+        assert mode in POLICY_LOSS_REGISTRY and mode not in TOKEN_SETS, (name, mode)  # verl's loss, not ours
+    assert {pl["loss_mode"] for pl in PRESETS.values()} == set(TOKEN_SETS)  # every loss of ours has a preset here
 
 
 def run(name, old, new, adv, mask, agg="seq-mean-token-mean"):
-    kwargs = dict(CONFIGS[name])
-    loss_mode = kwargs.pop("loss_mode", "maspo")
-    return run_config(actor_config(loss_mode=loss_mode, **kwargs), old, new, adv, mask, agg)
+    return run_config(actor_config(**CONFIGS[name]), old, new, adv, mask, agg)
 
 
 def run_config(config, old, new, adv, mask, agg="seq-mean-token-mean"):

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from maspo_verl.lab.runs import parse_steps
 from maspo_verl.local.run_log import STEP_KEYS
 from maspo_verl.util import read_step_metrics as read_metrics
-from tests.e2e.conftest import manager_overrides, parse_steps
+from tests.e2e.conftest import manager_overrides
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,6 @@ set-up, where the job's uploaded working dir shadows the installed package. Stop
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -31,15 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from maspo_verl.lab.runs import ANSI, parse_steps, stop_run
 from tests.helpers import REPO
 from tests.math.fixtures import LOCAL_SPECS
 
 pytestmark = pytest.mark.e2e
-
-_spec = importlib.util.spec_from_file_location("_maspo_e2e_conftest_jobs", Path(__file__).with_name("conftest.py"))
-e2e = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = e2e  # dataclasses in it look their module up
-_spec.loader.exec_module(e2e)
 
 MAIN_BIN = Path(sys.executable).parent  # the client side: `ray job submit` of the test's own venv
 JOB_TIMEOUT_S = 540
@@ -169,13 +164,13 @@ class Head:
         raise AssertionError(f"Ray head not ready in {timeout_s}s:\n{self.log.read_text()[-4000:]}")
 
     def stop(self) -> None:
-        e2e.stop_run(self.proc, self.temp_dir)  # the `ray start --block` group, then every process of this head
+        stop_run(self.proc, self.temp_dir)  # the `ray start --block` group, then every process of this head
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def status(self, job_id: str) -> str:
         """The job's status as `ray job status` words it (SUCCEEDED, FAILED, ...)."""
         out = self.ray("job", "status", job_id)
-        text = e2e.ANSI.sub("", out.stdout)
+        text = ANSI.sub("", out.stdout)
         found = re.search(rf"Job '{re.escape(job_id)}' (succeeded|failed|stopped)|Status for job .*: (\w+)", text)
         return (found.group(1) or found.group(2)).upper() if found else f"unknown: {text}{out.stderr}"
 
@@ -214,7 +209,7 @@ def _check_two_steps(status: str, logs: str, head: Head, submit_log: Path) -> di
         f"\n--- submit ---\n{submit_log.read_text()[-3000:]}"
     )
     assert status == "SUCCEEDED", f"job status {status}{context}"
-    steps = e2e.parse_steps(logs)
+    steps = parse_steps(logs)
     assert sorted(steps) == [1, 2], f"logged steps {sorted(steps)}{context}"
     # the local mode joined the head (Ray names it by the host's address) rather than starting its own
     assert re.search(rf"ray_address=\S+:{head.gcs_port}\s", logs), context

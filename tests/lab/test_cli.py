@@ -74,20 +74,35 @@ def test_bench_command(tmp_path):
     assert ours and all(r["host_syncs"] == "1" for r in ours)
 
 
-def test_steptime_reads_verl_console_lines():
-    from maspo_verl.lab import bench, steptime
+def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
+    """Step times from the run folder's metrics.jsonl as verl's own file logger writes it."""
+    from verl.utils.tracking import FileLogger
 
-    log = (
-        "step:1 - actor/pg_loss:0.5 - timing_s/gen:3.0 - timing_s/step:20.0\n"
-        "(TaskRunner pid=7) step:2 - timing_s/step:2.0 - perf/x:1\n"
-        "step:3 - timing_s/step:4.0\n"
-    )
-    assert steptime.step_times(log) == {1: 20.0, 2: 2.0, 3: 4.0}
-    rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in steptime.step_times(log).items()]
-    rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in steptime.step_times(log).items()]
+    from maspo_verl.lab import bench, runs, steptime
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / runs.METRICS_FILE))
+    logger = FileLogger("p", "e")
+    for step, seconds in ((1, 20.0), (2, 2.0), (3, 4.0)):
+        logger.log({"actor/pg_loss": 0.5, "timing_s/gen": 3.0, "timing_s/step": seconds, "note": "x"}, step=step)
+    logger.log({"val-core/acc": 1.0}, step=4)  # a step without a step time
+    logger.finish()
+    times = steptime.step_times(runs.read_metrics(tmp_path, log_text="step:1 - timing_s/step:99.0"))
+    assert times == {1: 20.0, 2: 2.0, 3: 4.0}  # the file, not the console
+    assert steptime.step_times(runs.read_metrics(tmp_path / "none", "step:1 - timing_s/step:99.0")) == {1: 99.0}
+    rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in times.items()]
+    rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in times.items()]
     table = {r["preset"]: r for r in bench.summarise_steps(rows, "grpo")}
     assert table["grpo"]["median_s"] == 3.0 and table["grpo"]["steps"] == 2  # step 1 left out
     assert table["ctpo"]["x_grpo_median"] == 2.0 and table["ctpo"]["x_grpo_min"] == 2.0
+
+
+def test_steptime_presets_are_the_loss_presets():
+    from maspo_verl.lab import steptime
+
+    assert steptime.presets_of("", "grpo") == ["grpo", *(p for p in preset_names() if p != "grpo")]
+    assert steptime.presets_of("ctpo,grpo,ctpo", "grpo") == ["grpo", "ctpo"]
+    with pytest.raises(SystemExit, match=r"--presets: unknown \['maspo_delimiters'\]; allowed \['ctpo'"):
+        steptime.presets_of("ctpo,maspo_delimiters", "grpo")
 
 
 TINY_BENCH = ["--B", "4", "--T", "64", "--reps", "1", "--warmup", "0", "--no-profile", "--only", "grpo"]

@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import statistics
 
 import pytest
+from omegaconf import OmegaConf
 
 from maspo_verl.lab import learn
 from maspo_verl.lab import learn_tasks as lt
 from maspo_verl.lab.common import bootstrap_ci
+from maspo_verl.util import config_dir, preset_names
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -69,6 +72,27 @@ def test_overrides_of_a_cell():
     assert "actor_rollout_ref.actor.ppo_mini_batch_size=8" in plain
     long_text = " ".join(["ka"] * 96)
     assert learn.prompt_room(long_text) >= len("Say: " + long_text) + 19  # the chat template's tokens
+
+
+def test_losses_are_the_presets_and_compose():
+    """The default losses are every loss preset (the baseline first) and maspo_fixed+span; each one's
+    overrides compose to the trainer config it names; a name that is no preset is refused at start."""
+    from tests.helpers import compose_config
+
+    assert learn.DEFAULT_LOSSES[0] == learn.BASELINE and set(preset_names()) <= set(learn.DEFAULT_LOSSES)
+    learn.check_losses(learn.DEFAULT_LOSSES)
+    for loss in learn.DEFAULT_LOSSES:
+        preset, _, credit = loss.partition("+")
+        cfg = compose_config(*learn.loss_overrides(loss))
+        policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+        shipped = OmegaConf.load(config_dir() / "loss" / f"{preset}.yaml").actor_rollout_ref.actor.policy_loss
+        assert policy_loss.loss_mode == shipped.loss_mode, loss
+        window = 3 if preset == "maspo_fixed" else shipped.get("segment_window", policy_loss.segment_window)
+        assert policy_loss.segment_window == window, loss  # W = 3 tokens: the one adjustment
+        assert (cfg.algorithm.adv_estimator == "maspo_span_grpo") == (credit == "span"), loss
+    for bad in ("maspo_delimiters", "grpo+nothing", "nothing+span"):
+        with pytest.raises(SystemExit, match=f"--losses '{re.escape(bad)}': allowed a loss preset"):
+            learn.check_losses([bad])
 
 
 def test_speech_sentence_keeps_its_words_at_any_length(tmp_path):

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from maspo_verl.lab import learn_tasks as lt
-from maspo_verl.lab.learn import parse_steps, steps_to
+from maspo_verl.lab.learn import steps_to
+from maspo_verl.lab.runs import parse_steps
 
 
 def test_decode_text_and_speech():

@@ -11,28 +11,17 @@ advantages): this checks plumbing, not learning.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
-from tests.helpers import REPO
+from maspo_verl.lab.runs import run_local
 
 pytestmark = pytest.mark.e2e
 
 
-def _run_local():
-    spec = importlib.util.spec_from_file_location("_maspo_e2e_conftest", REPO / "tests" / "e2e" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in it look their module up
-    spec.loader.exec_module(module)
-    return module.run_local
-
-
 @pytest.mark.parametrize("loss", ["ctpo"])  # CTPO-LA; gspo passes too (one run keeps CI short)
 def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_factory):
-    run_local = _run_local()
     d = prepared_dir
     overrides = [
         f"loss={loss}",
@@ -49,7 +38,8 @@ def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_fact
         "trainer.val_before_train=false",
         "trainer.logger=['console']",
     ]
-    run = run_local(overrides, tmp_path / "trainer.log", timeout_s=600, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    cache = {"MASPO_VERL_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    run = run_local(overrides, tmp_path / "run", timeout_s=600, env=cache)
     context = f"\n--- trainer log tail ---\n{run.tail()}"
     assert run.returncode == 0, f"trainer exited with {run.returncode}{context}"
     assert sorted(run.steps) == [1, 2], f"logged steps {sorted(run.steps)}{context}"
