@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from maspo_verl.util import read_step_metrics
+from maspo_verl.lab.runs import run_local
 from tests.helpers import REPO
 
 NAME = "zqx_probe"  # the example's "entropy", renamed
@@ -109,8 +109,8 @@ def test_the_discovered_tests_cover_it(checkout):
 @pytest.mark.e2e
 def test_it_trains_in_the_local_mode(checkout):
     run_dir = checkout / "outputs" / "example_run"
-    out = run(checkout, "-m", "maspo_verl.main", "local=cpu", f"loss={PRESET}", f"hydra.run.dir={run_dir}")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    steps = read_step_metrics(run_dir / "metrics.jsonl")
-    assert sorted(steps) == [1, 2], out.stdout[-3000:]
-    assert all(m["actor/ratio/segments_per_seq"] >= 1 for m in steps.values()), steps
+    done = run_local([f"loss={PRESET}"], run_dir, env={"PYTHONPATH": str(checkout)}, cwd=checkout)
+    assert done.returncode == 0, done.tail()
+    assert sorted(done.steps) == [1, 2], done.tail()
+    assert f"segment_rule: {NAME}" in done.config_text
+    assert all(m["actor/ratio/segments_per_seq"] >= 1 for m in done.steps.values()), done.steps

@@ -119,8 +119,10 @@ def run_local(
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
     own_ray_dir: bool = True,
+    cwd: str | os.PathLike | None = None,
 ) -> LocalRun:
-    """One local-mode trainer run with ``run_dir`` as its run folder; ``env`` adds to the inherited environment."""
+    """One local-mode trainer run with ``run_dir`` as its run folder; ``env`` adds to the inherited environment;
+    ``cwd``: where it runs (``python -m`` finds the package there first)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / CONSOLE_LOG
@@ -132,7 +134,9 @@ def run_local(
     cmd = local_command(overrides, run_dir, ray_dir)
     start = time.monotonic()
     milestones: dict[str, float] = {}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environ, start_new_session=True, cwd=cwd
+    )
     reader = threading.Thread(target=_copy_log, args=(proc.stdout, log_path, start, milestones), daemon=True)
     reader.start()
     try:

@@ -59,9 +59,6 @@ MIN_F1_GAIN = 0.1
 MIN_LOCALITY = 0.2
 # fields that decide a segmentation (the overrides printed with each suggestion)
 SEGMENTATION_FIELDS = ("segment_rule", "min_segment_len", "max_segment_len")
-Z_GRID = tuple(round(-1.0 + 0.25 * i, 2) for i in range(21))  # per-sample logprob thresholds -1..4
-QUANTILES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99)
-MAX_WINDOW = 100
 
 
 # ------------------------------------------------------------------ reading
@@ -303,73 +300,36 @@ def logprob_drop_scores(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
     return drop[on].double().numpy(), z[on].numpy()
 
 
+# the rule every other is compared against
+BASELINE = "fixed"
+
+
 def variants(corpus: Corpus, settings: dict, rules: list[str]) -> tuple[list[Variant], list[str]]:
-    """The rules to sweep (``rules``: rule names, or ``rule/distance``), and notes on those left out."""
+    """The sweeps every rule declares for this corpus (``SegmentRule.sweeps``), those of ``rules`` (rule names,
+    or ``rule/distance``) when given, and notes on those left out."""
     out, notes = [], []
-    levels_fit = math.prod(settings["fsq_levels"]) == settings["codec_size"]
 
-    def want(name: str) -> bool:  # a rule asked for, or a distance / mode of one, or a rule of one asked
-        return not rules or any(r == name or name.startswith(r + "/") or r.startswith(name + "/") for r in rules)
+    def want(name: str) -> bool:  # a rule asked for, or a distance / mode of one, or a rule of one asked;
+        # fixed windows always: every rule is compared against them
+        asked = any(r == name or name.startswith(r + "/") or r.startswith(name + "/") for r in rules)
+        return not rules or asked or name == BASELINE
 
-    if want("tokenval"):
-        if not bool(_in_codec(corpus, settings).any()):
-            off, size = settings["codec_offset"], settings["codec_size"]
-            notes.append(
-                f"tokenval left out: no response id lies in the codec range [{off}, {off + size}) "
-                "(policy_loss.codec_offset / codec_size; set them with --set)"
-            )
-        else:
-            for distance in tokenval.TOKENVAL_DISTANCES:
-                if distance != "id" and not levels_fit:
-                    notes.append(f"tokenval/{distance} left out: prod(fsq_levels) != codec_size")
-                    continue
-                if not want(f"tokenval/{distance}"):
-                    continue
-                adjacent, _ = neighbour_distances(corpus, settings, distance)
-                if distance == "id":
-                    grid = sorted({0.0, *(float(math.floor(q)) for q in np.quantile(adjacent, QUANTILES))})
-                else:
-                    top = (
-                        sum(v - 1 for v in settings["fsq_levels"])
-                        if distance == "fsq_l1"
-                        else len(settings["fsq_levels"])
-                    )
-                    grid = [float(t) for t in range(top)]
-                out.append(
-                    Variant(
-                        f"tokenval/{distance}",
-                        {"segment_rule": "tokenval", "tokenval_distance": distance},
-                        "tokenval_threshold",
-                        grid,
-                    )
-                )
-    if want("logprob"):
-        if corpus.old_log_prob is None:
-            notes.append("logprob left out: no old log-probs in the input")
-        else:
-            drops, _ = logprob_drop_scores(corpus)
-            grid = sorted({round(float(q), 3) for q in np.quantile(drops, QUANTILES)})
-            if want("logprob/absolute"):
-                out.append(
-                    Variant(
-                        "logprob/absolute",
-                        {"segment_rule": "logprob", "logprob_per_sample": False},
-                        "logprob_threshold",
-                        grid,
-                    )
-                )
-            if want("logprob/per_sample"):
-                out.append(
-                    Variant(
-                        "logprob/per_sample",
-                        {"segment_rule": "logprob", "logprob_per_sample": True},
-                        "logprob_threshold",
-                        list(Z_GRID),
-                    )
-                )
-    longest = int(corpus.lengths.max())
-    windows = sorted({w for w in range(1, min(longest, MAX_WINDOW) + 1)})
-    out.append(Variant("fixed", {"segment_rule": "fixed"}, "segment_window", windows))
+    packed = segments.Packed(corpus.mask)
+    for name, rule in segments.SEGMENT_RULES.items():
+        if not want(name):
+            continue
+        config = loss_config(settings, segment_rule=name)
+        inputs = segments.RuleInputs(corpus.mask, name, corpus.old_log_prob, corpus.token_ids)
+        try:
+            declared = rule.sweeps(config, packed, inputs)
+        except (ValueError, RuntimeError) as exc:  # an input the corpus does not have
+            notes.append(f"{name} left out: {exc}")
+            continue
+        for sweep in declared:
+            if isinstance(sweep, str):
+                notes.append(sweep)
+            elif want(sweep.label):
+                out.append(Variant(sweep.label, dict(sweep.fixed), sweep.knob, list(sweep.grid)))
     return out, notes
 
 
@@ -725,7 +685,7 @@ def analyse(args: argparse.Namespace) -> dict:
     tolerances = list(range(args.tolerance + 1))
     table = {v.label: sweep(corpus, settings, v, refs if has_words else None, tolerances) for v in found}
     suggestions = {
-        v.label: suggest(corpus, settings, v, table[v.label], table["fixed"], args, has_words) for v in found
+        v.label: suggest(corpus, settings, v, table[v.label], table[BASELINE], args, has_words) for v in found
     }
     consistency = None
     needs_tokenizer = segments.TOKENIZER in segments.inputs_needed(loss_config(settings))
@@ -881,7 +841,7 @@ def best_f1_rows(result: dict) -> list[dict]:
             continue
         for k in result["tolerances"]:
             best = max(grid, key=lambda r: r[f"f1_k{k}"])
-            twin = closest(table["fixed"], best["mean_len"])
+            twin = closest(table[BASELINE], best["mean_len"])
             rows.append(
                 {
                     "rule": label,

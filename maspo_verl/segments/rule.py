@@ -13,7 +13,8 @@ A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule``
 - optionally ``fallback_field`` (the field naming the rule for rows it cannot segment) and ``fallback_metric``,
   ``reads_codec`` (it reads codec codes), ``native_code`` with ``native_fields`` (its C kernel and the settings
   that cross into it, ``maspo_verl.native``), ``validate`` (checks across fields), ``startup`` (work on the
-  composed trainer config before Ray) and ``direct_ids`` (a closed formula for the ids).
+  composed trainer config before Ray), ``direct_ids`` (a closed formula for the ids) and ``sweeps`` (how the
+  calibration lab varies its threshold on a corpus).
 
 ``candidates`` gets the config, the rows packed (``Packed``) and its inputs, and proposes boundaries with their
 strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged.
@@ -36,6 +37,8 @@ from maspo_verl.validation import Setting
 OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS, TOKENIZER = "old_log_prob", "response_ids", "word_ids", "tokenizer"
 FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
 LIMITS = ("token", "sequence")
+# the quantiles of a corpus statistic a calibration sweep tries as thresholds
+QUANTILES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99)
 
 
 @dataclass
@@ -50,6 +53,26 @@ class Candidates:
     scores: torch.Tensor
     forced: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A calibration sweep of a rule (``python -m maspo_verl.lab segments``): the settings it fixes, the one it
+    varies (``knob``) and the values it tries."""
+
+    label: str
+    fixed: dict[str, Any]
+    knob: str
+    grid: tuple[float, ...]
+
+
+def quantile_grid(values: torch.Tensor, digits: int | None = None) -> tuple[float, ...]:
+    """The distinct ``QUANTILES`` of ``values`` (rounded to ``digits``, or down to integers when None), sorted."""
+    if values.numel() == 0:
+        return ()
+    q = torch.quantile(values.double().flatten(), torch.tensor(QUANTILES, dtype=torch.float64))
+    q = q.floor() if digits is None else q.round(decimals=digits)
+    return tuple(sorted(set(q.tolist())))
 
 
 class RuleInputs:
@@ -123,6 +146,11 @@ class SegmentRule:
     def native_fields(self, config: Any) -> dict[str, Any]:
         """The C kernel's settings from the config (``maspo_verl.native.Config`` field -> value)."""
         return {}
+
+    def sweeps(self, config: Any, packed: Packed, inputs: RuleInputs) -> list[Sweep | str]:
+        """How ``python -m maspo_verl.lab segments`` calibrates the rule on a corpus (its rows packed, its inputs):
+        the sweeps, and notes on what it leaves out (strings). None by default."""
+        return []
 
     def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
         """Segment ids (token order) by a closed formula when there is one (None: go through the boundaries)."""

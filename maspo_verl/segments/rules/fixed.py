@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.segments.rule import Candidates, SegmentRule
+from maspo_verl.segments.rule import Candidates, SegmentRule, Sweep
 from maspo_verl.validation import Int, Setting
+
+# the longest window a calibration sweep tries
+MAX_SWEPT_WINDOW = 100
 
 
 def fixed_window_ids(mask: torch.Tensor, window: int) -> torch.Tensor:
@@ -30,6 +33,17 @@ class FixedRule(SegmentRule):
 
     def native_fields(self, config):
         return {"window": int(config.segment_window)}
+
+    def sweeps(self, config, packed, inputs):
+        longest = int(packed.lengths.max()) if packed.lengths.numel() else 1
+        return [
+            Sweep(
+                "fixed",
+                {"segment_rule": self.name},
+                "segment_window",
+                tuple(range(1, min(longest, MAX_SWEPT_WINDOW) + 1)),
+            )
+        ]
 
     def direct_ids(self, config, mask):
         # min/max lengths cannot move boundaries that are W apart when min <= W and (max 0 or >= W)

@@ -8,11 +8,13 @@ import torch
 
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Bool, Float, Setting
 
 # per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries
 STD_FLOOR = 1e-3
+# per-sample thresholds a calibration sweep tries: z-scores -1..4
+Z_GRID = tuple(round(-1.0 + 0.25 * i, 2) for i in range(21))
 # drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude
 MAX_DROP = 1e4
 
@@ -80,6 +82,19 @@ class LogprobRule(SegmentRule):
             inputs.get(OLD_LOG_PROB), packed, config.logprob_threshold, config.logprob_per_sample
         )
         return Candidates(boundaries, scores)
+
+    def sweeps(self, config, packed, inputs):
+        drop, w = logprob_drops(inputs.get(OLD_LOG_PROB), packed)
+        fixed = {"segment_rule": self.name}
+        return [
+            Sweep(
+                "logprob/absolute",
+                {**fixed, "logprob_per_sample": False},
+                "logprob_threshold",
+                quantile_grid(drop[w.bool()], 3),
+            ),
+            Sweep("logprob/per_sample", {**fixed, "logprob_per_sample": True}, "logprob_threshold", Z_GRID),
+        ]
 
     def native_fields(self, config):
         return {

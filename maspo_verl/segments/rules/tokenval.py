@@ -9,7 +9,7 @@ import torch
 
 from maspo_verl import fsq
 from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, SegmentRule
+from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Choice, Float, Int, Ints, Setting, fail
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
@@ -81,6 +81,30 @@ class TokenvalRule(SegmentRule):
         )
         scores = dist.float()
         return Candidates(packed.valid & (scores > config.tokenval_threshold), scores, outside)
+
+    def sweeps(self, config, packed, inputs):
+        ids = packed.pack(inputs.get(RESPONSE_IDS))
+        offset, size = config.codec_offset, config.codec_size
+        if not bool((packed.valid & (ids >= offset) & (ids < offset + size)).any()):
+            return [
+                f"tokenval left out: no response id lies in the codec range [{offset}, {offset + size}) "
+                "(policy_loss.codec_offset / codec_size; set them with --set)"
+            ]
+        out: list[Sweep | str] = []
+        for distance in TOKENVAL_DISTANCES:
+            if distance != "id" and math.prod(config.fsq_levels) != size:
+                out.append(f"tokenval/{distance} left out: prod(fsq_levels) != codec_size")
+                continue
+            if distance == "id":
+                settings = dict(codec_offset=offset, codec_size=size, distance=distance, fsq_levels=config.fsq_levels)
+                dist, outside = tokenval_scores(inputs.get(RESPONSE_IDS), packed, **settings)
+                grid = tuple(sorted({0.0, *quantile_grid(dist[packed.has_previous & ~outside])}))
+            else:  # every possible digit distance below the largest
+                top = sum(v - 1 for v in config.fsq_levels) if distance == "fsq_l1" else len(config.fsq_levels)
+                grid = tuple(float(t) for t in range(top))
+            fixed = {"segment_rule": self.name, "tokenval_distance": distance}
+            out.append(Sweep(f"tokenval/{distance}", fixed, "tokenval_threshold", grid))
+        return out
 
     def validate(self, config):
         if config.tokenval_distance != "id" and math.prod(config.fsq_levels) != config.codec_size:
