@@ -127,16 +127,24 @@ def rules_table() -> list[str]:
     return rows
 
 
+def _first_sentence(path: Path) -> str:
+    """The first sentence of a YAML file's leading comment (after the ``@package`` line)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if "@package" not in line:
+            lines.append(line.lstrip("#").strip())
+    return " ".join(lines).split(". ", 1)[0].rstrip(".") + "."
+
+
 def presets_table(presets: dict) -> list[str]:
-    """The README's table of loss presets: each one's loss, rule and first comment line."""
+    """The README's table of loss presets: each one's loss, rule and the first sentence of its comment."""
     rows = ["| `loss=` | `loss_mode` | `segment_rule` | what |", "|---|---|---|---|"]
     for name, (_, composed) in presets.items():
         policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")
         rule = policy_loss.segment_rule if policy_loss.loss_mode == "maspo" else "–"
-        text = (config_dir() / "loss" / f"{name}.yaml").read_text().splitlines()
-        what = next(
-            (line.lstrip("# ").strip() for line in text if line.startswith("# ") and "@package" not in line), ""
-        )
+        what = _first_sentence(config_dir() / "loss" / f"{name}.yaml")
         rows.append(
             f"| `{name}` | `{policy_loss.loss_mode}` | {rule if rule == '–' else f'`{rule}`'} | {_cell(what)} |"
         )

@@ -38,7 +38,8 @@ CORE = {
 ALLOWED = {
     "core": {"core"},
     "plugin": {"core"},
-    "main": {"core", "plugin", "local"},
+    "main": {"core", "plugin", "local", "reference"},
+    "reference": {"core"},
     "local": {"core", "plugin"},
     "speech": {"core", "plugin"},
     "math": {"core", "plugin"},
@@ -128,6 +129,17 @@ def test_no_import_cycle(top_level_only):
     for module in graph:
         if module not in state:
             visit(module, [])
+
+
+def test_readme_layout_lists_the_core_modules():
+    import re
+
+    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1]
+    block = layout.split("```", 2)[1]
+    core = block.split("\ncore ", 1)[1].split(":", 1)[0]
+    assert set(re.findall(r"\w+", core)) == CORE - {"maspo_verl"}
+    rows = set(re.findall(r"`maspo_verl/(\w+)", layout))
+    assert CORE - {"maspo_verl"} <= rows, (CORE - {"maspo_verl"}) - rows
 
 
 def test_package_docstring_lists_the_core_modules():
