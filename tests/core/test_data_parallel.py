@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from maspo_verl import segments
 from maspo_verl.util import config_dir, preset_names
 
 PRESETS = preset_names()
@@ -83,12 +84,13 @@ def actor_configs() -> dict[tuple[str, str], object]:
         node.use_kl_loss = True
         node.kl_loss_coef = 0.05
         node.kl_loss_type = "low_var_kl"
-        if node.policy_loss.get("segment_rule") == "tokenval":  # byte ids as 4-digit FSQ codes
+        rules = segments.rules_in_use(node.policy_loss) if node.policy_loss.loss_mode == "maspo" else ()
+        if any(rule.reads_codec for rule in rules):  # byte ids as 4-digit FSQ codes
             node.policy_loss.codec_offset = 0
             node.policy_loss.codec_size = VOCAB
             node.policy_loss.fsq_levels = [4, 4, 4, 4]
         configs[preset, mode] = omega_conf_to_dataclass(node)
-        if node.policy_loss.get("segment_rule") == "delimiters":
+        if any(segments.TOKENIZER in rule.needs for rule in rules):
             # the vocabulary's text, where verl's engine worker puts the actor's tokenizer: byte b is id b
             configs[preset, mode].model_config = SimpleNamespace(tokenizer=BYTE_VOCABULARY)
     return configs

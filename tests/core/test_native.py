@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from maspo_verl import native, segments
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.segments import fallback_rules
 from maspo_verl.segments.rules import logprob
 from tests.core.test_segments import masks
 
@@ -31,12 +32,16 @@ CODECS = [
 ]
 
 
+# the rules with a C kernel (``SegmentRule.native_code``): each must give the torch path's ids
+NATIVE_RULES = [name for name, rule in segments.SEGMENT_RULES.items() if rule.native_code is not None]
+
+
 @st.composite
 def cases(draw):
     """A mask, a config and the rule's inputs, at the edges the rules have."""
     mask = draw(masks(max_b=6, max_t=40))
     B, T = mask.shape
-    rule = draw(st.sampled_from(["fixed", "logprob", "tokenval", "words"]))
+    rule = draw(st.sampled_from(NATIVE_RULES))
     min_len = draw(st.sampled_from([0, 1, 2, 3, 5, 20]))  # 20: the long-window suppression
     codec = draw(st.sampled_from(CODECS))
     fields = dict(
@@ -49,7 +54,7 @@ def cases(draw):
         codec_offset=100,
         min_segment_len=min_len,
         max_segment_len=draw(st.sampled_from([0, max(min_len, 1), min_len + 4])),
-        words_fallback_rule=draw(st.sampled_from(["fixed", "logprob", "tokenval"])),
+        words_fallback_rule=draw(st.sampled_from([r for r in NATIVE_RULES if r in fallback_rules()])),
         **codec,
     )
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
@@ -115,7 +120,7 @@ def test_many_rows_split_over_threads(monkeypatch):
         tokens = 128264 + torch.randint(0, 65536, (B, T), generator=g)
         words = (torch.arange(T) // 7).expand(B, T).clone()
         words[::3] = NO_WORD
-        for rule in ["logprob", "tokenval", "words"]:
+        for rule in NATIVE_RULES:
             fields = dict(segment_rule=rule, logprob_per_sample=True, min_segment_len=3, max_segment_len=20)
             case = (mask, fields, lp, tokens, words)
             assert_same(segment(*case, "auto"), segment(*case, "torch"))
