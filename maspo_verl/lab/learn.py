@@ -83,7 +83,9 @@ FP32 = "fp32"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--tasks", nargs="+", default=["text", "speech"], help="text and/or speech")
+    p.add_argument(
+        "--tasks", nargs="+", default=["text", "speech"], help="text, speech, turns<N> (N turns of LENGTH tokens)"
+    )
     p.add_argument("--losses", nargs="+", default=list(LOSSES), help=f"from {list(LOSSES)}")
     p.add_argument("--seeds", type=int, default=2, help="seeds per (task, cell, loss): model init and data order")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
@@ -299,13 +301,20 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         extra.append(f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={FP32}")
     if cell.mismatch != NO_MISMATCH:
         extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
-    return [
-        *LOSSES[loss],
+    # a task with its own data, lengths and reward (learn_tasks.write_dataset: turns<N>), else ours
+    task_data = data.get("overrides") or [
         f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
-        f"data.train_batch_size={args.batch}",
         f"data.max_prompt_length={prompt_room(data['sentence'])}",
         f"data.max_response_length={cell.length}",
+        "reward.reward_manager.source=importlib",
+        "reward.reward_manager.name=LearnRewardManager",
+        f"reward.reward_manager.module.path={learn_tasks.__file__}",
+    ]
+    return [
+        *LOSSES[loss],
+        *task_data,
+        f"data.train_batch_size={args.batch}",
         "actor_rollout_ref.rollout.ignore_eos=true",
         f"data.seed={seed}",
         f"maspo.local_seed={seed}",
@@ -317,9 +326,6 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.total_training_steps={args.steps}",
-        "reward.reward_manager.source=importlib",
-        "reward.reward_manager.name=LearnRewardManager",
-        f"reward.reward_manager.module.path={learn_tasks.__file__}",
         f"trainer.experiment_name=learn_{task}_{loss}_{seed}_{cell.label.replace('/', '_')}",
         *extra,
     ]
@@ -548,9 +554,9 @@ def run(args, argv) -> None:
     unknown = [loss for loss in args.losses if loss not in LOSSES]
     if unknown:
         raise SystemExit(f"--losses: unknown {unknown}; allowed {list(LOSSES)}")
-    unknown = [task for task in args.tasks if task not in learn_tasks.TASKS]
+    unknown = [task for task in args.tasks if not learn_tasks.known(task)]
     if unknown:
-        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)}")
+        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
     step_rows, runs = [], []

@@ -249,18 +249,21 @@ def prepare_task(config) -> None:
     if not maspo.get("local"):
         raise FieldError("maspo.task", f"task={task} is a toy task of the local mode: add local=cpu")
     n, tokens = turns.check_settings(maspo.get("turns"), maspo.get("turn_tokens"))
-    needed = turns.response_length(n, tokens)
     data = config.data
+    what = f"maspo.turns={n} turns of maspo.turn_tokens={tokens} tokens"
+    lengths = (
+        ("max_prompt_length", turns.prompt_length(tokens), f"the prompt of {what}"),
+        ("max_response_length", turns.response_length(n, tokens), f"{what} and the observations between them"),
+    )
     with open_dict(config):
-        if _is_unset(data.max_response_length):
-            data.max_response_length = needed
-        elif int(data.max_response_length) < needed:
-            raise FieldError(
-                "data.max_response_length",
-                f"data.max_response_length={data.max_response_length} is too short for maspo.turns={n} turns of "
-                f"maspo.turn_tokens={tokens} tokens and the observations between them: allowed >= {needed} "
-                "(or null: exactly that)",
-            )
+        for key, needed, purpose in lengths:
+            if _is_unset(data[key]):
+                data[key] = needed
+            elif int(data[key]) < needed:
+                raise FieldError(
+                    f"data.{key}",
+                    f"data.{key}={data[key]} is too short for {purpose}: allowed >= {needed} (or null: exactly that)",
+                )
         if _is_unset(data.train_files) or _is_unset(data.val_files):
             seed = int(maspo.get("local_seed", 0) or 0)
             paths = turns.ensure_dataset(seed, n, tokens, cache_dir=maspo.get("local_cache_dir"))

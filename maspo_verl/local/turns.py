@@ -70,6 +70,12 @@ def observation_length(turn_tokens: int) -> int:
     return turn_tokens + 2
 
 
+def prompt_length(turn_tokens: int) -> int:
+    """Tokens of the prompt on the embedded tokenizer: its chat template around ``prompt_text``
+    (one token a byte, one a special: ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``)."""
+    return len(prompt_text("0" * turn_tokens)) + 19
+
+
 def response_length(turns: int, turn_tokens: int) -> int:
     """Tokens of a full response: the turns and the observations between them."""
     return turns * turn_tokens + (turns - 1) * observation_length(turn_tokens)

@@ -101,9 +101,10 @@ def test_settings_are_checked(key, value):
 
 def test_prepare_task_fills_lengths_and_data(tmp_path):
     config = compose_config("local=cpu", "task=turns", "maspo.turns=3", f"maspo.local_cache_dir={tmp_path}")
-    assert config.data.max_response_length is None
+    assert config.data.max_response_length is None and config.data.max_prompt_length is None
     local.prepare_task(config)
     assert config.data.max_response_length == 3 * L + 2 * (L + 2)
+    assert config.data.max_prompt_length == turns.prompt_length(L)
     import pandas as pd
 
     rows = pd.read_parquet(config.data.train_files)
@@ -120,6 +121,9 @@ def test_prepare_task_refuses_what_cannot_run(tmp_path):
         "local=cpu", "task=turns", "data.max_response_length=13", f"maspo.local_cache_dir={tmp_path}"
     )
     with pytest.raises(FieldError, match=r"data.max_response_length=13 is too short .* allowed >= 14"):
+        local.prepare_task(short)
+    short = compose_config("local=cpu", "task=turns", "data.max_prompt_length=20", f"maspo.local_cache_dir={tmp_path}")
+    with pytest.raises(FieldError, match=r"data.max_prompt_length=20 is too short for the prompt .* allowed >= 28"):
         local.prepare_task(short)
     with pytest.raises(FieldError, match="task=turns is a toy task of the local mode: add local=cpu"):
         local.prepare_task(compose_config("task=turns"))
@@ -184,6 +188,7 @@ def test_agent_loop_alternates_turns_and_observations(built, n_turns):
         [{"role": "user", "content": f"Say: {refs[0]}"}], add_generation_prompt=True, tokenize=False
     )
     assert out.prompt_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert len(out.prompt_ids) == turns.prompt_length(L)  # what prepare_task gives data.max_prompt_length
     assert (
         len(out.response_ids)
         == len(out.response_mask)
