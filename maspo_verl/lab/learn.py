@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
-from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS
+from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import read_step_metrics
 
 # name -> overrides; maspo_fixed uses W=3 tokens (the preset's 15 is a syllable at 50 Hz, longer than
@@ -763,7 +763,15 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             " run has one sentence (from the seed) that every prompt asks for; *text-like*: each token is a"
             " word (as many words as tokens); *speech-like*: a run of tokens in one block is a word (tied"
             f" neighbours), {SPEECH_WORDS} words at any length (3 frames each at 12 tokens, 24 at 96: a higher"
-            " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words.",
+            " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words."
+            + (
+                " *turnsN*: the local mode's multi-turn toy environment (`task=turns`,"
+                " `maspo_verl/local/turns.py`): N assistant turns of L tokens (the cell's length) with masked"
+                " observations (the next turn's reference) between them; a turn scores the share of its tokens"
+                " in its reference's byte blocks, the reward is the mean over the N turns."
+                if any(turns_of(t) for t in args.tasks)
+                else ""
+            ),
             f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"
             " initialisation and data order, so runs of one seed start alike. `maspo_fixed` uses W = 3 tokens.",
             "",
