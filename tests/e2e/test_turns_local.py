@@ -40,7 +40,7 @@ def test_multi_turn_command_two_steps(local_run, tmp_path):
         assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), where
         assert m["response_length/mean"] == length, where
         # verl counts the user's turn, the assistant's turns and the observations between them
-        assert m["num_turns/mean"] == 1 + TURNS + (TURNS - 1), where
+        assert m["training/num_turns/mean"] == 1 + TURNS + (TURNS - 1), where
         # the reward is the mean over both turns: with 2 turns, the mean of the first and last turn scores
         assert m["reward/turns/mean"] == TURNS, where
         assert 0.0 <= m["critic/score/mean"] <= 1.0, where
