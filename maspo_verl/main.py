@@ -5,6 +5,7 @@ runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry
 
 - ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then: a short
   console log, the run's metrics and whole log in its run folder, a closing block at the end.
+  ``task=turns`` adds its multi-turn toy environment (``maspo_verl.local.turns``).
 - ``maspo.dry_run=true`` stops after verl's own config validation and prints the resolved
   policy-loss section: no Ray, no GPU.
 """
@@ -57,6 +58,10 @@ def run(config: DictConfig) -> None:
     the config that runs (e.g. the tokenizer that ``segment_rule=delimiters`` resolves its strings
     against); a local run's console, run folder and Ray temp dirs are the session's."""
     maspo = config.get("maspo", {}) or {}
+    if maspo.get("task"):
+        from maspo_verl import local
+
+        local.prepare_task(config)  # the task's lengths and data (task=turns), before the batch checks
     check_batch_sizes(config)
     if not maspo.get("local"):
         run_startup_checks(config)

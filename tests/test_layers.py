@@ -52,6 +52,7 @@ PURE_HELPERS = [
     "maspo_verl.speech.spans",
     "maspo_verl.math.prepare",
     "maspo_verl.vocab",
+    "maspo_verl.local.turns",
 ]
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
-from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS
+from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.lab.runs import run_local
 from maspo_verl.util import preset_names
 
@@ -68,7 +68,9 @@ FP32 = "fp32"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--tasks", nargs="+", default=["text", "speech"], help="text and/or speech")
+    p.add_argument(
+        "--tasks", nargs="+", default=["text", "speech"], help="text, speech, turns<N> (N turns of LENGTH tokens)"
+    )
     p.add_argument(
         "--losses",
         nargs="+",
@@ -221,13 +223,20 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         extra.append(f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={FP32}")
     if cell.mismatch != NO_MISMATCH:
         extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
-    return [
-        *loss_overrides(loss),
+    # a task with its own data, lengths and reward (learn_tasks.write_dataset: turns<N>), else ours
+    task_data = data.get("overrides") or [
         f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
-        f"data.train_batch_size={args.batch}",
         f"data.max_prompt_length={prompt_room(data['sentence'])}",
         f"data.max_response_length={cell.length}",
+        "reward.reward_manager.source=importlib",
+        "reward.reward_manager.name=LearnRewardManager",
+        f"reward.reward_manager.module.path={learn_tasks.__file__}",
+    ]
+    return [
+        *loss_overrides(loss),
+        *task_data,
+        f"data.train_batch_size={args.batch}",
         "actor_rollout_ref.rollout.ignore_eos=true",
         f"data.seed={seed}",
         f"maspo.local_seed={seed}",
@@ -239,9 +248,6 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.total_training_steps={args.steps}",
-        "reward.reward_manager.source=importlib",
-        "reward.reward_manager.name=LearnRewardManager",
-        f"reward.reward_manager.module.path={learn_tasks.__file__}",
         f"trainer.experiment_name=learn_{task}_{loss}_{seed}_{cell.label.replace('/', '_')}",
         *extra,
     ]
@@ -468,9 +474,9 @@ def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
     check_losses(args.losses)
-    unknown = [task for task in args.tasks if task not in learn_tasks.TASKS]
+    unknown = [task for task in args.tasks if not learn_tasks.known(task)]
     if unknown:
-        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)}")
+        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
     step_rows, runs = [], []
@@ -675,7 +681,15 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             " run has one sentence (from the seed) that every prompt asks for; *text-like*: each token is a"
             " word (as many words as tokens); *speech-like*: a run of tokens in one block is a word (tied"
             f" neighbours), {SPEECH_WORDS} words at any length (3 frames each at 12 tokens, 24 at 96: a higher"
-            " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words.",
+            " frame rate for the same content). Reward: 1 - edit distance / max(|hyp|, |ref|) over words."
+            + (
+                " *turnsN*: the local mode's multi-turn toy environment (`task=turns`,"
+                " `maspo_verl/local/turns.py`): N assistant turns of L tokens (the cell's length) with masked"
+                " observations (the next turn's reference) between them; a turn scores the share of its tokens"
+                " in its reference's byte blocks, the reward is the mean over the N turns."
+                if any(turns_of(t) for t in args.tasks)
+                else ""
+            ),
             f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"
             " initialisation and data order, so runs of one seed start alike."
             + "".join(f" `{p}` with `{' '.join(o.rsplit('.', 1)[-1] for o in ov)}`." for p, ov in ADJUSTMENTS.items()),

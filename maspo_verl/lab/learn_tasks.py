@@ -14,6 +14,12 @@ the prompt would take far longer. The response is decoded into words:
   words, no word twice in a row, so a word lasts ``length / SPEECH_WORDS`` frames (3 at the default
   length; longer responses are a higher frame rate, as a codec's, for the same content).
 
+A third family, ``turns<N>`` (``turns2``, ``turns8``, ``turns24``, ...), is the local mode's multi-turn toy
+environment (``task=turns``, maspo_verl/local/turns.py): N assistant turns of ``length`` tokens with
+masked environment observations between them, the reward the mean of the turns' scores. Its data,
+agent loop and reward come with that task inside the trainer run (``write_dataset`` only returns the
+overrides that select it), so the environment's code has one place.
+
 Special tokens (ids >= 256) decode to nothing. The reward is sequence level:
 ``1 - edit_distance(hyp, ref) / max(|hyp|, |ref|)`` (a WER normalised by the longer word sequence, so
 it stays in [0, 1] and ranks a group of responses from the start). The word spans are known, so the
@@ -35,6 +41,17 @@ SPEECH_WORDS = 4  # words of the speech-like sentence, at any length: longer res
 FRAMES_PER_WORD = RESPONSE_TOKENS // SPEECH_WORDS  # at the default length
 TASKS = ("text", "speech")
 DATA_SOURCE = "maspo_learn_{task}"
+TURNS = "turns"  # turns<N>: the local mode's multi-turn task with N turns
+
+
+def turns_of(task: str) -> int | None:
+    """N of a multi-turn task ``turns<N>`` (N >= 1), else None."""
+    rest = task.removeprefix(TURNS)
+    return int(rest) if rest != task and rest.isdigit() and int(rest) >= 1 else None
+
+
+def known(task: str) -> bool:
+    return task in TASKS or turns_of(task) is not None
 
 
 def decode(task: str, ids: list[int]) -> list[tuple[str, int, int]]:
@@ -116,6 +133,11 @@ def rows(task: str, n: int, target: str, split: str) -> list[dict]:
 def write_dataset(
     folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16, length: int = RESPONSE_TOKENS
 ) -> dict:
+    """The task's train and val parquet in ``folder`` (paths and the run's sentence); for ``turns<N>``
+    nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn."""
+    n_turns = turns_of(task)
+    if n_turns is not None:
+        return {"overrides": [f"task={TURNS}", f"maspo.turns={n_turns}", f"maspo.turn_tokens={length}"]}
     import pandas as pd
 
     folder = Path(folder)

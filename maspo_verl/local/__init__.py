@@ -9,12 +9,16 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   every Ray worker, then ``activate()``.
 - ``activate()`` (driver and Ray workers; in workers through the ``maspo_verl_local`` entry point,
   ``maspo_verl.local.autoload``, when ``MASPO_VERL_LOCAL`` is set): registers the ``cpu`` platform,
-  the ``hf`` rollout (replica + adapter) and de-duplicates the process-group backend string. These
-  work around checks hard-coded in verl; each verl attribute they rely on is checked first
+  the ``hf`` rollout (replica + adapter) and the toy multi-turn agent loop, and de-duplicates the
+  process-group backend string. These work around checks hard-coded in verl; each verl attribute
+  they rely on is checked first
   (``missing_features``), and the mode is refused with the list of what is missing. It also installs
   the short console (``run_log``).
 - ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
   output in the run folder, the closing block, and the private Ray cluster's temp dir removed.
+- ``prepare_task(config)`` (driver, before the batch-size checks, with ``task=turns``): the multi-turn
+  toy environment's lengths and data (``turns``; its agent loop and reward manager: ``turns_agent``,
+  registered in verl by ``activate``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ REQUIRED_FEATURES = (
     ("verl.workers.rollout.replica", "RolloutReplica"),
     ("verl.workers.rollout.replica", "TokenOutput"),
     ("verl.utils.distributed", "initialize_global_process_group_ray"),
+    # the multi-turn toy task's agent loop and reward manager (``turns_agent``)
+    ("verl.experimental.agent_loop.agent_loop", "register"),
+    ("verl.experimental.agent_loop.agent_loop", "AgentLoopBase"),
+    ("verl.experimental.reward_loop.reward_manager.base", "RewardManagerBase"),
 )
 PROCESS_GROUP_PARAMS = ("timeout_second", "backend")
 
@@ -156,6 +164,7 @@ def activate() -> None:
     if problem:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
     _unpin_fsdp2_offload()
+    from maspo_verl.local import turns_agent  # noqa: F401 - registers the toy multi-turn agent loop
     from maspo_verl.local.run_log import install_worker_hooks
 
     install_worker_hooks()
@@ -218,6 +227,50 @@ def _run_env(config) -> dict[str, str]:
     if not os.environ.get("TQ_NUM_THREADS"):
         env["TQ_NUM_THREADS"] = str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1))
     return env
+
+
+def prepare_task(config) -> None:
+    """The task's part of the config (``task=turns``: ``maspo.task``), before the batch-size checks read
+    its lengths: the settings checked, ``data.max_response_length`` filled in where null (set too short:
+    an error naming what the turns take), the task's toy data generated into the cache where the data
+    paths are null."""
+    from omegaconf import open_dict
+
+    from maspo_verl.local import turns
+    from maspo_verl.util import preset_names
+    from maspo_verl.validation import FieldError
+
+    maspo = config.get("maspo", {}) or {}
+    task = maspo.get("task")
+    if task is None:
+        return
+    if task != turns.TASK:
+        raise FieldError("maspo.task", f"maspo.task={task!r} is invalid: allowed {preset_names('task')} (task=<name>)")
+    if not maspo.get("local"):
+        raise FieldError("maspo.task", f"task={task} is a toy task of the local mode: add local=cpu")
+    n, tokens = turns.check_settings(maspo.get("turns"), maspo.get("turn_tokens"))
+    data = config.data
+    what = f"maspo.turns={n} turns of maspo.turn_tokens={tokens} tokens"
+    lengths = (
+        ("max_prompt_length", turns.prompt_length(tokens), f"the prompt of {what}"),
+        ("max_response_length", turns.response_length(n, tokens), f"{what} and the observations between them"),
+    )
+    with open_dict(config):
+        for key, needed, purpose in lengths:
+            if _is_unset(data[key]):
+                data[key] = needed
+            elif int(data[key]) < needed:
+                raise FieldError(
+                    f"data.{key}",
+                    f"data.{key}={data[key]} is too short for {purpose}: allowed >= {needed} (or null: exactly that)",
+                )
+        if _is_unset(data.train_files) or _is_unset(data.val_files):
+            seed = int(maspo.get("local_seed", 0) or 0)
+            paths = turns.ensure_dataset(seed, n, tokens, cache_dir=maspo.get("local_cache_dir"))
+            if _is_unset(data.train_files):
+                data.train_files = paths["train"]
+            if _is_unset(data.val_files):
+                data.val_files = paths["val"]
 
 
 def prepare(config) -> dict:
