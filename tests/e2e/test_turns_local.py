@@ -2,7 +2,7 @@
 trainer. verl's agent-loop workers run the toy environment's loop (``maspo_toy_turns``, registered in
 each Ray worker by the local mode), which alternates the HF server's assistant turns with masked
 environment observations; the reward manager scores every turn. The loss's inspection samples show
-what reached the loss: the response ids and mask of each row."""
+what reached the loss: the response ids and mask of each row, and the segments ``loss=maspo_turns`` used."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from maspo_verl.local import turns
 pytestmark = pytest.mark.e2e
 
 TURNS, TURN_TOKENS = 2, 4  # hydra_configs/task/turns.yaml
-# TODO(turns rule): switch to "loss=maspo_turns" and turn on the segments-equal-turns assertions below
-LOSS = "loss=maspo_fixed"
+LOSS = "loss=maspo_turns"
 
 
 def test_multi_turn_command_two_steps(local_run, tmp_path):
@@ -46,7 +45,7 @@ def test_multi_turn_command_two_steps(local_run, tmp_path):
         assert 0.0 <= m["critic/score/mean"] <= 1.0, where
         mean_of_turns = (m["reward/first_turn/mean"] + m["reward/last_turn/mean"]) / 2
         assert m["critic/score/mean"] == pytest.approx(mean_of_turns, abs=1e-6), where
-        # TODO(turns rule): assert m["actor/ratio/segments_per_seq"] == pytest.approx(TURNS), where
+        assert m["actor/ratio/segments_per_seq"] == pytest.approx(TURNS), where
     assert run.some_step_had_a_gradient, context
     for step in (1, 2):
         sample = json.loads((inspect / f"step_{step:06d}.json").read_text())
@@ -57,6 +56,6 @@ def test_multi_turn_command_two_steps(local_run, tmp_path):
             # observation of the next turn's reference between them, masked out
             assert runs == [(0, TURN_TOKENS), (TURN_TOKENS + TURN_TOKENS + 2, length)], (step, row["row"], mask)
             assert ids[runs[0][1] : runs[1][0]] == turns.observation_ids(refs[1]), (step, row["row"], ids)
-            # TODO(turns rule): the segments the loss used are the turns:
-            # segs = row["segments"]
-            # assert [(a, a + n) for a, n in zip(segs["start"], segs["length"], strict=True)] == runs
+            # the segments the loss used are the turns
+            segs = row["segments"]
+            assert [(a, a + n) for a, n in zip(segs["start"], segs["length"], strict=True)] == runs, (step, segs)
