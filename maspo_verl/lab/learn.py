@@ -248,6 +248,8 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.total_training_steps={args.steps}",
+        # enough epochs for the steps whatever the task's data size (the steps stop the run)
+        f"trainer.total_epochs={args.steps}",
         f"trainer.experiment_name=learn_{task}_{loss}_{seed}_{cell.label.replace('/', '_')}",
         *extra,
     ]
