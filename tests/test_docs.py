@@ -227,3 +227,13 @@ def test_readmes_and_cli_list_the_same_lab_commands():
     cli = {name for name, _ in COMMANDS}
     assert lab_commands(README) == cli
     assert lab_commands(ROOT / "docs" / "results" / "README.md") == cli
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/algorithms.md"])
+def test_the_acronym_says_which_maspo(doc):
+    """ "MASPO" also names an unrelated method (Mass-Adaptive Soft Policy Optimization, arXiv 2602.17550):
+    the README and the algorithms page say, in one sentence, which one this is."""
+    text = " ".join((ROOT / doc).read_text().split())
+    sentence = next((s for s in re.split(r"(?<=[.)])\s+(?=[A-Z])", text) if "2602.17550" in s), "")
+    assert "Adaptive Granularity Importance Sampling for Policy Optimization" in sentence, sentence
+    assert "Mass-Adaptive Soft Policy Optimization" in sentence and "not" in sentence
