@@ -99,6 +99,7 @@ def main(argv: list[str]) -> int:
         why = _missing(argv)
     if why:  # what set-up installs next, and why: a plan, not an error
         target = "this checkout" if argv[:1] == ["--project"] else " ".join(a for a in argv if a != "--no-deps")
+        why = why.removeprefix(f"needs {target}, ")  # the requirement itself: its found version is enough
         print(f"set-up: installing {target} ({why})")
     return 1 if why else 0
 
