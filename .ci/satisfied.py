@@ -46,7 +46,7 @@ def _missing(requirements: list[str], recursive: bool = True) -> str | None:
         except metadata.PackageNotFoundError:
             return f"{req.name} is not installed"
         if not req.specifier.contains(dist.version, prereleases=True):
-            return f"{req.name} {dist.version} does not match {req}"
+            return f"needs {req}, {req.name} {dist.version} is here"
         for dep in dist.requires if recursive and dist.requires else []:
             todo += [(Requirement(dep), e) for e in ("", *req.extras)]
     return None
@@ -97,8 +97,10 @@ def main(argv: list[str]) -> int:
         why = next(filter(None, map(_top_level, argv[1:])), None)
     else:
         why = _missing(argv)
-    if why:
-        print(f"installing: {why}")
+    if why:  # what set-up installs next, and why: a plan, not an error
+        target = "this checkout" if argv[:1] == ["--project"] else " ".join(a for a in argv if a != "--no-deps")
+        why = why.removeprefix(f"needs {target}, ")  # the requirement itself: its found version is enough
+        print(f"set-up: installing {target} ({why})")
     return 1 if why else 0
 
 

@@ -7,10 +7,15 @@ runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry
   console log, the run's metrics and whole log in its run folder, a closing block at the end.
   ``task=turns`` adds its multi-turn toy environment (``maspo_verl.local.turns``).
 - ``maspo.dry_run=true`` stops after verl's own config validation and prints the resolved
-  policy-loss section: no Ray, no GPU.
+  policy-loss section: no Ray, no GPU, and no run folder left behind.
+
+A setting refused at start-up (a ``FieldError``) is printed alone, without a traceback, and leaves no
+run folder; an override of a ``policy_loss`` field that does not exist names the closest ones.
 """
 
 from __future__ import annotations
+
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -18,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from maspo_verl.batch_sizes import check_batch_sizes
 from maspo_verl.plugin.checks import run_startup_checks
 from maspo_verl.util import config_dir
+from maspo_verl.validation import FieldError, root_cause, unknown_message
 
 CONFIG_PATH = str(config_dir())
 
@@ -89,10 +95,65 @@ def _verl_main(config: DictConfig) -> None:
     verl_main.__wrapped__(config)  # the function under verl's @hydra.main
 
 
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
+
+
+def policy_loss_fields() -> list[str]:
+    """The keys of the ``policy_loss`` section: ``_target_`` and the loss config's fields."""
+    from dataclasses import fields
+
+    from maspo_verl.config import GranularLossConfig
+
+    return list(dict.fromkeys(["_target_"] + [f.name for f in fields(GranularLossConfig) if f.init]))
+
+
+def check_policy_loss_overrides(overrides: list[str]) -> None:
+    """Raise ``FieldError`` for ``policy_loss.<name>=...`` where no such field exists, naming the closest
+    fields: Hydra would refuse it only with its "use +..." hint (``+``/``++`` overrides are the loss
+    config's to refuse, with the same message)."""
+    prefix = POLICY_LOSS + "."
+    given = [a.split("=", 1)[0][len(prefix) :] for a in overrides if a.startswith(prefix) and "=" in a]
+    if not given:
+        return
+    allowed = policy_loss_fields()
+    unknown = sorted({name.split(".")[0] for name in given} - set(allowed))
+    if unknown:
+        raise FieldError(f"{prefix}{unknown[0]}", unknown_message(POLICY_LOSS, unknown, allowed, "fields"))
+
+
 @hydra.main(config_path=CONFIG_PATH, config_name="maspo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
-    run(config)
+    from maspo_verl.local.run_log import remove_hydra_run_folder, run_dir
+
+    log = run_dir() / "run.log"  # written by a local run's session from its start
+    try:
+        run(config)
+    except Exception as exc:
+        cause = root_cause(exc)
+        began = log.is_file()
+        if not began:  # refused before the run began: nothing worth a run folder
+            remove_hydra_run_folder()
+        # a setting to fix (a field error, or the loss config refusing its fields under Hydra's
+        # instantiation wrapper): its message is the whole story
+        refused = isinstance(cause, FieldError) or (cause is not exc and isinstance(cause, TypeError | ValueError))
+        if refused:
+            if not began:  # (a local run's closing block has already said it)
+                print(f"maspo_verl: {cause}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise
+    if (config.get("maspo", {}) or {}).get("dry_run"):
+        remove_hydra_run_folder()
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The module's command line: the ``policy_loss`` override check, then Hydra's ``main``."""
+    try:
+        check_policy_loss_overrides(sys.argv[1:] if argv is None else argv)
+    except FieldError as exc:
+        print(f"maspo_verl: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -45,12 +45,19 @@ def read_step_metrics(path: Path | None) -> dict[int, dict]:
     return steps
 
 
-def warn_once(message: str, category: type[Warning] = UserWarning, logger: logging.Logger | None = None) -> None:
-    """``warnings.warn`` (and ``logger.warning``) the first time ``message`` comes up in this process."""
+def warn_once(
+    message: str,
+    category: type[Warning] = UserWarning,
+    logger: logging.Logger | None = None,
+    python_warning: bool = True,
+) -> None:
+    """``warnings.warn`` (and ``logger.warning``) the first time ``message`` comes up in this process;
+    ``python_warning=False``: the log line only (said once on the console, without a source line)."""
     if message in _warned:
         return
     _warned.add(message)
-    warnings.warn(message, category, stacklevel=3)
+    if python_warning or logger is None:
+        warnings.warn(message, category, stacklevel=3)
     if logger is not None:
         logger.warning(message)
 

@@ -6,7 +6,9 @@ bare field name is prefixed with ``policy_loss.``, a dotted path is used as it i
 
 from __future__ import annotations
 
+import difflib
 import math
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +31,47 @@ def fail(name: str, value: Any, allowed: str) -> None:
     raise FieldError(path, f"{path}={value!r} is invalid: allowed {allowed}")
 
 
+def close_names(name: str, allowed) -> list[str]:
+    """The allowed names closest to a misspelt ``name``: difflib's matches (similarity >= 0.6) within 0.1
+    of the best one, at most three, best first."""
+    scored = []
+    for a in dict.fromkeys(str(a) for a in allowed):
+        score = difflib.SequenceMatcher(None, str(name), a).ratio()
+        if score >= 0.6:
+            scored.append((score, a))
+    scored.sort(key=lambda sa: -sa[0])
+    return [a for score, a in scored[:3] if score >= scored[0][0] - 0.1]
+
+
+def wrap_names(names, indent: str = "  ", width: int = 100) -> str:
+    """``names`` comma-separated, wrapped to ``width`` columns, each line indented."""
+    return textwrap.fill(", ".join(str(n) for n in names), width=width, initial_indent=indent, subsequent_indent=indent)
+
+
+def unknown_message(section: str, unknown, allowed, kind: str = "keys") -> str:
+    """ "<section> has unknown <kind> [...]", a "did you mean" for each misspelt one with close names,
+    then the allowed names, wrapped."""
+    allowed, unknown = list(allowed), sorted(unknown)
+    hints = [did_you_mean(name, allowed, len(unknown) > 1) for name in unknown]
+    head = f"{section} has unknown {kind} {unknown}" + "".join(f": {h}" for h in hints if h)
+    return f"{head}\nallowed {kind}:\n{wrap_names(allowed)}"
+
+
+def did_you_mean(name: str, allowed, named: bool = False) -> str:
+    """ "did you mean `a` or `b`?" (the closest allowed names), or "" when none is close."""
+    close = close_names(name, allowed)
+    if not close:
+        return ""
+    return (f"{name}: " if named else "") + f"did you mean {' or '.join(f'`{c}`' for c in close)}?"
+
+
 def reject_unknown(section: str, given, allowed, error: type[Exception] = ValueError, kind: str = "keys") -> None:
     """Raise ``error`` naming the keys of ``given`` not in ``allowed`` (``kind``: what they are called),
-    and the allowed ones."""
+    the closest allowed names of each, and the allowed ones (``unknown_message``)."""
     allowed = list(allowed)
-    unknown = sorted(set(given) - set(allowed))
+    unknown = set(given) - set(allowed)
     if unknown:
-        raise error(f"{section} has unknown {kind} {unknown}: allowed {', '.join(allowed)}")
+        raise error(unknown_message(section, unknown, allowed, kind))
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
@@ -60,6 +96,22 @@ def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open:
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         fail(name, value, "true or false")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The error a user can act on: the first ``FieldError`` in ``error``'s chain of causes, else the
+    cause under Hydra's ``InstantiationException`` wrappers, else ``error``."""
+    seen, chain, current = set(), [], error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    found = next((e for e in chain if isinstance(e, FieldError)), None)
+    if found is not None:
+        return found
+    while type(error).__name__ == "InstantiationException" and error.__cause__ is not None:
+        error = error.__cause__
+    return error
 
 
 # ---- declared settings ---------------------------------------------------------------------------------------------

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,3 +12,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory):
+    """maspo-verl's wheel, built once per test session (the packaging and Ray-job tests share it)."""
+    from tests.helpers import REPO
+
+    out = tmp_path_factory.mktemp("wheel_build")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = out.glob("maspo_verl-*.whl")
+    return wheel

@@ -213,3 +213,29 @@ def test_readmes_and_cli_list_the_same_lab_commands():
     cli = {name for name, _ in COMMANDS}
     assert lab_commands(README) == cli
     assert lab_commands(ROOT / "docs" / "results" / "README.md") == cli
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/algorithms.md"])
+def test_the_acronym_says_which_maspo(doc):
+    """ "MASPO" also names an unrelated method (Mass-Adaptive Soft Policy Optimization, arXiv 2602.17550):
+    the README and the algorithms page say, in one sentence, which one this is."""
+    text = " ".join((ROOT / doc).read_text().split())
+    sentence = next((s for s in re.split(r"(?<=[.)])\s+(?=[A-Z])", text) if "2602.17550" in s), "")
+    assert "Adaptive Granularity Importance Sampling for Policy Optimization" in sentence, sentence
+    assert "Mass-Adaptive Soft Policy Optimization" in sentence and "not" in sentence
+
+
+def test_the_calibration_example_runs_from_what_the_doc_says():
+    """docs/calibration.md quotes the command that makes its example corpus (the one recorded in the
+    results' COMMAND.txt), its examples write under the ignored ``outputs/`` (no ``--out`` of a folder
+    git would see), and it states how far the example's F1 values moved when re-made."""
+    doc = (ROOT / "docs" / "calibration.md").read_text()
+    made_by = (ROOT / "docs" / "results" / "segments" / "COMMAND.txt").read_text()
+    corpus = re.search(r"^input made by: (.+)$", made_by, re.M).group(1).strip()
+    blocks = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    assert corpus in commands
+    lab = [c for c in commands if c.startswith("python -m maspo_verl.lab segments")]
+    assert lab and all("--out" not in c for c in lab), lab
+    assert "outputs/lab/segments/" in doc and "outputs/" in (ROOT / ".gitignore").read_text().split()
+    assert "+-0.01" in doc

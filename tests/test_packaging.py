@@ -30,16 +30,9 @@ def test_every_folder_that_ships_is_listed_in_pyproject():
 
 
 @pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = out.glob("maspo_verl-*.whl")
-    target = out / "site"
-    with zipfile.ZipFile(wheel) as zf:
+def installed_wheel(built_wheel, tmp_path_factory):
+    target = tmp_path_factory.mktemp("wheel") / "site"
+    with zipfile.ZipFile(built_wheel) as zf:
         zf.extractall(target)
         names = zf.namelist()
     return target, names
@@ -141,11 +134,11 @@ DEV_VENV = REPO / ".venv-verlmain"
 
 
 @pytest.mark.skipif(not (DEV_VENV / "bin" / "python").exists(), reason=".venv-verlmain not set up (bash .ci/setup)")
-def test_pip_keeps_a_development_verl(installed_wheel, tmp_path):
+def test_pip_keeps_a_development_verl(built_wheel, tmp_path):
     """pip's plan for our wheel in a venv holding verl's development branch: install maspo-verl alone.
 
     ``--no-index``: a requirement that excluded the installed verl would need another verl and fail."""
-    (wheel,) = Path(installed_wheel[0]).parent.glob("maspo_verl-*.whl")
+    wheel = built_wheel
     python = str(DEV_VENV / "bin" / "python")
     version = subprocess.run([python, "-c", "import verl; print(verl.__version__)"], capture_output=True, text=True)
     assert version.stdout.strip().startswith("0.10.0.dev"), version.stdout + version.stderr
@@ -155,3 +148,15 @@ def test_pip_keeps_a_development_verl(installed_wheel, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(report.read_text())["install"]
     assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan] == [("maspo-verl", "0.1.0")]
+
+
+def test_the_tests_build_the_wheel_in_one_place_and_share_one_manager_base():
+    """CI time: the wheel is built once per session (``tests/conftest.py:built_wheel``), not per test
+    module; the e2e reward managers share one ``__init__``."""
+    sources = {p: p.read_text() for p in (REPO / "tests").rglob("*.py")}
+    builds = [p.relative_to(REPO) for p, text in sources.items() if re.search(r'"pip",\s*"wheel"', text)]
+    assert builds == [Path("tests/conftest.py")], builds
+    base = re.compile(r"^class \w+\(RewardManagerBase\)", re.M)
+    inits = [p.relative_to(REPO) for p, text in sources.items() if base.search(text)]
+    assert inits == [Path("tests/e2e/reward_managers.py")], inits
+    assert sources[REPO / "tests/e2e/reward_managers.py"].count("def __init__") == 1

@@ -61,11 +61,11 @@ def test_setup_skips_only_what_is_installed(tmp_path):
     fake_dist(site, "maspo-probe-c", ["maspo-probe-missing"])
     ok = satisfied(f"torch=={version('torch')}", "maspo-probe-a", site=site)
     assert (ok.returncode, ok.stdout) == (0, "")  # a re-run of set-up stays quiet
-    assert satisfied("torch==0.0.1").stdout == f"installing: torch {version('torch')} does not match torch==0.0.1\n"
+    assert satisfied("torch==0.0.1").stdout == (f"set-up: installing torch==0.0.1 (torch {version('torch')} is here)\n")
     # through dependencies and requested extras, never through markers that do not apply
     assert "maspo-probe-missing is not installed" in satisfied("maspo-probe-c", site=site).stdout
     assert "maspo-probe-missing is not installed" in satisfied("maspo-probe-a[x]", site=site).stdout
-    assert "maspo-probe-b 1.0 does not match maspo-probe-b>=2" in satisfied("maspo-probe-b>=2", site=site).stdout
+    assert "installing maspo-probe-b>=2 (maspo-probe-b 1.0 is here)" in satisfied("maspo-probe-b>=2", site=site).stdout
     assert satisfied("--no-deps", "maspo-probe-c", site=site).returncode == 0
     # a wheel file: installed from that very file (its sha256, as pip records it)
     wheel = tmp_path / "maspo_probe_w-1.0-py3-none-any.whl"
@@ -74,8 +74,64 @@ def test_setup_skips_only_what_is_installed(tmp_path):
     fake_dist(site, "maspo-probe-w", direct_url={"url": wheel.as_uri(), "archive_info": {"hashes": {"sha256": digest}}})
     assert satisfied("--no-deps", str(wheel), site=site).returncode == 0
     wheel.write_bytes(b"a rebuilt wheel, same version")
-    assert satisfied("--no-deps", str(wheel), site=site).stdout.startswith("installing: maspo_probe_w is not installed")
+    assert satisfied("--no-deps", str(wheel), site=site).stdout.startswith(
+        f"set-up: installing {wheel} (maspo_probe_w is not installed"
+    )
     # the package itself: reinstalled whenever pyproject.toml changed since the stamp
     stamp = tmp_path / "stamp"
     stamp.write_text("0" * 64)
     assert "pyproject.toml changed" in satisfied("--project", "test", str(stamp)).stdout
+
+
+def torch_choice():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_choice", REPO / ".ci" / "torch_choice.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_setup_chooses_the_cpu_torch_build_without_a_gpu():
+    """.ci/setup's torch choice (``.ci/torch_choice.py:choose``) for each case it can meet."""
+    tc = torch_choice()
+    assert tc.choose("2.13.0", gpu=True, pick=None, cpu_index_up=True)[0] == ["torch==2.13.0"]
+    args, why = tc.choose("2.13.0", gpu=False, pick="2.13.0+cpu", cpu_index_up=False)
+    assert args == ["torch==2.13.0"] and "CPU build, from pip's configuration" in why
+    args, _ = tc.choose("2.13.0", gpu=False, pick="2.13.0", cpu_index_up=True)
+    assert args == ["torch==2.13.0+cpu", "--extra-index-url", tc.CPU_INDEX]
+    args, why = tc.choose("2.13.0", gpu=False, pick="2.13.0", cpu_index_up=False)
+    assert args == ["torch==2.13.0"] and "not reachable" in why and "CUDA build" in why and "\n" not in why
+
+
+def test_setup_falls_back_and_says_so_with_an_empty_home(tmp_path):
+    """The path a fresh clone with an empty HOME takes here: no pip configuration that finds a CPU wheel
+    and PyTorch's CPU index unreachable. The script (run as .ci/setup runs it) falls back to the plain
+    pin and says so in one line."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    tc = torch_choice()
+    if tc.has_nvidia_gpu():
+        pytest.skip("an NVIDIA GPU is present: the CUDA build is the choice")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_FIND_LINKS") and k != "PIP_EXTRA_INDEX_URL"}
+    env.update(HOME=str(tmp_path), MASPO_TORCH_CPU_INDEX="http://127.0.0.1:9/whl/cpu")
+    out = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "torch_choice.py"), "2.13.0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "torch==2.13.0\n", out
+    (why,) = out.stderr.strip().splitlines()
+    assert "PyTorch's CPU index (http://127.0.0.1:9/whl/cpu) is not reachable" in why, why
+    report = subprocess.run([sys.executable, str(REPO / ".ci" / "torch_choice.py"), "--report"], capture_output=True)
+    line = rb"installed torch \S+ \((CPU build|CUDA build, .*)\): \d+\.\d GB with its packages\n"
+    assert re.fullmatch(line, report.stdout), report
+
+
+def test_readme_says_where_cpu_torch_comes_from():
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "https://download.pytorch.org/whl/cpu" in readme
+    assert "not reachable" in readme and "CUDA build" in readme

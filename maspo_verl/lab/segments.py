@@ -27,8 +27,9 @@ as the loss computes it; each rule's threshold is swept over a grid. Writes to `
 
 A rule whose boundaries find the words no better than fixed windows of the same mean length (F1 gain
 below ``MIN_F1_GAIN``) - or, without words, codes whose neighbours are no closer than random pairs
-(``locality`` below ``MIN_LOCALITY``) - is reported as having no usable locality and gets no
-suggested threshold.
+(``locality`` below ``MIN_LOCALITY``) - is reported as not usable, with that reason, and gets no
+suggested threshold. The console shows a headline and the report's path; the report is in ``--out``
+(default ``outputs/lab/segments``).
 """
 
 from __future__ import annotations
@@ -718,6 +719,28 @@ def analyse(args: argparse.Namespace) -> dict:
 SUMMARY_KEYS = ("threshold", "mean_len", "segments_per_response", "p10_len", "median_len", "p90_len")
 
 
+def why_not_usable(has_words: bool) -> str:
+    """Why a rule is not usable: with word ids its F1 gain decides, without them its locality."""
+    if has_words:
+        return f"no word-boundary F1 gain over fixed windows of the same mean length (< {MIN_F1_GAIN})"
+    return f"no usable locality (< {MIN_LOCALITY})"
+
+
+def headline(result: dict, report: Path) -> str:
+    """What the console shows: the corpus, each rule's verdict, and where the report is."""
+    lengths = result["corpus"].lengths
+    verdicts: dict[str, list[str]] = {}
+    for label, s in result["suggestions"].items():
+        if label != "fixed":
+            verdicts.setdefault({True: "usable", False: "not usable", None: "unchecked"}[s["usable"]], []).append(label)
+    said = "; ".join(f"{verdict}: {', '.join(labels)}" for verdict, labels in verdicts.items())
+    return (
+        f"segments: {len(lengths)} responses, {int(lengths.sum())} tokens, word ids "
+        f"{'yes' if result['has_words'] else 'no'}; {said}\n"
+        f"report: {report} (tables, figures and the suggested overrides)"
+    )
+
+
 def write_report(out: Path, result: dict, args: argparse.Namespace, figures: list[str], seconds: float) -> None:
     corpus, settings, k = result["corpus"], result["settings"], args.tolerance
     lengths = corpus.lengths
@@ -793,7 +816,8 @@ def write_report(out: Path, result: dict, args: argparse.Namespace, figures: lis
         if s["usable"] is False:
             window = closest(result["table"]["fixed"], args.target_len)["threshold"]
             lines += [
-                "no usable locality: no threshold suggested; fixed windows of the target length instead:",
+                f"{why_not_usable(result['has_words'])}: no threshold suggested; fixed windows of the target "
+                "length instead:",
                 "",
                 "```",
                 f"{PREFIX}segment_rule=fixed {PREFIX}segment_window={window}",
@@ -920,7 +944,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     figures = [f for f in figures if f]
     (out / "suggestions.json").write_text(json.dumps(suggestions_json(result, args), indent=2) + "\n")
     write_report(out, result, args, figures, time.time() - t0)
-    print((out / "README.md").read_text())
+    print(headline(result, out / "README.md"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

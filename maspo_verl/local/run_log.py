@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from maspo_verl.util import read_step_metrics
+from maspo_verl.validation import FieldError, root_cause
 
 # metric key -> label in the closing block; the step line shows these keys when present
 STEP_KEYS = {
@@ -218,6 +219,35 @@ class _LineStream:
 
 _fallback_run_dir: Path | None = None
 
+HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
+def remove_hydra_run_folder() -> bool:
+    """Remove what Hydra wrote for this job in its run folder (``.hydra/``, the job's log) and then the
+    folder and its parents up to the working directory where they are left empty. Nothing else: a folder
+    that holds anything more stays. For runs that write nothing (a dry run, one refused at start-up).
+    True when the run folder is gone."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra = HydraConfig.get()
+    except (ImportError, ValueError):
+        return False
+    out = Path(hydra.runtime.output_dir)
+    for name in (*HYDRA_FILES, f"{hydra.job.name}.log"):
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    with contextlib.suppress(OSError):
+        (out / ".hydra").rmdir()
+    cwd, folder = Path.cwd().resolve(), out.resolve()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+        folder = folder.parent
+        while folder != cwd and cwd in folder.parents:  # outputs/<date>, outputs: when left empty
+            folder.rmdir()
+            folder = folder.parent
+    return not out.exists()
+
 
 def run_dir() -> Path:
     """The run folder: Hydra's output folder, else ``outputs/<date>/<time>`` (called without Hydra)."""
@@ -274,8 +304,15 @@ def _duration(seconds: float) -> str:
 
 
 def _failure_line(error: BaseException) -> str:
-    """The cause: the last line of a remote traceback (Ray's errors carry the worker's), else the error."""
+    """The cause: a field error anywhere in the chain (``root_cause``: also under Hydra's instantiation
+    wrapper), else the last line of a remote traceback (Ray's errors carry the worker's), else the error.
+    Such a cause of several lines keeps them, indented under the first."""
+    cause = root_cause(error)
+    unwrapped, error = cause is not error, cause
     text = str(error).strip()
+    if isinstance(error, FieldError) or unwrapped:
+        first, *rest = text.splitlines()
+        return "\n".join([f"{type(error).__name__}: {first}"] + [" " * 13 + line for line in rest if line.strip()])
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     cause = lines[-1] if lines else ""
     if not cause:

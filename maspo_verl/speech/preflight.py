@@ -98,7 +98,7 @@ def run_checks(speech: SpeechRewardConfig, overrides: dict[str, Any] | None, con
         notes += [f"{message} (dry run: a real run stops here)" for _, message in problems]
         problems = []
     for note in notes:
-        warn_once(note, logger=logger)
+        warn_once(note, logger=logger, python_warning=False)  # one console line each
     if problems:
         listed = "\n".join(f"- {message}" for _, message in problems)
         raise FieldError(

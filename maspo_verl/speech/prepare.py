@@ -142,7 +142,9 @@ def cmd_chat_template(args: argparse.Namespace) -> int:
     else:
         from transformers import AutoTokenizer
 
-        template = speech_chat_template(AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=True))
+        # Llasa's tokenizer is plain; a tokenizer's own code runs only when asked (--trust-remote-code)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=args.trust_remote_code)
+        template = speech_chat_template(tokenizer)
     print(f"+actor_rollout_ref.model.custom_chat_template={hydra_quote(template)}" if args.hydra else template)
     return 0
 
@@ -201,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--tokenizer", help="derive the template from this tokenizer")
     source.add_argument("--template-file", help="use the template in this file as it is")
     c.add_argument("--hydra", action="store_true")
+    c.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python code a tokenizer on the hub ships (off: Llasa's tokenizer needs none)",
+    )
     st = sub.add_parser("stop-token", help="check/add <|SPEECH_GENERATION_END|> in generation_config.json")
     st.add_argument("--model", required=True, help="local model folder")
     st.add_argument("--write", action="store_true")

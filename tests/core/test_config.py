@@ -59,7 +59,10 @@ def test_typo_in_field_is_rejected_at_compose():
 
 def test_added_unknown_field_is_rejected_by_the_dataclass_listing_the_allowed_fields():
     cfg = compose_config("+actor_rollout_ref.actor.policy_loss.segmnt_rule=fixed")
-    with pytest.raises(Exception, match=r"unknown fields \['segmnt_rule'\]: allowed .*segment_rule") as err:
+    with pytest.raises(
+        Exception,
+        match=r"unknown fields \['segmnt_rule'\]: did you mean `segment_rule`\?.*allowed fields:.*segment_rule",
+    ) as err:
         actor_policy_loss(cfg)
     assert "position_buckets" in str(err.value)
 

@@ -162,7 +162,7 @@ def test_per_token_scores_reach_the_span_credit_estimator(lam, local_run):
     """A reward manager returning per-token scores (equal utterance scores, so GRPO gives 0): the agent
     loop's rm_scores carry them (our hook, in the Ray agent-loop workers) and maspo_span_grpo turns them
     into advantages of exactly +-lam; with lam=0 they are verl's GRPO zeros."""
-    manager = Path(__file__).with_name("span_reward_manager.py")
+    manager = Path(__file__).with_name("reward_managers.py")
     run = local_run(
         [
             "algorithm.adv_estimator=maspo_span_grpo",

@@ -59,15 +59,11 @@ def _clean_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wheel_venv(tmp_path_factory) -> Path:
-    """A fresh venv holding maspo-verl from its wheel; every dependency from the test's venv via a .pth line."""
+def wheel_venv(built_wheel, tmp_path_factory) -> Path:
+    """A fresh venv holding maspo-verl from its wheel (built once per session, ``built_wheel``); every
+    dependency from the test's venv via a .pth line."""
     root = tmp_path_factory.mktemp("wheel_venv")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(root)],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = root.glob("maspo_verl-*.whl")
+    wheel = built_wheel
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"

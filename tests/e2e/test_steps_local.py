@@ -22,9 +22,9 @@ def hydra_list(strings: list[str]) -> str:
 def test_segments_per_sequence_are_the_delimiters_in_the_batch(local_run):
     """2 mini-batches of 8 full-length (32-token) responses: verl's mean over micro-batches is the batch
     mean, so the loss's segments per sequence equal the mean expected count the reward logged."""
-    from tests.e2e.text_reward_manager import DELIMITERS, STEP_MARKERS
+    from tests.e2e.reward_managers import DELIMITERS, STEP_MARKERS
 
-    manager = Path(__file__).with_name("text_reward_manager.py")
+    manager = Path(__file__).with_name("reward_managers.py")
     pl = "actor_rollout_ref.actor.policy_loss"
     run = local_run(
         [

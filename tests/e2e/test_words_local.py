@@ -24,9 +24,9 @@ def test_word_ids_reach_the_loss_aligned_with_the_tokens(local_run, tmp_path):
     give: the loss's segments per sequence equal the mean score (2 mini-batches of 8 responses, so
     verl's mean over micro-batches is the batch mean). A shifted, truncated or misrouted row would
     change the count. One response in four has no ids and takes the fallback (fixed, W=8)."""
-    from tests.e2e.word_reward_manager import WINDOW
+    from tests.e2e.reward_managers import WINDOW
 
-    manager = Path(__file__).with_name("word_reward_manager.py")
+    manager = Path(__file__).with_name("reward_managers.py")
     pl = "actor_rollout_ref.actor.policy_loss"
     run = local_run(
         [
@@ -61,7 +61,7 @@ def check_inspection(folder: Path, out: Path) -> None:
     words rule's segments (fixed W for rows without words) and each segment's ratio exp(mean(lp - old));
     the lab command's report and grid agree with counts made here from the same file."""
     from maspo_verl.lab.__main__ import main
-    from tests.e2e.word_reward_manager import WINDOW, known_words
+    from tests.e2e.reward_managers import WINDOW, known_words
 
     assert sorted(p.name for p in folder.iterdir()) == ["step_000001.json"]
     doc = json.loads((folder / "step_000001.json").read_text())

@@ -128,7 +128,28 @@ def test_random_code_order_has_no_usable_locality(tmp_path):
         assert s["usable"] is False and s["by_word_f1"] is None and s["by_target_len"] is None, s
         assert abs(s["locality"]) < 0.05
     report = (tmp_path / "out" / "README.md").read_text()
-    assert "no usable locality" in report
+    # with word ids the F1 gain decides, and the report says so (not "no usable locality")
+    assert "no word-boundary F1 gain over fixed windows of the same mean length (< 0.1)" in report
+    assert "no usable locality" not in report
+
+
+def test_the_reason_given_is_the_one_that_decided(tmp_path, capsys):
+    """Ordered codes with words that do not follow them: locality is high (above the 0.2 cut-off) but
+    the F1 gain is not, and the report names the F1 gain; the console shows a headline and the path,
+    not the report."""
+    rows = stream(30, seed=4)
+    rng = np.random.default_rng(0)
+    for r in rows:  # word boundaries at random places: no rule finds them better than windows
+        cuts = np.sort(rng.choice(np.arange(1, len(r["codes"])), size=len(r["codes"]) // 16, replace=False))
+        r["word_ids"] = [int(np.searchsorted(cuts, t, side="right")) for t in range(len(r["codes"]))]
+    s = run_command(tmp_path, rows)["rules"]["tokenval/fsq_l1"]
+    assert s["usable"] is False and s["locality"] > 0.2 and s["f1_gain"] < 0.1, s
+    report = (tmp_path / "out" / "README.md").read_text()
+    assert "no usable locality" not in report and "no word-boundary F1 gain" in report
+    console = capsys.readouterr().out.strip().splitlines()
+    assert len(console) == 3 and len(report.splitlines()) > 20  # the headline, the report, the folder
+    assert console[0].startswith("segments: 30 responses") and "not usable: " in console[0]
+    assert console[1].startswith(f"report: {tmp_path / 'out' / 'README.md'}")
 
 
 def test_without_words_locality_decides(tmp_path):
@@ -138,6 +159,7 @@ def test_without_words_locality_decides(tmp_path):
     noise = run_command(tmp_path / "b", shuffled)["rules"]["tokenval/fsq_l1"]
     assert ordered["usable"] is True and ordered["locality"] > 0.5 and ordered["by_word_f1"] is None
     assert noise["usable"] is False
+    assert "no usable locality (< 0.2)" in (tmp_path / "b" / "out" / "README.md").read_text()
 
 
 def test_grid_rows_match_independent_counts(units, tmp_path_factory):

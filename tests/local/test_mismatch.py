@@ -110,7 +110,7 @@ def test_settings_are_validated():
         with pytest.raises(FieldError, match="allowed") as info:
             LogProbMismatch.from_mapping(bad)
         assert info.value.field == field
-    with pytest.raises(ValueError, match=r"unknown keys \['sigma'\]: allowed logprob_dtype, noise_std"):
+    with pytest.raises(ValueError, match=r"unknown keys \['sigma'\]\nallowed keys:\n  logprob_dtype, noise_std"):
         LogProbMismatch.from_mapping({"sigma": 0.2})
     spec = LogProbMismatch(logprob_dtype="bf16", noise_std=0.2)
     assert LogProbMismatch.from_env({MISMATCH_ENV: spec.to_env()}) == spec

@@ -36,7 +36,7 @@ def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_fact
         "trainer.total_epochs=2",  # 4 training prompts = one batch per epoch
         "trainer.test_freq=2",
         "trainer.val_before_train=false",
-        "trainer.logger=['console']",
+        "trainer.logger=['console','file']",  # file: every metric (the reward's too) in the run folder
     ]
     cache = {"MASPO_VERL_CACHE": str(tmp_path_factory.mktemp("cache"))}
     run = run_local(overrides, tmp_path / "run", timeout_s=600, env=cache)
@@ -46,6 +46,7 @@ def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_fact
     for metrics in run.steps.values():
         assert math.isfinite(metrics["actor/pg_loss"]), context
         assert metrics["critic/score/mean"] == 0.0, context  # graded by our reward: no \boxed{} -> 0
+        assert metrics["reward/timeout/mean"] == 0.0, context  # the step's fraction of timed-out answers
     last = run.steps[2]
     for source in ("math500", "aime25"):
         assert any(key.startswith(f"val-core/{source}/acc/") for key in last), f"{source}: {sorted(last)}{context}"

@@ -86,3 +86,32 @@ def test_stop_token_cli(llasa_tokenizer, tmp_path):
     assert prepare.main(["stop-token", "--model", str(model)]) == 1
     assert prepare.main(["stop-token", "--model", str(model), "--write"]) == 0
     assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == [128001, 128261]
+
+
+REMOTE_TOKENIZER = """import os
+from transformers import PreTrainedTokenizerFast
+open(os.environ["MASPO_TEST_REMOTE_CODE_RAN"], "w").close()
+class MarkTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def test_chat_template_runs_no_tokenizer_code_unless_asked(llasa_tokenizer, tmp_path, monkeypatch, capsys):
+    """A tokenizer folder that ships its own class (``auto_map``): its code does not run by default
+    (transformers loads the built-in class it names), and runs with ``--trust-remote-code``."""
+    import json
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(llasa_tokenizer.name_or_path, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "mark_tokenizer.MarkTokenizer"]}
+    config_path.write_text(json.dumps(config))
+    (folder / "mark_tokenizer.py").write_text(REMOTE_TOKENIZER)
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("MASPO_TEST_REMOTE_CODE_RAN", str(marker))
+    assert prepare.main(["chat-template", "--tokenizer", str(folder), "--hydra"]) == 0
+    assert not marker.exists()
+    assert prepare.main(["chat-template", "--tokenizer", str(folder), "--hydra", "--trust-remote-code"]) == 0
+    assert marker.exists() and "custom_chat_template=" in capsys.readouterr().out

@@ -105,16 +105,26 @@ def test_script_composes_and_validates(loss, template_file, llasa_tokenizer):
     assert ids[-1] == 128260
 
 
-def test_dry_run_subprocess_and_windows():
+def test_dry_run_subprocess_and_windows(tmp_path):
     """DRY_RUN=1 end to end in a subprocess (compose + validate + print) for the phoneme window."""
+    run_folder = tmp_path / "run"
     p = _run(
         SCRIPTS["maspo_fixed"],
+        f"hydra.run.dir={run_folder}",
         DRY_RUN="1",
         SEGMENT_WINDOW="5",
         MODEL_PATH="/nonexistent/Llasa-1B",
         DATA_DIR="/nonexistent",
     )
     assert p.returncode == 0, p.stderr[-3000:]
+    assert not run_folder.exists()  # a dry run writes nothing (Hydra's run folder is removed)
+    # each preflight note is said once: a log line, not also a Python warning with its source line
+    notes = [line for line in p.stdout.splitlines() if "][maspo_verl.speech.preflight][WARNING] - " in line]
+    assert notes, p.stdout[-3000:]
+    for note in notes:
+        message = note.split("[WARNING] - ", 1)[1]
+        assert (p.stdout + p.stderr).count(message) == 1, message
+    assert "UserWarning" not in p.stderr, p.stderr[-3000:]
     assert "loss section:" in p.stdout and "segment_window: 5" in p.stdout and "bypass_mode: true" in p.stdout
     assert "SPEECH_CHAT_TEMPLATE=auto is not derived" in p.stderr
 
