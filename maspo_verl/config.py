@@ -20,6 +20,7 @@ from typing import Any
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from maspo_verl.segments import SEGMENT_KERNELS, SEGMENT_RULES, TOKENVAL_DISTANCES, fallback_rules
+from maspo_verl.surrogates import check_config as check_surrogate
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import check_bool, check_choice, check_float, check_int, fail, reject_unknown
 from maspo_verl.vocab import MAX_SPLITS, split_count
@@ -126,6 +127,11 @@ class GranularLossConfig(PolicyLossConfig):
     inspect_dir: str | None = None
     inspect_every: int = 10
 
+    # ---- surrogate (maspo_verl.surrogates): what the objective does with the shared ratio ----
+    # ppo (clip schedule + dual clip) | cispo (clipped stop-gradient weight on A log pi) | sapo (soft gate,
+    # the actor's tau_pos/tau_neg); refused combinations: maspo_verl.surrogates.check_config
+    surrogate: str = "ppo"
+
     def __post_init__(self):
         check_loss_mode(self.loss_mode)
         check_choice("segment_rule", self.segment_rule, tuple(SEGMENT_RULES))
@@ -186,6 +192,8 @@ class GranularLossConfig(PolicyLossConfig):
         if self.inspect_dir is not None and (not isinstance(self.inspect_dir, str) or not self.inspect_dir.strip()):
             fail("inspect_dir", self.inspect_dir, "null (off) or a folder path")
         check_int("inspect_every", self.inspect_every, 1)
+        # ---- surrogate ----
+        check_surrogate(self)
 
 
 def check_strings(name: str, value: Any) -> list[str]:
