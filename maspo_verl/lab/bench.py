@@ -41,12 +41,14 @@ import maspo_verl.plugin  # noqa: F401  (registers our losses)
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.lab import common
+from maspo_verl.surrogates import DEFAULT as DEFAULT_SURROGATE
+from maspo_verl.surrogates import SURROGATES
+from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import config_dir, preset_names
 
 BASELINE = "grpo"
 # The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.
 PRESETS = (BASELINE, *(name for name in preset_names() if name != BASELINE))
-PROFILED = ("grpo", "maspo_fixed", "maspo_logprob", "ctpo")
 # The text of the ids ``make_inputs`` draws, for segment_rule=delimiters (``maspo_steps``): Qwen2's ids of
 # "!", ".", "?", "\n" and " ", the pieces of the default delimiters; the codec codes hold no text.
 TEXT_IDS = {0: "!", 13: ".", 30: "?", 198: "\n", 220: " "}
@@ -80,6 +82,26 @@ def preset_entries(names=PRESETS) -> list[Entry]:
 
 def compiled(e: Entry) -> Entry:
     return Entry(f"{e.label}+compile", e.loss_mode, e.actor, {**e.policy_loss, "compile": True})
+
+
+def with_surrogate(e: Entry, surrogate: str) -> Entry:
+    """``e`` with ``policy_loss.surrogate=<surrogate>`` (and the first clip schedule it accepts, if the
+    preset's is not one), labelled ``<preset>+<surrogate>``."""
+    schedules = SURROGATES[surrogate].clip_schedules
+    policy_loss = {**e.policy_loss, "surrogate": surrogate}
+    if schedules is not None and policy_loss.get("clip_schedule", "ratio") not in schedules:
+        policy_loss["clip_schedule"] = schedules[0]
+    return Entry(f"{e.label}+{surrogate}", e.loss_mode, e.actor, policy_loss)
+
+
+def surrogate_entries(entries: list[Entry]) -> list[Entry]:
+    """Each surrogate other than the presets' own (``SURROGATES``) on the first preset of each of our token
+    sets among ``entries``: the rows of the surrogates."""
+    first: dict[str, Entry] = {}
+    for e in entries:
+        if e.loss_mode in TOKEN_SETS and e.policy_loss.get("surrogate", DEFAULT_SURROGATE) == DEFAULT_SURROGATE:
+            first.setdefault(e.loss_mode, e)
+    return [with_surrogate(e, s) for s in SURROGATES if s != DEFAULT_SURROGATE for e in first.values()]
 
 
 def loss_fn(e: Entry):
@@ -188,7 +210,18 @@ def peak_memory(fn, cfg, inputs, device) -> tuple[float, int | None]:
     return float(peak), sum(e.name().startswith("aten::") for e in all_events)
 
 
+def bench_entries(args: argparse.Namespace) -> list[Entry]:
+    """The presets (``--only``: some of them, the baseline always first) and the surrogate rows."""
+    names = [n for n in PRESETS if n == BASELINE or not args.only or n in args.only.split(",")]
+    entries = preset_entries(names)
+    return entries + (surrogate_entries(entries) if args.surrogates else [])
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> None:
+    if args.mode == "update":
+        from maspo_verl.lab import update_share
+
+        return update_share.run(args, argv, bench_entries(args))
     torch.set_num_threads(args.threads)
     out = common.prepare_out(args.out, argv)
     t0 = time.time()
@@ -197,11 +230,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit("bench: --devices names cuda, but torch sees no CUDA GPU")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     Ts = [int(x) for x in args.T.split(",")]
-    names = [n for n in PRESETS if n == BASELINE or not args.only or n in args.only.split(",")]
-    entries = preset_entries(names)
+    entries = bench_entries(args)
     if args.compile:  # the same presets with policy_loss.compile=true, next to the eager ones
-        from maspo_verl.token_sets import TOKEN_SETS
-
         entries += [compiled(e) for e in entries if e.loss_mode in TOKEN_SETS]
     fns = {e.label: (loss_fn(e), entry_config(e)) for e in entries}
     rows = []
@@ -261,7 +291,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                     )
                 common.log(f"bench: {device} T={T} {dname} done ({time.time() - t0:.0f}s)")
     common.write_csv(out / "bench.csv", rows)
-    prof_entries = [e for e in entries if e.label in PROFILED]
+    prof_entries = [e for e in entries if not e.label.endswith("+compile")]
     profile_text = profile_breakdown(fns, prof_entries, args) if args.profile else ""
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
@@ -296,7 +326,9 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         f"interleaved repetitions after {args.warmup} warm-up calls, {args.threads} torch thread(s), "
         f"{'process CPU time' if args.clock == 'process' else 'wall time'} on CPU; forward + backward + metrics "
         "of each loss preset as shipped (`hydra_configs/loss/*.yaml`; `grpo` is verl's `vanilla`, "
-        "the baseline). "
+        "the baseline), and of each other surrogate on the first preset of each of our token sets "
+        "(`<preset>+<surrogate>`: `policy_loss.surrogate`, with `clip_schedule=ratio` where the surrogate "
+        "needs it). "
         "All rows: `bench.csv`." + (" Op-level profiles at T=4096 fp32: `profile.txt`." if profiled else ""),
         "",
         "- `ms`, `x_vanilla`: best time, and its ratio to verl `vanilla`'s best time in the same setting (<= 1.0 is "
@@ -416,3 +448,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile", action="store_true", help="add each of our presets with policy_loss.compile=true")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the op-level profile")
+    p.add_argument(
+        "--no-surrogates",
+        dest="surrogates",
+        action="store_false",
+        help="skip the <preset>+<surrogate> rows (each other surrogate on one preset per token set)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["loss", "update"],
+        default="loss",
+        help="loss: the loss call alone (--B, --T); update: the loss's share of an actor update on a Llama-shaped "
+        "model (maspo_verl/lab/update_share.py; sizes from the options of --mode update)",
+    )
+    from maspo_verl.lab import update_share
+
+    update_share.add_arguments(p)
