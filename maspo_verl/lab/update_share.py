@@ -17,6 +17,7 @@ time after ``torch.cuda.synchronize()``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace, argv: list[str], entries) -> None:
 
     torch.set_num_threads(args.threads)
     out = common.prepare_out(args.out, argv)
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()[0]
     device = args.devices.split(",")[0] if args.devices else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench: --devices names cuda, but torch sees no CUDA GPU")
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace, argv: list[str], entries) -> None:
             }
         )
     common.write_csv(out / "update_share.csv", rows)
+    load = f"load average (1 min, {os.cpu_count()} cores) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     params = sum(p.numel() for p in model.parameters())
     setting = (
         f"{shape} Llama shape ({params / 1e6:.1f} M parameters), B={B}, {prompt}+{T} tokens, {dname}, "
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace, argv: list[str], entries) -> None:
         "",
         f"Made by the command in `COMMAND.txt` ({time.time() - t0:.0f} s): {setting}; best and median of "
         f"{args.reps} interleaved repetitions after {args.warmup} warm-up rounds, {args.threads} torch thread(s), "
-        f"{'process CPU time' if clock is time.process_time else 'wall time'}. All rows: `update_share.csv`.",
+        f"{'process CPU time' if clock is time.process_time else 'wall time'}; {load}. All rows: `update_share.csv`.",
         "",
         "- `update_ms`: forward over prompt + response -> response log-probs (float32 log-softmax) -> the loss "
         "-> backward into the model; `x_grpo`: its ratio to `grpo`'s (verl's `vanilla`) in the same run.",
