@@ -1,4 +1,5 @@
-"""Clip schedules and PPO's pessimistic surrogate with dual clip (docs/algorithms.md, "Clip schedules").
+"""Clip schedules (``policy_loss.clip_schedule``) and the closed forms of the clipped surrogates
+(docs/algorithms.md §2); ``maspo_verl.surrogates`` applies them.
 
 - ratio-space (verl-compatible): lo = 1 - eps_low, hi = 1 + eps_high, c = clip_ratio_c.
 - log-space, length-adaptive (CTPO-LA of "Rethinking Importance Sampling in LLM Policy
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,14 +54,14 @@ def log_adaptive_bounds(
     return ClipBounds(-eps_low, eps_high, eps_dual, scale=scale)
 
 
-@dataclass
-class Surrogate:
-    """Per-token PPO loss and the boolean masks of where each clip is active."""
-
-    loss: torch.Tensor
-    clipped_low: torch.Tensor
-    clipped_high: torch.Tensor
-    clipped_dual: torch.Tensor
+def clip_bounds(pl: Any, actor: Any, sizes: torch.Tensor | None) -> ClipBounds:
+    """The bounds of ``pl.clip_schedule``: log_adaptive needs the per-token set sizes; ratio-space bounds
+    are verl's actor scalars ``clip_ratio_low/high`` (else ``clip_ratio``) and ``clip_ratio_c``."""
+    if pl.clip_schedule == "log_adaptive":
+        return log_adaptive_bounds(sizes, pl.log_clip_low, pl.log_clip_high, pl.log_clip_dual, pl.clip_exponent)
+    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+    return ratio_bounds(low, high, actor.get("clip_ratio_c", 3.0))
 
 
 def _clamped(x: torch.Tensor, bound: torch.Tensor | float, upper: bool) -> torch.Tensor:
@@ -69,10 +71,15 @@ def _clamped(x: torch.Tensor, bound: torch.Tensor | float, upper: bool) -> torch
     return x.clamp(max=bound) if upper else x.clamp(min=bound)
 
 
-def _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep):
-    """The loss values, the clip masks, and d loss / d log pi (see ``_PessimisticSurrogate``)."""
-    adv = _zero_outside(advantages, keep, ratio.dtype)
-    weights = None if weights is None else _zero_outside(weights, keep, ratio.dtype)
+def pessimistic_values(ratio, log_ratio, adv, bounds):
+    """PPO's pessimistic surrogate with dual clip, in closed form (``adv`` zero outside the kept tokens):
+
+        A > 0: -A min(r, hi)            A < 0: -A min(max(r, lo), c)            A = 0: 0
+
+    Returns the loss values, the clip masks (low, high, dual: disjoint) and d loss / d log pi, which is
+    -A r where no clip is active, else 0. With log-space bounds the same is done on l = log r:
+    min(l, log hi) and so on, then exp.
+    """
     positive, negative = adv > 0, adv < 0
     x = ratio if bounds.scale is None else log_ratio
     high = bounds.bound("high")
@@ -92,78 +99,26 @@ def _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep):
     active = clipped_low | clipped_high | clipped_dual
     coef = float_mask(~active, ratio.dtype).mul_(ratio).mul_(adv).neg_()
     loss = effective.mul_(adv).neg_()
-    if weights is not None:
-        loss.mul_(weights)
-        coef.mul_(weights)
     return loss, clipped_low, clipped_high, clipped_dual, coef
 
 
-class _PessimisticSurrogate(torch.autograd.Function):
-    """loss_t = max(-A r, -A clip(r, lo, hi)), and min(., -A c) where A < 0, in closed form:
-
-        A > 0: -A min(r, hi)            A < 0: -A min(max(r, lo), c)            A = 0: 0
-
-    r is the shared ratio's value; its gradient with respect to log pi_t is r_t (stop-gradient form
-    r = exp(sg[l] + log pi - sg[log pi]), maspo_verl.ratios). Forward runs without autograd and saves one
-    tensor, d loss_t / d log pi_t = -A_t r_t where no clip is active, else 0. With log-space bounds
-    the same is done on l = log r: min(l, log hi) and so on, then exp.
-    """
-
-    @staticmethod
-    def forward(ctx, log_prob, ratio, log_ratio, advantages, bounds, weights, keep):
-        loss, clipped_low, clipped_high, clipped_dual, coef = _surrogate_values(
-            ratio, log_ratio, advantages, bounds, weights, keep
-        )
-        ctx.save_for_backward(coef)
-        ctx.grad_dtype = log_prob.dtype
-        ctx.mark_non_differentiable(clipped_low, clipped_high, clipped_dual)
-        return loss, clipped_low, clipped_high, clipped_dual
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        (coef,) = ctx.saved_tensors
-        grad = torch.empty(coef.shape, dtype=ctx.grad_dtype, device=coef.device)
-        return torch.mul(grad_loss, coef, out=grad), None, None, None, None, None, None
+def clipped_weights(ratio, log_ratio, bounds):
+    """clip(r, lo, hi) (log-space bounds: exp(clip(l, log lo, log hi))) as a new tensor, and the masks of
+    where it clipped below and above (CISPO's clipped importance weight; no dual clip)."""
+    x = ratio if bounds.scale is None else log_ratio
+    low, high = bounds.bound("low"), bounds.bound("high")
+    clipped_low, clipped_high = x < low, x > high
+    if isinstance(low, torch.Tensor):
+        weight = torch.minimum(torch.maximum(x, low, out=low), high, out=high)
+    else:
+        weight = x.clamp(min=low, max=high)
+    if bounds.scale is not None:
+        weight.exp_()
+    return weight, clipped_low, clipped_high
 
 
-def _zero_outside(values: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def zero_outside(values: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values`` as ``dtype``, zero outside ``keep`` whatever they hold there (NaN, inf)."""
     if values.dtype != dtype:  # the conversion already copies: fill that copy
         return values.to(dtype).masked_fill_(keep.logical_not(), 0.0)
     return torch.where(keep, values, 0.0)
-
-
-def clipped_surrogate(
-    log_prob: torch.Tensor,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    bounds: ClipBounds,
-    weights: torch.Tensor | None = None,
-    log_ratio: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
-) -> Surrogate:
-    """Per-token pessimistic PPO loss with the shared ratio ``ratio`` (a value; no graph needed),
-    differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient.
-    Log-space bounds (``bounds.scale`` set) need ``log_ratio`` = log(ratio). Outside ``keep`` (the
-    tokens in the loss) loss and gradient are zero, whatever advantages and weights hold there."""
-    if keep is None:
-        keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
-    if bounds.scale is not None and log_ratio is None:
-        raise ValueError("log-space clip bounds need log_ratio")
-    if torch.compiler.is_compiling():
-        # The same values and gradient in stop-gradient form: torch.compile's tracer (seen with torch
-        # 2.11) loses the gradient of the Function below, whose forward never reads log_prob.
-        with torch.no_grad():
-            loss, low, high, dual, coef = _surrogate_values(ratio, log_ratio, advantages, bounds, weights, keep)
-        zero = torch.where(keep, log_prob - log_prob.detach(), 0.0)  # 0, with gradient 1 at kept tokens
-        return Surrogate(loss=loss + coef * zero, clipped_low=low, clipped_high=high, clipped_dual=dual)
-    loss, low, high, dual = _PessimisticSurrogate.apply(
-        log_prob,
-        ratio.detach(),
-        None if log_ratio is None else log_ratio.detach(),
-        advantages,
-        bounds,
-        weights,
-        keep,
-    )
-    return Surrogate(loss=loss, clipped_low=low, clipped_high=high, clipped_dual=dual)

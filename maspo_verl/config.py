@@ -3,7 +3,7 @@ credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Every field of ``GranularLossConfig`` is declared once as a ``Setting`` (name, default, allowed values, one
 line): the loss's own in ``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, each
-rule's in its module (``maspo_verl/segments/rules/``). The dataclass, its checks, the Hydra defaults in
+rule's in its module (``maspo_verl/segments/rules/``), the surrogate's in ``maspo_verl.surrogates``. The dataclass, its checks, the Hydra defaults in
 ``hydra_configs/maspo_base.yaml`` and the README's field table are made from them (``python -m maspo_verl
 generate`` writes the last two). Selected with
 ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig`` (our
@@ -21,7 +21,7 @@ from typing import Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from maspo_verl import segments
+from maspo_verl import segments, surrogates
 from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import Bool, Choice, Float, Int, OptionalPath, Setting, check_float, fail, reject_unknown
@@ -57,9 +57,10 @@ LOSS_SETTINGS = (
 
 
 def declared_settings() -> tuple[Setting, ...]:
-    """Every field of ``GranularLossConfig``: the segmentation's, each rule's (registry order), the loss's."""
+    """Every field of ``GranularLossConfig``: the segmentation's, each rule's (registry order), the loss's, the
+    surrogate's."""
     declared = (*segments.compute.SETTINGS, *(s for rule in SEGMENT_RULES.values() for s in rule.settings))
-    declared += LOSS_SETTINGS
+    declared += LOSS_SETTINGS + surrogates.SETTINGS
     names = [s.name for s in declared]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -132,6 +133,7 @@ class GranularLossConfig(PolicyLossConfig):
         for s in SETTINGS:
             object.__setattr__(self, s.name, s.check(getattr(self, s.name)))
         segments.compute.validate(self)
+        surrogates.check_config(self)
         token_set = TOKEN_SETS.get(self.loss_mode)
         if self.agg_mode != "actor" and token_set is not None and not token_set.partition:
             fail("agg_mode", self.agg_mode, f"'actor' with loss_mode={self.loss_mode!r} (its sets are not a partition)")

@@ -6,8 +6,8 @@ micro-batch (the first of the step's last mini-batch, whose ratios are off-polic
 several): response ids, mask, old and new log-probs, advantages, word ids when the batch has them,
 the segment ids of the configured rule, and per segment its shared ratio and clip counts
 (``python -m maspo_verl.lab segments`` reads these files). Other loss modes write what applies:
-``ctpo`` has no segments (per-token prefix ratios), verl's ``vanilla`` is one segment per token,
-``gspo`` one per response, verl's other losses only the inputs.
+``ctpo`` has no segments (per-token prefix ratios), verl's ``vanilla``, ``cispo`` and ``sapo`` are one
+segment per token, ``gspo`` one per response, verl's other losses only the inputs.
 
 Costs: with ``inspect_dir`` unset the loss runs exactly as without this module (one Python
 attribute test). On an inspected step the loss gathers the rows on the device and moves them to

@@ -1,9 +1,10 @@
-"""One policy loss body for every token set: token set x normalisation x clip schedule
+"""One policy loss body for every token set: token set x normalisation x clip schedule x surrogate
 (docs/algorithms.md).
 
 ``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.token_sets``) with
 verl's ``PolicyLossFn`` signature, called per micro-batch by verl's ``ppo_loss``; the plugin
-registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive).
+registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive) and any
+surrogate (``surrogate``: ``maspo_verl.surrogates``).
 
 verl and ``maspo_verl.config`` (which imports verl) are imported inside the functions: ``import verl``
 loads the plugin, which imports this module, so importing this module must not import verl.
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from maspo_verl import clipping, inspection, ratios
+from maspo_verl import inspection, ratios, surrogates
+from maspo_verl.clipping import clip_bounds  # noqa: F401  (the schedule's bounds; re-exported)
+from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
 
@@ -36,17 +39,6 @@ def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
             "hydra_configs/maspo_trainer.yaml sets it"
         )
     return pl
-
-
-def clip_bounds(pl: GranularLossConfig, actor: Any, sizes: torch.Tensor | None) -> clipping.ClipBounds:
-    """log_adaptive needs the per-token set sizes; ratio-space bounds are verl's actor scalars."""
-    if pl.clip_schedule == "log_adaptive":
-        return clipping.log_adaptive_bounds(
-            sizes, pl.log_clip_low, pl.log_clip_high, pl.log_clip_dual, pl.clip_exponent
-        )
-    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
-    high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    return clipping.ratio_bounds(low, high, actor.get("clip_ratio_c", 3.0))
 
 
 def aggregate(
@@ -91,7 +83,7 @@ def metric_sums(
     mask: torch.Tensor,
     delta: torch.Tensor,
     ratio: torch.Tensor,
-    surrogate: clipping.Surrogate,
+    surrogate: surrogates.TokenLosses,
     seg_ids: torch.Tensor | None,
     buckets: int,
     response: torch.Tensor,
@@ -259,11 +251,12 @@ def loss_body(
             full_ids = None if sets.seg_ids is None else sets.seg_ids[:inspect_rows]
         extra = sets.metrics  # the segmentation rule's own metrics, if any
         del sets
-        bounds = clip_bounds(pl, config, sizes)
+        objective = SURROGATES[pl.surrogate]
+        params = objective.params(pl, config, sizes)
         if pl.agg_mode == "actor":
             sizes = None
-    surrogate = clipping.clipped_surrogate(log_prob, ratio, advantages, bounds, rollout_is_weights, log_ratio, mask)
-    del log_ratio, bounds
+    surrogate = surrogates.apply(objective, log_prob, ratio, advantages, params, rollout_is_weights, log_ratio, mask)
+    del log_ratio, params
     pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
     sums, layout = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
     if inspect_rows:
@@ -276,15 +269,18 @@ def loss_body(
 VERL_EQUIVALENTS = {
     "vanilla": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1},
     "gspo": {"loss_mode": "pgspo", "length_exponent": 1.0},
+    "cispo": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "cispo"},
+    "sapo": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "sapo"},
 }
 
 
 def inspect_verl_loss(
     name: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
 ) -> str | None:
-    """On an inspected step (``inspection.due``), write what verl's loss ``name`` did: for ``vanilla`` and
-    ``gspo`` the ratios and clips of the token set that equals them (one token / the whole response, verl's
-    ratio-space clip; ``gspo`` has no dual clip in verl), for verl's other losses the inputs only.
+    """On an inspected step (``inspection.due``), write what verl's loss ``name`` did: for ``vanilla``,
+    ``gspo``, ``cispo`` and ``sapo`` the ratios and clips of the token set and surrogate that equal them
+    (one token / the whole response, verl's ratio-space clip; ``gspo`` has no dual clip in verl), for
+    verl's other losses the inputs only.
     Returns the file written, or None."""
     import dataclasses
 

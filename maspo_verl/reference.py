@@ -34,6 +34,8 @@ VERL_FIELDS = (
     ("`clip_ratio_low` (actor)", "clip_ratio_low", "ratio-space clip, lower (`clip_schedule=ratio`)", "verl's"),
     ("`clip_ratio_high` (actor)", "clip_ratio_high", "ratio-space clip, upper (`clip_schedule=ratio`)", "verl's"),
     ("`clip_ratio_c` (actor)", "clip_ratio_c", "dual clip (`clip_schedule=ratio`)", "verl's"),
+    ("`tau_pos` (actor)", "tau_pos", "SAPO's gate temperature for A > 0 (`surrogate=sapo`)", "> 0"),
+    ("`tau_neg` (actor)", "tau_neg", "SAPO's gate temperature for A ≤ 0 (`surrogate=sapo`)", "> 0"),
 )
 
 

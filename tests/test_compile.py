@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from maspo_verl.lab import bench
+from maspo_verl.surrogates import DEFAULT, SURROGATES
 
-CASES = [("maspo_logprob", torch.float64), ("ctpo", torch.float32)]  # segments with min/max length; prefixes
+# segments with min/max length; prefixes; each other surrogate on fixed segments
+CASES = [("maspo_logprob", torch.float64, DEFAULT), ("ctpo", torch.float32, DEFAULT)]
+CASES += [("maspo_fixed", torch.float64, s) for s in SURROGATES if s != DEFAULT]
 
 
 def _run(entry, inputs):
@@ -20,9 +23,11 @@ def _run(entry, inputs):
     return loss, lp.grad, metrics
 
 
-@pytest.mark.parametrize(("preset", "dtype"), CASES, ids=[c[0] for c in CASES])
-def test_compiled_equals_eager(preset, dtype):
+@pytest.mark.parametrize(("preset", "dtype", "surrogate"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_compiled_equals_eager(preset, dtype, surrogate):
     entry = bench.preset_entries([preset])[0]
+    if surrogate != DEFAULT:
+        entry = bench.with_surrogate(entry, surrogate)
     compiled = bench.compiled(entry)
     assert bench.entry_config(compiled).policy_loss.compile is True
     tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)

@@ -23,6 +23,7 @@ CORE = {
     "segments",
     "ratios",
     "clipping",
+    "surrogates",
     "token_sets",
     "losses",
     "advantages",

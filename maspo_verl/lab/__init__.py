@@ -6,7 +6,7 @@
 - ``credit``: span credit (``maspo_span_grpo``) vs GRPO advantages on per-span-error tasks: gradient
   variance against the exact gradient, and the race (:mod:`maspo_verl.lab.credit`).
 - ``bench``: time, peak memory and host syncs of each loss against verl's ``vanilla`` and ``gspo``
-  (:mod:`maspo_verl.lab.bench`).
+  (:mod:`maspo_verl.lab.bench`); with `--mode update`, the loss's share of an actor update.
 
 (and ``steptime`` and ``learn``, which run verl's trainer in the local CPU mode). Each command writes
 its tables and plots to ``outputs/lab/<command>/`` (``--out DIR`` elsewhere, ``--update-docs`` the

@@ -19,6 +19,8 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.plugin.hooks import patch_problem
 from maspo_verl.segments import FROM_MICRO_BATCH, WORD_IDS
+from maspo_verl.surrogates import DEFAULT as DEFAULT_SURROGATE
+from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import warn_once
 
@@ -80,6 +82,11 @@ def _loss_checks(config) -> list[str]:
             f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} needs "
             f"policy_loss._target_=maspo_verl.config.GranularLossConfig (got {target!r})"
         )
+    # the actor fields the surrogate reads (SAPO's temperatures; verl checks none of them); an unknown
+    # surrogate is the config's to refuse
+    objective = SURROGATES.get(policy_loss.get("surrogate", DEFAULT_SURROGATE))
+    if objective is not None:
+        objective.check_actor(config.actor_rollout_ref.actor)
     issued: list[str] = []
     rules = segment_rules(policy_loss)
     for rule in rules:

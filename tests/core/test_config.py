@@ -136,6 +136,56 @@ def test_ctpo_rejects_segment_aggregation():
         GranularLossConfig(loss_mode="ctpo", agg_mode="seg-mean-token-mean")
 
 
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"surrogate": "clipped"}, r"policy_loss.surrogate='clipped' is invalid: allowed one of ppo, cispo, sapo"),
+        ({"loss_mode": "vanilla", "surrogate": "cispo"}, r"surrogate='cispo' is invalid: allowed 'ppo' with loss_mode"),
+        (
+            {"surrogate": "sapo", "clip_schedule": "log_adaptive"},
+            r"clip_schedule='log_adaptive' is invalid: allowed ratio with surrogate='sapo'",
+        ),
+    ],
+)
+def test_surrogate_refuses_what_makes_no_sense(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GranularLossConfig(**{"loss_mode": "maspo", **fields})
+
+
+def test_every_surrogate_composes_with_every_preset_of_ours_where_its_schedule_allows():
+    """``loss=<preset> policy_loss.surrogate=<s>`` builds for our presets, e.g. maspo_fixed + cispo (the
+    documented override); SAPO also needs clip_schedule=ratio there."""
+    from maspo_verl.surrogates import SURROGATES
+    from maspo_verl.token_sets import TOKEN_SETS
+
+    built = 0
+    for preset in PRESETS:
+        for name, surrogate in SURROGATES.items():
+            cfg = compose_config(f"loss={preset}", f"actor_rollout_ref.actor.policy_loss.surrogate={name}")
+            pl = cfg.actor_rollout_ref.actor.policy_loss
+            if pl.loss_mode not in TOKEN_SETS:
+                continue
+            if surrogate.clip_schedules is not None and pl.clip_schedule not in surrogate.clip_schedules:
+                with pytest.raises(Exception, match="clip_schedule=.log_adaptive. is invalid"):
+                    actor_policy_loss(cfg)
+                pl.clip_schedule = surrogate.clip_schedules[0]
+            assert actor_policy_loss(cfg).surrogate == name
+            built += 1
+    assert built >= len(SURROGATES) * 3
+
+
+def test_sapo_needs_positive_temperatures_at_start_up():
+    sapo = (
+        "actor_rollout_ref.actor.policy_loss.surrogate=sapo",
+        "actor_rollout_ref.actor.policy_loss.clip_schedule=ratio",
+    )
+    assert startup_checks(compose_config("loss=maspo_fixed", *sapo)) == []
+    with pytest.raises(
+        ValueError, match=r"actor_rollout_ref.actor.tau_neg=0.0 is invalid: allowed a finite number > 0"
+    ):
+        startup_checks(compose_config("loss=maspo_fixed", *sapo, "actor_rollout_ref.actor.tau_neg=0.0"))
+
+
 def test_our_loss_without_our_dataclass_is_a_startup_error():
     cfg = compose_config(
         "loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig"

@@ -1,5 +1,6 @@
 """Data-parallel invariance: the gradient after the all-reduce at world size 2 equals the world-size-1
-gradient, for every loss preset and aggregation mode, with fixed and dynamic micro-batch sizes.
+gradient, for every loss preset and aggregation mode, with fixed and dynamic micro-batch sizes; and for
+every other surrogate (``maspo_verl.surrogates``) on one preset of each of our token sets.
 
 Everything on the loss path is verl's own: micro-batches come from ``prepare_micro_batches`` (fixed
 size, or regrouped by token count with ``use_dynamic_bsz``, the micro-batch count agreed over the dp
@@ -39,18 +40,26 @@ MAX_RESPONSE = 18
 LOSS_SCALE_FACTOR = MAX_RESPONSE
 
 
-def cases() -> list[tuple[str, str, bool]]:
+def cases() -> list[tuple[str, str, bool, str]]:
+    """(preset, aggregation mode, dynamic micro-batches, surrogate): every preset with the surrogate it
+    ships (ppo), and each other surrogate on the first preset of each of our token sets."""
+    from maspo_verl.surrogates import DEFAULT, SURROGATES
     from maspo_verl.token_sets import TOKEN_SETS
 
-    out = []
+    first_of_set = {}
     for preset in PRESETS:
+        first_of_set.setdefault(_preset_loss_mode(preset), preset)
+    runs = [(preset, DEFAULT) for preset in PRESETS]
+    runs += [(first_of_set[m], s) for s in SURROGATES if s != DEFAULT for m in TOKEN_SETS if m in first_of_set]
+    out = []
+    for preset, surrogate in runs:
         modes = list(VERL_AGG_MODES)
         loss_mode = _preset_loss_mode(preset)
         if loss_mode in TOKEN_SETS and TOKEN_SETS[loss_mode].partition:
             modes.append(SEG_MEAN)
         for mode in modes:
             for dynamic in (False, True):
-                out.append((preset, mode, dynamic))
+                out.append((preset, mode, dynamic, surrogate))
     return out
 
 
@@ -61,20 +70,27 @@ def _preset_loss_mode(preset: str) -> str:
     return yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"]
 
 
-def actor_configs() -> dict[tuple[str, str], object]:
-    """ActorConfig per (preset, agg mode): our trainer config without a preset, the preset's file merged in (what
-    ``loss=<preset>`` does; one Hydra compose instead of seven), KL loss on (verl's low_var_kl)."""
+def actor_configs() -> dict[tuple[str, str, str], object]:
+    """ActorConfig per (preset, agg mode, surrogate): our trainer config without a preset, the preset's file
+    merged in (what ``loss=<preset>`` does; one Hydra compose instead of seven), KL loss on (verl's
+    low_var_kl)."""
     import yaml
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
+    from maspo_verl.surrogates import SURROGATES
     from tests.helpers import BYTE_VOCABULARY, compose_config
 
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
     configs = {}
-    for preset, mode in dict.fromkeys((p, m) for p, m, _ in cases()):
+    for preset, mode, surrogate in dict.fromkeys((p, m, s) for p, m, _, s in cases()):
         path = config_dir() / "loss" / f"{preset}.yaml"
         node = OmegaConf.merge(base, yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"])
+        if surrogate != node.policy_loss.surrogate:
+            node.policy_loss.surrogate = surrogate
+            schedules = SURROGATES[surrogate].clip_schedules
+            if schedules is not None and node.policy_loss.clip_schedule not in schedules:
+                node.policy_loss.clip_schedule = schedules[0]
         if mode == SEG_MEAN:
             node.policy_loss.agg_mode = SEG_MEAN
         else:
@@ -89,10 +105,10 @@ def actor_configs() -> dict[tuple[str, str], object]:
             node.policy_loss.codec_offset = 0
             node.policy_loss.codec_size = VOCAB
             node.policy_loss.fsq_levels = [4, 4, 4, 4]
-        configs[preset, mode] = omega_conf_to_dataclass(node)
+        configs[preset, mode, surrogate] = omega_conf_to_dataclass(node)
         if any(segments.TOKENIZER in rule.needs for rule in rules):
             # the vocabulary's text, where verl's engine worker puts the actor's tokenizer: byte b is id b
-            configs[preset, mode].model_config = SimpleNamespace(tokenizer=BYTE_VOCABULARY)
+            configs[preset, mode, surrogate].model_config = SimpleNamespace(tokenizer=BYTE_VOCABULARY)
     return configs
 
 
@@ -113,7 +129,7 @@ def test_merged_preset_equals_the_composed_one():
         if preset == "maspo_tokenval":
             node.policy_loss.codec_offset, node.policy_loss.codec_size = 0, VOCAB
             node.policy_loss.fsq_levels = [4, 4, 4, 4]
-        assert omega_conf_to_dataclass(node) == configs[preset, mode]
+        assert omega_conf_to_dataclass(node) == configs[preset, mode, "ppo"]
 
 
 def full_batch(seed: int = 0):
@@ -210,8 +226,9 @@ def all_gradients(configs: dict, rank: int, world: int, dp_group=None) -> dict:
     share = B // world
     mine = samples[rank * share : (rank + 1) * share]
     out = {}
-    for preset, mode, dynamic in cases():
-        out[preset, mode, dynamic] = gradient(configs[preset, mode], rank_data(mine, dynamic), dp_group)
+    for preset, mode, dynamic, surrogate in cases():
+        config = configs[preset, mode, surrogate]
+        out[preset, mode, dynamic, surrogate] = gradient(config, rank_data(mine, dynamic), dp_group)
     return out
 
 
@@ -261,14 +278,20 @@ def world1(configs):
     return all_gradients(configs, 0, 1)
 
 
-@pytest.mark.parametrize(("preset", "mode", "dynamic"), cases(), ids=lambda v: str(v))
-def test_world_size_2_gradient_equals_world_size_1(preset, mode, dynamic, world1, world2):
+@pytest.mark.parametrize(("preset", "mode", "dynamic", "surrogate"), cases(), ids=lambda v: str(v))
+def test_world_size_2_gradient_equals_world_size_1(preset, mode, dynamic, surrogate, world1, world2):
     import verl.workers.utils.losses as verl_losses
 
     assert hasattr(verl_losses.ppo_loss, "__maspo_original__")  # through our hook
-    ref, got = world1[preset, mode, dynamic], world2[preset, mode, dynamic]
+    ref, got = world1[preset, mode, dynamic, surrogate], world2[preset, mode, dynamic, surrogate]
     assert ref.abs().max() > 1e-3  # a gradient that could differ
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()))
+
+
+def test_every_surrogate_is_covered():
+    from maspo_verl.surrogates import SURROGATES
+
+    assert {s for *_, s in cases()} == set(SURROGATES)
 
 
 def test_micro_batches_differ_between_world_sizes():

@@ -1,11 +1,13 @@
-"""Property-based fuzzing of our loss presets and every aggregation mode (>= 10,000 cases per run).
+"""Property-based fuzzing of our loss presets, every surrogate and every aggregation mode (>= 10,000
+cases per run).
 
 (verl's own `grpo`/`gspo` presets are not fuzzed: padding with NaN advantages poisons verl's loss by
 design, which is what ours must not do.)
 
-Each case: B 1-8, T 1-300, right/left-padded or holey masks, log-ratio drift up to +-100, fp64/fp32/
-bf16/fp16 inputs, optional importance weights, token ids in and out of the codec range, and
-non-finite log-probs at some valid tokens. Asserted:
+Each case: a surrogate of ``SURROGATES`` on the preset's token set (with a clip schedule it accepts),
+B 1-8, T 1-300, right/left-padded or holey masks, log-ratio drift up to +-100, fp64/fp32/bf16/fp16 inputs,
+optional importance weights, token ids in and out of the codec range, and non-finite log-probs at some
+valid tokens. Asserted:
 
 - no exception;
 - the loss and the gradient are finite (inputs at the kept tokens are finite and |A| <= 1e3);
@@ -26,6 +28,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
+from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, compose_config
@@ -44,9 +47,13 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 EXAMPLES_PER_PRESET = int(os.environ.get("MASPO_FUZZ_EXAMPLES", 10_500 // len(PRESETS)))
 
 
-def preset_config(preset: str, agg: str):
+def preset_config(preset: str, agg: str, surrogate: str):
     actor = compose_config(f"loss={preset}").actor_rollout_ref.actor
     policy_loss = {k: v for k, v in OmegaConf.to_container(actor.policy_loss).items() if k != "_target_"}
+    policy_loss["surrogate"] = surrogate
+    schedules = SURROGATES[surrogate].clip_schedules
+    if schedules is not None and policy_loss["clip_schedule"] not in schedules:
+        policy_loss["clip_schedule"] = schedules[0]
     if agg == "seg-mean-token-mean":
         policy_loss["agg_mode"] = agg
     config = actor_config(actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, **policy_loss)
@@ -63,10 +70,10 @@ def preset_config(preset: str, agg: str):
 CONFIGS = {}
 
 
-def config_for(preset, agg):
-    if (preset, agg) not in CONFIGS:
-        CONFIGS[preset, agg] = preset_config(preset, agg)
-    return CONFIGS[preset, agg]
+def config_for(preset, agg, surrogate):
+    if (preset, agg, surrogate) not in CONFIGS:
+        CONFIGS[preset, agg, surrogate] = preset_config(preset, agg, surrogate)
+    return CONFIGS[preset, agg, surrogate]
 
 
 def make_case(seed, B, T, layout, dtype, drift, weighted, bad_frac):
@@ -92,8 +99,8 @@ def make_case(seed, B, T, layout, dtype, drift, weighted, bad_frac):
     return mask, old, new, adv, weights, ids, bad, garbage
 
 
-def call(preset, agg, mask, old, new, adv, weights, ids, dtype):
-    config = config_for(preset, agg)
+def call(preset, agg, surrogate, mask, old, new, adv, weights, ids, dtype):
+    config = config_for(preset, agg, surrogate)
     lp = new.to(dtype).requires_grad_()
     loss_agg = "seq-mean-token-mean" if agg == "seg-mean-token-mean" else agg
     with micro_batch_scope({"responses": ids}, BYTE_VOCABULARY):  # ids -50..399: bytes and beyond
@@ -122,8 +129,9 @@ def fill(x, where, value):
     weighted=st.booleans(),
     bad_frac=st.sampled_from([0.0, 0.0, 0.05]),
     agg=st.sampled_from([*VERL_AGG, "seg-mean-token-mean"]),
+    surrogate=st.sampled_from(tuple(SURROGATES)),
 )
-def test_fuzz(preset, seed, B, T, layout, dtype, drift, weighted, bad_frac, agg):
+def test_fuzz(preset, seed, B, T, layout, dtype, drift, weighted, bad_frac, agg, surrogate):
     if agg == "seg-mean-token-mean" and preset == "ctpo":
         agg = "token-mean"  # segment aggregation needs our partition token sets
     mask, old, new, adv, weights, ids, bad, garbage = make_case(seed, B, T, layout, dtype, drift, weighted, bad_frac)
@@ -134,6 +142,7 @@ def test_fuzz(preset, seed, B, T, layout, dtype, drift, weighted, bad_frac, agg)
     ref = call(
         preset,
         agg,
+        surrogate,
         mask,
         fill(old, pad, 0.0),
         fill(new, pad, 0.0),
@@ -149,6 +158,7 @@ def test_fuzz(preset, seed, B, T, layout, dtype, drift, weighted, bad_frac, agg)
     got = call(
         preset,
         agg,
+        surrogate,
         mask,
         old_g,
         new_g,

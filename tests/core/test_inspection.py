@@ -146,6 +146,31 @@ def test_verl_losses_write_their_own_ratios_and_clips(name, inputs, tmp_path):
             assert seg["ratio"] == pytest.approx([math.exp(float(delta.mean()))], rel=1e-5)
 
 
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+def test_verl_cispo_and_sapo_write_their_token_ratios_and_clips(name, inputs, tmp_path):
+    """verl's cispo / sapo are inspected through W = 1 with the same surrogate: a segment per token,
+    r = exp(lp - old); cispo's weight clipped high where r > 1.28 whatever A, sapo's gate never saturated
+    at this drift."""
+    old, new, adv, mask, ids, words = inputs
+    new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
+    cfg = actor_config(loss_mode=name, inspect_dir=str(tmp_path), inspect_every=1)
+    call(cfg, (old, new, adv, mask, ids, words), 1)
+    doc = read(tmp_path, 1)
+    assert doc["loss_mode"] == name
+    high = 0
+    for r, resp in enumerate(doc["responses"]):
+        n = int(mask[r].sum())
+        ratio = (new[r, :n] - old[r, :n]).double().exp().tolist()
+        seg = resp["segments"]
+        assert seg["length"] == [1] * n
+        assert seg["ratio"] == pytest.approx(ratio, rel=1e-5)
+        expected = [int(x > 1.28) for x in ratio] if name == "cispo" else [0] * n
+        assert seg["clip_high"] == expected
+        assert seg["clip_dual"] == [0] * n
+        high += sum(expected)
+    assert high > 0 or name == "sapo"
+
+
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_writes(preset, inputs, tmp_path):
     """Each shipped preset, composed as the trainer composes it, writes a file with what applies."""

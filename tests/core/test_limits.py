@@ -311,3 +311,172 @@ def test_aggregation_is_data_parallel_invariant(agg_mode, loss_agg):
     (split_grad,) = torch.autograd.grad(total, new)
     assert_close(full, total)
     assert_close(full_grad, split_grad)
+
+
+# ---- surrogates (maspo_verl.surrogates): CISPO and SAPO on any token set ----
+
+
+def verl_agg_mode(name: str, agg: str) -> str:
+    """The aggregation verl's loss ``name`` really applies when asked for ``agg`` (``gspo_agg_mode``, any loss)."""
+    old, new, adv, mask = random_batch(scale=0.05, seed=99)
+    config = actor_config(loss_mode="vanilla")
+    asked = get_policy_loss_fn(name)(old, new, adv, mask, "token-sum", config)[0]
+    fixed = get_policy_loss_fn(name)(old, new, adv, mask, "seq-mean-token-mean", config)[0]
+    return "seq-mean-token-mean" if torch.equal(asked, fixed) else agg
+
+
+def need_verl_loss(name: str) -> None:
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    if name not in POLICY_LOSS_REGISTRY:
+        pytest.skip(f"the installed verl has no {name!r} policy loss")
+
+
+def with_actor(config, **actor):
+    """``config`` with other actor fields (verl's ``tau_pos``/``tau_neg``), rebuilt and checked by verl."""
+    import dataclasses
+
+    return dataclasses.replace(config, **actor)
+
+
+# non-default settings in verl's actor fields: they must reach our surrogate as they reach verl's loss
+CISPO_CLIPS = {"clip_low": 0.15, "clip_high": 0.35}
+SAPO_TAUS = {"tau_pos": 1.4, "tau_neg": 2.5}
+
+
+def sapo_saturation(new, old, adv, mask, tau_pos, tau_neg) -> float:
+    """Share of tokens whose gate passes less than half of the unclipped gradient: 4 s (1 - s) < 1/2."""
+    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    s = torch.sigmoid(tau * (torch.exp(new.detach() - old) - 1))
+    return ((4 * s * (1 - s) < 0.5) & mask).sum().item() / mask.sum().item()
+
+
+@pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_window_one_cispo_is_verl_cispo(agg, scale, per_token, weighted):
+    """surrogate=cispo at W = 1 with the actor's clip_ratio_low/high: verl's cispo, in every aggregation
+    (agg_mode=seg-mean-token-mean at W = 1 is seq-mean-token-mean), rollout-correction weights included."""
+    need_verl_loss("cispo")
+    old, new, adv, mask = random_batch(scale=scale, seed=11, per_token=per_token)
+    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2
+    weights = weights if weighted else None
+    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
+    verl_agg = "seq-mean-token-mean" if segment else agg
+    ours_cfg = actor_config(**CISPO_CLIPS, segment_rule="fixed", segment_window=1, surrogate="cispo", **segment)
+    verl_cfg = actor_config(**CISPO_CLIPS, loss_mode="vanilla")
+    ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
+    verl, verl_m = get_policy_loss_fn("cispo")(old, new, adv, mask, verl_agg, verl_cfg, weights)
+    assert_close(ours, verl)
+    assert_close(*(torch.autograd.grad(loss, new)[0] for loss in (ours, verl)))
+    assert ours_m["actor/pg_clipfrac"] == pytest.approx(verl_m["actor/pg_clipfrac"], abs=1e-6)
+    assert ours_m["actor/ppo_kl"] == pytest.approx(verl_m["actor/ppo_kl"], abs=1e-9)
+    assert ours_m["actor/pg_clipfrac_lower"] == 0.0
+    if scale > 0.5:  # weights clipped on both sides
+        assert ours_m["actor/ratio/clipfrac_low"] > 0 and ours_m["actor/ratio/clipfrac_high"] > 0
+
+
+@pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
+@pytest.mark.parametrize("scale", [0.05, 0.6, 3.0])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_window_one_sapo_is_verl_sapo(agg, scale, per_token):
+    """surrogate=sapo at W = 1 with the actor's tau_pos/tau_neg: verl's sapo, in the aggregation verl's
+    applies (it always uses seq-mean-token-mean; ours follows loss_agg_mode, or agg_mode)."""
+    need_verl_loss("sapo")
+    old, new, adv, mask = random_batch(scale=scale, seed=12, per_token=per_token)
+    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 2
+    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
+    verl_agg = "seq-mean-token-mean" if segment else agg
+    ours_cfg = with_actor(
+        actor_config(segment_rule="fixed", segment_window=1, surrogate="sapo", **segment), **SAPO_TAUS
+    )
+    verl_cfg = with_actor(actor_config(loss_mode="vanilla"), **SAPO_TAUS)
+    ours_agg = "seq-mean-token-mean" if segment else verl_agg_mode("sapo", verl_agg)
+    ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, ours_agg, ours_cfg, weights)
+    verl, verl_m = get_policy_loss_fn("sapo")(old, new, adv, mask, verl_agg, verl_cfg, weights)
+    assert_close(ours, verl)
+    assert_close(*(torch.autograd.grad(loss, new)[0] for loss in (ours, verl)))
+    assert ours_m["actor/ppo_kl"] == pytest.approx(verl_m["actor/ppo_kl"], abs=1e-9)
+    # verl's sapo reports no clip fraction; ours is the gate's saturation
+    expected = sapo_saturation(new, old, adv, mask, **SAPO_TAUS)
+    assert ours_m["actor/pg_clipfrac"] == pytest.approx(expected, abs=1e-12)
+    assert ours_m["actor/pg_clipfrac_lower"] == 0.0
+    if scale > 1:
+        assert expected > 0
+
+
+def test_sapo_follows_loss_agg_mode():
+    """Unlike verl's sapo, ours aggregates as asked: token-mean differs from seq-mean-token-mean."""
+    old, new, adv, mask = random_batch(scale=0.3, seed=13)
+    cfg = actor_config(segment_rule="fixed", segment_window=1, surrogate="sapo")
+    a = get_policy_loss_fn("maspo")(old, new, adv, mask, "token-mean", cfg)[0]
+    b = get_policy_loss_fn("maspo")(old, new, adv, mask, "seq-mean-token-mean", cfg)[0]
+    expected = -((4 / torch.where(adv > 0, 1.0, 1.05)) * torch.sigmoid(
+        torch.where(adv > 0, 1.0, 1.05) * (torch.exp(new - old) - 1)) * adv * mask).sum() / mask.sum()  # fmt: skip
+    assert_close(a, expected)
+    assert (a - b).abs() > 1e-3
+
+
+def sequence_level(kind: str, old, new, adv, mask, low=0.2, high=0.28, tau_pos=1.0, tau_neg=1.05):
+    """The sequence-level objectives on GSPO's length-normalised ratio s = exp(mean_t (log pi - log pi_old)),
+    written out with autograd through s (no stop-gradient form), one advantage per sequence, mean over
+    sequences: SAPO -f(s) A; CISPO -sg[clip(s)] A mean_t log pi."""
+    lengths = mask.sum(-1)
+    mean = lambda x: (x * mask).sum(-1) / lengths  # noqa: E731
+    s = torch.exp(mean(new - old))
+    a = adv[:, 0]
+    if kind == "sapo":
+        tau = torch.where(a > 0, tau_pos, tau_neg)
+        per_sequence = -(4 / tau) * torch.sigmoid(tau * (s - 1)) * a
+    else:
+        per_sequence = -torch.clamp(s, 1 - low, 1 + high).detach() * a * mean(new)
+    return per_sequence.mean()
+
+
+@pytest.mark.parametrize("kind", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss", [("maspo", {"segment_window": 1000}), ("pgspo", {"loss_mode": "pgspo"})])
+@pytest.mark.parametrize("scale", [0.02, 0.3])
+def test_whole_response_is_the_sequence_level_formula(kind, loss, scale):
+    """W >= T (and P-GSPO's alpha = 1) with seq-mean-token-mean: the sequence-level CISPO / SAPO of
+    docs/algorithms.md §2, loss and gradient."""
+    name, fields = loss
+    old, new, adv, mask = random_batch(scale=scale, seed=14)
+    config = actor_config(0.05, 0.08, **fields, surrogate=kind)
+    if kind == "sapo":
+        config = with_actor(config, **SAPO_TAUS)
+    ours, grad, metrics = loss_and_grad(name, config, old, new, adv, mask, "seq-mean-token-mean")
+    ref = sequence_level(kind, old, new, adv, mask, 0.05, 0.08, **SAPO_TAUS)
+    (ref_grad,) = torch.autograd.grad(ref, new)
+    assert_close(ours, ref)
+    assert_close(grad, ref_grad)
+    assert grad.abs().sum() > 0
+    if kind == "cispo" and scale > 0.1:
+        assert metrics["actor/pg_clipfrac"] > 0  # some sequence weights clipped
+
+
+def test_cispo_log_adaptive_clips_the_weight_at_the_segment_bounds():
+    """surrogate=cispo with the log_adaptive schedule: the weight is clip(r, exp(-eps_low n^p), exp(eps_high n^p))
+    with n the segment size (loop reference, float64)."""
+    old, new, adv, mask = random_batch(B=5, T=17, scale=0.3, seed=15, per_token=True)
+    window, eps, p = 4, 0.2, -0.5
+    config = actor_config(
+        segment_window=window, surrogate="cispo", clip_schedule="log_adaptive",
+        log_clip_low=eps, log_clip_high=eps, clip_exponent=p,
+    )  # fmt: skip
+    loss, grad, metrics = loss_and_grad("maspo", config, old, new, adv, mask, "token-sum")
+    ref, clipped = 0.0, 0
+    for i in range(mask.shape[0]):
+        positions = [t for t in range(mask.shape[1]) if mask[i, t]]
+        for k, t in enumerate(positions):
+            members = positions[(k // window) * window : (k // window + 1) * window]
+            r = math.exp(sum(new[i, u].item() - old[i, u].item() for u in members) / len(members))
+            bound = eps * len(members) ** p
+            w = min(max(r, math.exp(-bound)), math.exp(bound))
+            clipped += w != r
+            ref = ref - w * adv[i, t] * new[i, t]
+    (ref_grad,) = torch.autograd.grad(ref, new)
+    assert_close(loss, ref)
+    assert_close(grad, ref_grad)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped / mask.sum().item())
+    assert clipped > 0

@@ -60,18 +60,45 @@ def test_race_command(tmp_path):
         assert (tmp_path / name).exists(), name
 
 
+def surrogate_rows_cover_every_surrogate_and_token_set(rows) -> None:
+    """Each surrogate other than ppo has a ``<preset>+<surrogate>`` row on each of our token sets."""
+    from maspo_verl.surrogates import DEFAULT, SURROGATES
+    from maspo_verl.token_sets import TOKEN_SETS
+
+    others = [s for s in SURROGATES if s != DEFAULT]
+    assert others
+    for surrogate in others:
+        assert {r["loss_mode"] for r in rows if r["loss"].endswith("+" + surrogate)} == set(TOKEN_SETS)
+
+
 def test_bench_command(tmp_path):
     main(["bench", "--out", str(tmp_path), "--B", "4", "--T", "64", "--reps", "1", "--warmup", "0", "--no-profile"])
     with open(tmp_path / "bench.csv") as f:
         rows = list(csv.DictReader(f))
-    # every shipped preset, grpo (verl's vanilla) first
+    # every shipped preset, grpo (verl's vanilla) first, then the surrogate rows
     presets = set(preset_names())
-    assert {r["loss"] for r in rows} == presets and rows[0]["loss"] == "grpo"
+    assert {r["loss"] for r in rows if "+" not in r["loss"]} == presets and rows[0]["loss"] == "grpo"
+    surrogate_rows_cover_every_surrogate_and_token_set(rows)
     # verl's losses: 3 .item(); ours: exactly one host transfer per call (the metrics)
     verl = [r for r in rows if r["loss_mode"] in ("vanilla", "gspo")]
     assert {r["loss"] for r in verl} == {"grpo", "gspo"} and all(r["host_syncs"] == "3" for r in verl)
     ours = [r for r in rows if r["loss_mode"] not in ("vanilla", "gspo")]
     assert ours and all(r["host_syncs"] == "1" for r in ours)
+
+
+def test_bench_update_mode(tmp_path):
+    """The loss's share of an actor update: a row per preset and surrogate row, the share in (0, 1)."""
+    sizes = ["--update-batch", "2", "--prompt-len", "8", "--response-len", "48", "--reps", "2", "--warmup", "0"]
+    main(["bench", "--mode", "update", "--out", str(tmp_path), "--devices", "cpu", *sizes])
+    with open(tmp_path / "update_share.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["loss"] for r in rows if "+" not in r["loss"]} == set(preset_names()) and rows[0]["loss"] == "grpo"
+    surrogate_rows_cover_every_surrogate_and_token_set(rows)
+    assert float(rows[0]["x_grpo"]) == 1.0
+    for r in rows:
+        assert 0.0 < float(r["loss_share"]) < 1.0, r
+        assert 0.0 < float(r["loss_ms"]) < float(r["update_ms"]), r
+    assert "B=2, 8+48 tokens" in (tmp_path / "README.md").read_text()
 
 
 def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
