@@ -3,9 +3,9 @@ credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Every field of ``GranularLossConfig`` is declared once as a ``Setting`` (name, default, allowed values, one
 line): the loss's own in ``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, each
-rule's in its module (``maspo_verl/segments/rules/``), the surrogate's in ``maspo_verl.surrogates``. The dataclass, its checks, the Hydra defaults in
-``hydra_configs/maspo_base.yaml`` and the README's field table are made from them (``python -m maspo_verl
-generate`` writes the last two). Selected with
+rule's in its module (``maspo_verl/segments/rules/``), the surrogate's in ``maspo_verl.surrogates``. The
+dataclass, its checks, the Hydra defaults in ``hydra_configs/maspo_base.yaml`` and the README's field table are
+made from them (``python -m maspo_verl generate`` writes the last two). Selected with
 ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig`` (our
 ``hydra_configs/maspo_trainer.yaml`` sets it). verl builds it with ``hydra.utils.instantiate``, which does not
 type-check, so every field is checked in ``__post_init__``: a bad value fails when verl converts the actor
