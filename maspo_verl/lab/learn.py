@@ -275,7 +275,7 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
     k = min(args.last, len(curve))
     final = sum(curve[-k:]) / k if k else float("nan")
     first = curve[0] if curve else float("nan")
-    best = max((sum(curve[i : i + k]) / k for i in range(len(curve) - k + 1)), default=float("nan"))
+    best = max((sum(curve[i : i + k]) / k for i in range(len(curve) - k + 1)), default=float("nan")) if k else first
     target = args.target if args.target is not None else first + args.gain
     reached = steps_to(curve, target)
     grads = [steps[s].get("actor/grad_norm", float("nan")) for s in trained]

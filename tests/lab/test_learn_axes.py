@@ -228,3 +228,14 @@ def test_turns_tasks_select_the_local_multi_turn_task(tmp_path):
     assert "seed3-n8-t12" in config.data.train_files
     with pytest.raises(SystemExit, match=r"unknown \['turns0'\]"):
         learn.run(_args("--tasks", "turns0", "--out", str(tmp_path / "out")), [])
+
+
+def test_a_run_that_logged_no_step_is_recorded_as_failed():
+    """A run that died before its first step (no metrics) is a failed record, not a crash of the benchmark."""
+    import argparse
+
+    from maspo_verl.lab.learn import run_record
+
+    args = argparse.Namespace(steps=15, last=3, target=None, gain=0.1)
+    record = run_record(args, {}, 1)
+    assert record["ok"] is False and record["steps"] == 0 and record["exit_code"] == 1
