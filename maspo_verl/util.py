@@ -3,6 +3,7 @@ one-time warnings, parquet files."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -10,6 +11,17 @@ import warnings
 from pathlib import Path
 
 _warned: set[str] = set()
+
+
+def import_extra(module: str, requirement: str, extra: str, needed_by: str):
+    """Import ``module`` of an optional dependency, or fail saying how to install it (the package's extra)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{needed_by} needs {requirement.split('[')[0]}: pip install '{requirement}' "
+            f"(or the `{extra}` extra: pip install -e '.[{extra}]' in the maspo-verl checkout)"
+        ) from exc
 
 
 def config_dir() -> Path:

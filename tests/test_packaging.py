@@ -152,11 +152,13 @@ def test_pip_keeps_a_development_verl(built_wheel, tmp_path):
 
 def test_the_tests_build_the_wheel_in_one_place_and_share_one_manager_base():
     """CI time: the wheel is built once per session (``tests/conftest.py:built_wheel``), not per test
-    module; the e2e reward managers share one ``__init__``."""
+    module; every reward manager, the package's and the tests', derives from one base with verl's constructor
+    (``maspo_verl.plugin.rewards``)."""
     sources = {p: p.read_text() for p in (REPO / "tests").rglob("*.py")}
     builds = [p.relative_to(REPO) for p, text in sources.items() if re.search(r'"pip",\s*"wheel"', text)]
     assert builds == [Path("tests/conftest.py")], builds
+    sources |= {p: p.read_text() for p in (REPO / "maspo_verl").rglob("*.py")}
     base = re.compile(r"^class \w+\(RewardManagerBase\)", re.M)
     inits = [p.relative_to(REPO) for p, text in sources.items() if base.search(text)]
-    assert inits == [Path("tests/e2e/reward_managers.py")], inits
-    assert sources[REPO / "tests/e2e/reward_managers.py"].count("def __init__") == 1
+    assert inits == [Path("maspo_verl/plugin/rewards.py")], inits
+    assert "def __init__" not in sources[REPO / "tests/e2e/reward_managers.py"]

@@ -151,28 +151,22 @@ def write_dataset(
 
 
 try:  # the reward manager runs in verl's reward workers; the rest of this module needs no verl
-    from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+    from maspo_verl.plugin.rewards import RewardManager
 except ImportError:  # pragma: no cover
-    RewardManagerBase = object
+    RewardManager = object
 
 
-class LearnRewardManager(RewardManagerBase):
+class LearnRewardManager(RewardManager):
     """verl reward manager of the learn tasks: the score, and per-token scores for span credit."""
-
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
-        super().__init__(config, tokenizer, compute_score)
 
     async def run_single(self, data) -> dict:
         from maspo_verl.batch import TOKEN_SCORES_KEY, WORD_IDS_KEY
 
-        item = data[-1:][0]
-        responses = item.batch["responses"]
-        n = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
-        ids = [int(t) for t in responses[:n].tolist()]
+        item, ids = self.response(data)
         reference = str(item.non_tensor_batch["reward_model"]["ground_truth"])
         task = str(item.non_tensor_batch["data_source"]).removeprefix("maspo_learn_")
         value, per_token = token_scores_of(task, ids, reference)
         words = decode(task, ids)
         info = {"score": value, "words": float(len(words)), TOKEN_SCORES_KEY: per_token}
-        info[WORD_IDS_KEY] = word_ids(words, n)
+        info[WORD_IDS_KEY] = word_ids(words, len(ids))
         return {"reward_score": value, "reward_extra_info": info}

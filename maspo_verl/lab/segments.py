@@ -514,6 +514,25 @@ def _legend(ax) -> None:
         ax.legend(fontsize=7)
 
 
+def _mark_thresholds(ax, current: float | None, label: str, suggestion: dict) -> None:
+    """The current threshold (red) and the suggested ones (green) on a histogram; a log y axis and a legend."""
+    if current is not None:
+        ax.axvline(current, color="r", label=f"{label} {current:g}")
+    for key, style in (("by_target_len", ":"), ("by_word_f1", "--")):
+        if suggestion.get(key):
+            threshold = suggestion[key]["threshold"]
+            ax.axvline(threshold, color="g", ls=style, label=f"suggested ({key}) {threshold:g}")
+    ax.set_yscale("log")
+    _legend(ax)
+
+
+def _save(plt, fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plot_distances(out: Path, corpus: Corpus, settings: dict, labels: list[str], suggestions: dict) -> str | None:
     distances = [lab.split("/")[1] for lab in labels if lab.startswith("tokenval/")]
     if not distances:
@@ -526,21 +545,10 @@ def plot_distances(out: Path, corpus: Corpus, settings: dict, labels: list[str],
         bins = np.arange(0, top + 2) - 0.5 if distance != "id" else np.linspace(0, top, 60)
         ax.hist(adjacent, bins=bins, density=True, alpha=0.6, label="neighbouring codes")
         ax.hist(far, bins=bins, density=True, histtype="step", color="k", label="random pairs, same utterance")
-        if settings["tokenval_distance"] == distance:
-            ax.axvline(
-                settings["tokenval_threshold"], color="r", label=f"current threshold {settings['tokenval_threshold']:g}"
-            )
-        s = suggestions.get(f"tokenval/{distance}", {})
-        for key, style in (("by_target_len", ":"), ("by_word_f1", "--")):
-            if s.get(key):
-                ax.axvline(s[key]["threshold"], color="g", ls=style, label=f"suggested ({key}) {s[key]['threshold']:g}")
+        current = settings["tokenval_threshold"] if settings["tokenval_distance"] == distance else None
+        _mark_thresholds(ax, current, "current threshold", suggestions.get(f"tokenval/{distance}", {}))
         ax.set(title=f"tokenval_distance={distance}", xlabel="distance to the previous code", ylabel="density")
-        ax.set_yscale("log")
-        _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "distances.png", dpi=110)
-    plt.close(fig)
-    return "distances.png"
+    return _save(plt, fig, out, "distances.png")
 
 
 def plot_logprob(out: Path, corpus: Corpus, settings: dict, suggestions: dict) -> str | None:
@@ -556,25 +564,10 @@ def plot_logprob(out: Path, corpus: Corpus, settings: dict, suggestions: dict) -
         lo, hi = np.percentile(values, [0.5, 99.5]) if len(values) else (0, 1)
         ax.hist(np.clip(values, lo, hi), bins=60, alpha=0.7)
         per_sample = key.endswith("per_sample")
-        if settings["logprob_per_sample"] == per_sample:
-            ax.axvline(
-                settings["logprob_threshold"],
-                color="r",
-                label=f"current logprob_threshold {settings['logprob_threshold']:g}",
-            )
-        s = suggestions.get(key, {})
-        for name, style in (("by_target_len", ":"), ("by_word_f1", "--")):
-            if s.get(name):
-                ax.axvline(
-                    s[name]["threshold"], color="g", ls=style, label=f"suggested ({name}) {s[name]['threshold']:g}"
-                )
+        current = settings["logprob_threshold"] if settings["logprob_per_sample"] == per_sample else None
+        _mark_thresholds(ax, current, "current logprob_threshold", suggestions.get(key, {}))
         ax.set(title=f"logprob_per_sample={'true' if per_sample else 'false'}", xlabel=label, ylabel="tokens")
-        ax.set_yscale("log")
-        _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "logprob.png", dpi=110)
-    plt.close(fig)
-    return "logprob.png"
+    return _save(plt, fig, out, "logprob.png")
 
 
 def plot_lengths(out: Path, table: dict[str, list[dict]], target: float) -> str:
@@ -591,10 +584,7 @@ def plot_lengths(out: Path, table: dict[str, list[dict]], target: float) -> str:
         ax.set(title=label, xlabel=rows[0]["field"], ylabel="segment length (tokens)")
         ax.set_yscale("log")
         _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "segment_lengths.png", dpi=110)
-    plt.close(fig)
-    return "segment_lengths.png"
+    return _save(plt, fig, out, "segment_lengths.png")
 
 
 def plot_f1(out: Path, table: dict[str, list[dict]], tolerances: list[int], k: int) -> str:
@@ -623,10 +613,7 @@ def plot_f1(out: Path, table: dict[str, list[dict]], tolerances: list[int], k: i
     ax.set(title=f"word-boundary F1 (k={k}) vs mean length", xlabel="mean segment length (tokens)", ylim=(0, 1.02))
     ax.set_xscale("log")
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "boundary_f1.png", dpi=110)
-    plt.close(fig)
-    return "boundary_f1.png"
+    return _save(plt, fig, out, "boundary_f1.png")
 
 
 def plot_strips(out: Path, corpus: Corpus, settings: dict, shown: dict[str, dict], count: int = 4) -> str:
@@ -658,10 +645,7 @@ def plot_strips(out: Path, corpus: Corpus, settings: dict, shown: dict[str, dict
         ax.set_ylim(0.4, len(lanes) + 0.6)
         ax.set_title(f"response {i} ({length} tokens; shaded: words)", fontsize=8)
     axes[-1, 0].set_xlabel("token (valid tokens)")
-    fig.tight_layout()
-    fig.savefig(out / "strips.png", dpi=110)
-    plt.close(fig)
-    return "strips.png"
+    return _save(plt, fig, out, "strips.png")
 
 
 # ------------------------------------------------------------------ report

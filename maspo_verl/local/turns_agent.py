@@ -19,9 +19,9 @@ from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
-from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from maspo_verl.local import turns as env
+from maspo_verl.plugin.rewards import RewardManager
 
 SPAN_KEYS = ("turn_starts", "turn_ends")
 
@@ -102,17 +102,11 @@ class TurnsAgentLoop(AgentLoopBase):
         )
 
 
-class TurnsRewardManager(RewardManagerBase):
+class TurnsRewardManager(RewardManager):
     """verl reward manager of the toy environment: the mean turn score over all turns."""
 
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
-        super().__init__(config, tokenizer, compute_score)
-
     async def run_single(self, data) -> dict:
-        item = data[-1:][0]
-        responses = item.batch["responses"]
-        n = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
-        ids = [int(t) for t in responses[:n].tolist()]
+        item, ids = self.response(data)
         refs = references_of(item.non_tensor_batch["reward_model"])
         fields = item.non_tensor_batch.get("tool_extra_fields") or {}
         if any(key not in fields for key in SPAN_KEYS):

@@ -37,6 +37,8 @@ import os
 import signal
 import threading
 
+from maspo_verl.util import import_extra
+
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 TIMEOUT_S = float(os.environ.get("MASPO_MATH_REWARD_TIMEOUT", "10"))
 POOL_WORKERS = int(os.environ.get("MASPO_MATH_REWARD_WORKERS", "1"))  # per reward-loop worker
@@ -49,13 +51,7 @@ _pool_lock = threading.Lock()
 
 
 def _require_math_verify():
-    try:
-        import math_verify  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "maspo_verl.math.reward needs math-verify: pip install 'math-verify[antlr4_9_3]' "
-            "(or the `math` extra: pip install -e '.[math]' in the maspo-verl checkout)"
-        ) from exc
+    import_extra("math_verify", "math-verify[antlr4_9_3]", "math", "maspo_verl.math.reward")
 
 
 def strip_thinking(text: str) -> str | None:

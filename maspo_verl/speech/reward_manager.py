@@ -36,12 +36,12 @@ import logging
 from typing import Any
 
 from verl import DataProto
-from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
 from maspo_verl.plugin.checks import register_startup_check, warn_span_credit_is_grpo
 from maspo_verl.plugin.hooks import patch_problem
+from maspo_verl.plugin.rewards import RewardManager
 from maspo_verl.segments import WORD_IDS
 from maspo_verl.speech.preflight import run_checks
 from maspo_verl.speech.reward import get_batcher
@@ -108,7 +108,7 @@ def _token_checks(config: Any, speech: SpeechRewardConfig) -> list[str]:
     return issued
 
 
-class SpeechRewardManager(RewardManagerBase):
+class SpeechRewardManager(RewardManager):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
         self.speech_config = speech_settings(config)
@@ -121,10 +121,8 @@ class SpeechRewardManager(RewardManagerBase):
     async def run_single(self, data: DataProto) -> dict:
         """One sample's reward; a failure of the sample scores 0 (counted), one that hits every sample
         raises here and stops the run (``maspo_verl.speech.scorer``)."""
-        item = data[-1:][0]
-        response_ids = item.batch["responses"]
-        n = int(item.batch["attention_mask"][-response_ids.shape[-1] :].sum())
-        codes, positions = self.token_map.codes_and_positions(response_ids[:n].tolist())
+        item, response_ids = self.response(data)
+        codes, positions = self.token_map.codes_and_positions(response_ids)
         reward_model = item.non_tensor_batch.get("reward_model", None)
         text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         extra = item.non_tensor_batch.get("extra_info", None)
@@ -134,13 +132,13 @@ class SpeechRewardManager(RewardManagerBase):
         code_penalties = result.pop("code_penalties", None)
         code_words = result.pop("code_words", None)
         if self.speech_config.token_scores:
-            penalties = [0.0] * n
+            penalties = [0.0] * len(response_ids)
             for pos, p in zip(positions, code_penalties or [0.0] * len(positions), strict=True):
                 penalties[pos] = p
             result[TOKEN_SCORES_KEY] = token_scores(float(result["score"]), penalties)
         if self.speech_config.word_ids:
             # an empty list (a failed sample) becomes a row without words in the hook
-            words = [NO_WORD] * n
+            words = [NO_WORD] * len(response_ids)
             for pos, w in zip(positions, code_words or [NO_WORD] * len(positions), strict=True):
                 words[pos] = w
             result[WORD_IDS_KEY] = words

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from maspo_verl.util import import_extra
+
 _ONES = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen".split()
@@ -47,13 +49,7 @@ def normalize_text(text: str) -> str:
 def word_error_rate(reference: str, hypothesis: str, normalize: bool = True) -> float:
     """jiwer WER of normalised texts. Empty reference: 0 if the hypothesis is empty too, else 1.
     Not capped: insertions can push it above 1."""
-    try:
-        import jiwer
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "maspo_verl.speech needs jiwer: pip install jiwer "
-            "(or the `speech` extra: pip install -e '.[speech]' in the maspo-verl checkout)"
-        ) from exc
+    jiwer = import_extra("jiwer", "jiwer", "speech", "maspo_verl.speech")
     ref = normalize_text(reference) if normalize else reference.strip()
     hyp = normalize_text(hypothesis) if normalize else hypothesis.strip()
     if not ref:

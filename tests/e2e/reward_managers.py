@@ -20,32 +20,15 @@
 
 import math
 
-from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
-
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
+from maspo_verl.plugin.rewards import RewardManager
 from maspo_verl.speech.spans import token_scores
-
-
-class _TestRewardManager(RewardManagerBase):
-    """verl builds a manager with the reward router's arguments too; these managers need none of them."""
-
-    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
-        super().__init__(config, tokenizer, compute_score)
-
-    @staticmethod
-    def response(data):
-        """The sample and its valid response token ids."""
-        item = data[-1:][0]
-        responses = item.batch["responses"]
-        n = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
-        return item, responses[:n].tolist()
-
 
 # ---- HalfSpanRewardManager
 SCORE = 0.5
 
 
-class HalfSpanRewardManager(_TestRewardManager):
+class HalfSpanRewardManager(RewardManager):
     async def run_single(self, data):
         _, ids = self.response(data)
         n = len(ids)
@@ -83,7 +66,7 @@ def expected_segments(pieces: list[str]) -> int:
     return len(starts)
 
 
-class DelimiterCountRewardManager(_TestRewardManager):
+class DelimiterCountRewardManager(RewardManager):
     async def run_single(self, data):
         _, ids = self.response(data)
         pieces = [self.tokenizer.decode([i], skip_special_tokens=True) for i in ids]
@@ -108,7 +91,7 @@ def runs(values: list[int]) -> int:
     return sum(1 for t, v in enumerate(values) if t == 0 or v != values[t - 1])
 
 
-class KnownWordsRewardManager(_TestRewardManager):
+class KnownWordsRewardManager(RewardManager):
     async def run_single(self, data):
         item, ids = self.response(data)
         if int(item.non_tensor_batch.get("session_id", -1)) == 0:
