@@ -69,6 +69,7 @@ def run(config: DictConfig) -> None:
 
         local.prepare_task(config)  # the task's lengths and data (task=turns), before the batch checks
     check_batch_sizes(config)
+    check_policy_loss(config)
     if not maspo.get("local"):
         run_startup_checks(config)
         if maspo.get("dry_run"):
@@ -87,6 +88,16 @@ def run(config: DictConfig) -> None:
         local.prepare(config)  # before verl's trainer module: it picks the platform on import
         run_startup_checks(config)
         _verl_main(config)
+
+
+def check_policy_loss(config: DictConfig) -> None:
+    """Build our policy-loss config as verl will (its checks run), so a bad value is refused before anything
+    starts (no Ray, no run folder), not by verl's validation inside the run."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    section = config.actor_rollout_ref.actor.policy_loss
+    if section.get("_target_") == "maspo_verl.config.GranularLossConfig":
+        omega_conf_to_dataclass(section)
 
 
 def _verl_main(config: DictConfig) -> None:

@@ -82,11 +82,17 @@ def base_yaml_fields() -> list[str]:
 
 
 def _presets() -> dict[str, tuple[Any, Any]]:
-    """preset -> (its own YAML, the config it composes to)."""
-    return {
-        name: (OmegaConf.load(config_dir() / "loss" / f"{name}.yaml"), _compose(f"loss={name}"))
-        for name in preset_names()
-    }
+    """preset -> (its own YAML, the config it composes to); a preset that sets no loss is refused."""
+    presets = {}
+    for name in preset_names():
+        own = OmegaConf.load(config_dir() / "loss" / f"{name}.yaml")
+        if OmegaConf.select(own, f"{ACTOR}.policy_loss.loss_mode", default=None) is None:
+            raise ValueError(
+                f"hydra_configs/loss/{name}.yaml sets no {ACTOR}.policy_loss.loss_mode: a preset starts with "
+                "'# @package _global_' and nests its fields under actor_rollout_ref.actor.policy_loss, as the others"
+            )
+        presets[name] = (own, _compose(f"loss={name}"))
+    return presets
 
 
 def _in_presets(key: str, presets: dict) -> str:
@@ -137,7 +143,8 @@ def _first_sentence(path: Path) -> str:
             break
         if "@package" not in line:
             lines.append(line.lstrip("#").strip())
-    return " ".join(lines).split(". ", 1)[0].rstrip(".") + "."
+    text = " ".join(lines).split(". ", 1)[0].rstrip(".")
+    return text + "." if text else "–"
 
 
 def presets_table(presets: dict) -> list[str]:

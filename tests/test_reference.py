@@ -5,6 +5,7 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
 from omegaconf import OmegaConf
 from verl.workers.config import PolicyLossConfig
 
@@ -54,3 +55,17 @@ def test_the_readme_tables_name_every_setting_rule_and_preset():
     for name in preset_names():
         assert f"| `{name}` |" in text, name
     assert (config_dir() / "maspo_base.yaml").read_text().count(reference.YAML_MARKERS[0]) == 1
+
+
+def test_a_preset_that_sets_no_loss_is_refused_by_the_generator(tmp_path, monkeypatch):
+    import shutil
+
+    from maspo_verl import reference
+
+    configs = tmp_path / "hydra_configs"
+    shutil.copytree(config_dir(), configs)
+    (configs / "loss" / "flat.yaml").write_text("loss_mode: maspo\nsegment_rule: fixed\n")  # not nested
+    monkeypatch.setattr(reference, "config_dir", lambda: configs)
+    monkeypatch.setattr("maspo_verl.util.config_dir", lambda: configs)
+    with pytest.raises(ValueError, match=r"flat.yaml sets no actor_rollout_ref.actor.policy_loss.loss_mode"):
+        reference.generated(tmp_path)

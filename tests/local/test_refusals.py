@@ -76,6 +76,16 @@ def test_a_misspelt_field_names_the_closest_and_leaves_nothing(tmp_path):
     assert "Traceback" not in added.stderr and list(tmp_path.iterdir()) == []
 
 
+def test_a_bad_loss_setting_is_refused_before_the_run_begins(tmp_path):
+    out = _main(tmp_path, "local=cpu", f"{POLICY_LOSS}.segment_window=0")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "maspo_verl: policy_loss.segment_window=0 is invalid: allowed an integer >= 1"
+    ), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "local run FAILED" not in out.stdout + out.stderr
+    assert list(tmp_path.iterdir()) == []  # no run folder, no Ray
+
+
 def test_a_refused_batch_size_prints_the_message_alone_and_leaves_no_run_folder(tmp_path):
     out = _main(tmp_path, "local=cpu", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
     assert out.returncode == 1
