@@ -100,7 +100,8 @@ def main(argv: list[str]) -> int:
     if why:  # what set-up installs next, and why: a plan, not an error
         target = "this checkout" if argv[:1] == ["--project"] else " ".join(a for a in argv if a != "--no-deps")
         why = why.removeprefix(f"needs {target}, ")  # the requirement itself: its found version is enough
-        print(f"set-up: installing {target} ({why})")
+        where = f" into {Path(sys.prefix).name}" if argv[:1] == ["--no-deps"] else ""  # an overlay venv
+        print(f"set-up: installing {target}{where} ({why})")
     return 1 if why else 0
 
 
