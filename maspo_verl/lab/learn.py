@@ -670,10 +670,17 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
     cols = ["task", "cell", "loss", "seeds_ok", *SUMMARY_METRICS, "reached", "collapses", "time_vs_grpo"]
     cols += sorted({k for r in summary for k in r if k.startswith(DIAGNOSTIC_PREFIXES)})
     diagnostics = any(k.startswith(DIAGNOSTIC_PREFIXES) for r in runs for k in r)
+    planned = len(args.tasks) * len(cells) * len(args.losses) * args.seeds
+    partial = (
+        [f"**Partial: {len(runs)} of {planned} runs.** The command in `COMMAND.txt` with `--resume` finishes it.", ""]
+        if len(runs) < planned
+        else []
+    )
     return "\n".join(
         [
             "# Learning inside verl: loss presets on verl's real trainer (local CPU mode)",
             "",
+            *partial,
             f"`{cmd} ...` (exact command in `COMMAND.txt`); cells {', '.join(c.label for c in cells)}; "
             f"{len(runs)} runs, {total_s / 60:.1f} min of trainer runs in all.",
             "",
