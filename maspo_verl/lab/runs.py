@@ -107,6 +107,17 @@ def read_metrics(run_dir: Path, log_text: str = "") -> dict[int, dict[str, float
     return {s: {k: float(v) for k, v in data.items() if isinstance(v, int | float)} for s, data in steps.items()}
 
 
+# what a run does not inherit from the process that starts it
+INHERITED_NOT = (
+    "RAY_ADDRESS",
+    "RAY_JOB_CONFIG_JSON_ENV_VAR",
+    "VERL_FILE_LOGGER_PATH",
+    "VERL_FILE_LOGGER_ROOT",
+    "TENSORBOARD_DIR",
+    "WANDB_DIR",
+)
+
+
 def local_command(overrides: list[str], run_dir: Path, ray_dir: str | None = None) -> list[str]:
     """``python -m maspo_verl.main local=cpu`` with the run folder, the Ray temp dir and ``overrides``."""
     ray = [f"+ray_kwargs.ray_init._temp_dir={ray_dir}"] if ray_dir else []
@@ -128,8 +139,9 @@ def run_local(
     log_path = run_dir / CONSOLE_LOG
     # short: Ray's socket paths are length-limited
     ray_dir = tempfile.mkdtemp(prefix="mvl_ray_", dir="/tmp") if own_ray_dir else None
-    # a private cluster: no address for the local mode to join
-    environ = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
+    # a private cluster: no address for the local mode to join; the run's tracking files in its own run folder,
+    # not where an earlier local run in this process pointed them (the local mode sets these in its driver)
+    environ = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
     environ |= {"PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     cmd = local_command(overrides, run_dir, ray_dir)
     start = time.monotonic()

@@ -239,3 +239,25 @@ def test_a_run_that_logged_no_step_is_recorded_as_failed():
     args = argparse.Namespace(steps=15, last=3, target=None, gain=0.1)
     record = run_record(args, {}, 1)
     assert record["ok"] is False and record["steps"] == 0 and record["exit_code"] == 1
+
+
+def test_a_run_does_not_inherit_an_earlier_runs_tracking_paths(tmp_path, monkeypatch):
+    """The local mode sets VERL_FILE_LOGGER_PATH & co. in its driver; a run started later from that process
+    (a test, the lab) writes its files into its own run folder, not a stale (perhaps removed) one."""
+    from maspo_verl.lab import runs
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "gone" / "metrics.jsonl"))
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "gone"))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, env, **kwargs):
+        seen.update(env)
+        raise Stop
+
+    monkeypatch.setattr(runs.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        runs.run_local(["loss=grpo"], tmp_path / "run", own_ray_dir=False)
+    assert "VERL_FILE_LOGGER_PATH" not in seen and "TENSORBOARD_DIR" not in seen
