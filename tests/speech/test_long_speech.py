@@ -79,7 +79,9 @@ def test_paragraph_scores_like_its_first_28_s_and_the_short_clips(scored):
     for k in ("paragraph", "first"):
         assert scored[k][1]["invalid_nonspeech"] == 0 and scored[k][1]["error"] == 0, (k, scored[k][1])
     assert r["wer"] <= short_wer + 0.1, summary
-    assert abs(r["wer"] - first["wer"]) <= 0.1, summary
+    # not scored worse than its first 28 s (cut at Whisper's 30 s window it would be); better is Whisper's own
+    # spread on the short clip, which moves with the espeak-ng build (1.51+dfsg-10+deb12u2: 0.30 vs 0.43)
+    assert r["wer"] <= first["wer"] + 0.1, summary
     assert r["score"] > 0 and r["no_speech_prob"] <= first["no_speech_prob"] + 1e-9
 
 
