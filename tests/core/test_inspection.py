@@ -121,16 +121,22 @@ def test_maspo_file_holds_the_inputs_segments_and_their_ratios(inputs, tmp_path)
     assert clipped > 0  # the check above saw clips
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo"])
-def test_verl_losses_write_their_own_ratios_and_clips(name, inputs, tmp_path):
-    """verl's vanilla: a segment per token, r = exp(lp - old), clipped high where A > 0 and r > 1.28,
-    low where A < 0 and r < 0.8; gspo: one segment per response, r = exp(mean(lp - old))."""
+def inspected_verl_loss(name, inputs, tmp_path):
+    """What the inspection wrote for one call of verl's loss ``name`` at a drift of 0.3 per token."""
     old, new, adv, mask, ids, words = inputs
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
     cfg = actor_config(loss_mode=name, inspect_dir=str(tmp_path), inspect_every=1)
     call(cfg, (old, new, adv, mask, ids, words), 1)
     doc = read(tmp_path, 1)
     assert doc["loss_mode"] == name
+    return doc, old, new, adv, mask
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+def test_verl_losses_write_their_own_ratios_and_clips(name, inputs, tmp_path):
+    """verl's vanilla: a segment per token, r = exp(lp - old), clipped high where A > 0 and r > 1.28,
+    low where A < 0 and r < 0.8; gspo: one segment per response, r = exp(mean(lp - old))."""
+    doc, old, new, adv, mask = inspected_verl_loss(name, inputs, tmp_path)
     for r, resp in enumerate(doc["responses"]):
         n = int(mask[r].sum())
         delta = (new[r, :n] - old[r, :n]).double()
@@ -151,12 +157,7 @@ def test_verl_cispo_and_sapo_write_their_token_ratios_and_clips(name, inputs, tm
     """verl's cispo / sapo are inspected through W = 1 with the same surrogate: a segment per token,
     r = exp(lp - old); cispo's weight clipped high where r > 1.28 whatever A, sapo's gate never saturated
     at this drift."""
-    old, new, adv, mask, ids, words = inputs
-    new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    cfg = actor_config(loss_mode=name, inspect_dir=str(tmp_path), inspect_every=1)
-    call(cfg, (old, new, adv, mask, ids, words), 1)
-    doc = read(tmp_path, 1)
-    assert doc["loss_mode"] == name
+    doc, old, new, adv, mask = inspected_verl_loss(name, inputs, tmp_path)
     high = 0
     for r, resp in enumerate(doc["responses"]):
         n = int(mask[r].sum())
