@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test leaves the process environment as it found it: the local mode's driver sets variables (the
+    platform, the run folder's tracking paths) that later tests' subprocesses would inherit."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
