@@ -39,9 +39,10 @@ VERL_FIELDS = (
 )
 
 
-def _compose(*overrides: str):
+def compose_config(*overrides: str, config_name: str = "maspo_trainer"):
+    """Our trainer config (``hydra_configs/``) with Hydra overrides, as the CLI composes it."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return compose(config_name="maspo_trainer", overrides=list(overrides))
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
 def _owner(name: str) -> str:
@@ -67,7 +68,7 @@ def _cell(text: str) -> str:
 
 def _yaml_value(value: Any) -> str:
     """A YAML flow value (JSON is YAML: strings double-quoted with escapes, lists in brackets, null)."""
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, str | list | type(None)) else json.dumps(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 def base_yaml_fields() -> list[str]:
@@ -91,7 +92,7 @@ def _presets() -> dict[str, tuple[Any, Any]]:
                 f"hydra_configs/loss/{name}.yaml sets no {ACTOR}.policy_loss.loss_mode: a preset starts with "
                 "'# @package _global_' and nests its fields under actor_rollout_ref.actor.policy_loss, as the others"
             )
-        presets[name] = (own, _compose(f"loss={name}"))
+        presets[name] = (own, compose_config(f"loss={name}"))
     return presets
 
 
@@ -105,7 +106,7 @@ def _in_presets(key: str, presets: dict) -> str:
 
 def fields_table(presets: dict) -> list[str]:
     """The README's field table: verl's fields the losses read, then every declared setting."""
-    bare = _compose("~loss")
+    bare = compose_config("~loss")
     rows = ["| field | of | what | default | in the presets | allowed |", "|---|---|---|---|---|---|"]
     for cell, key, what, allowed in VERL_FIELDS:
         default = _value(OmegaConf.select(bare, f"{ACTOR}.{key}"))

@@ -80,17 +80,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str]) ->
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-    if not ok or (maximum is not None and value > maximum):
-        fail(name, value, f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
+    Int(minimum, maximum).check(name, value)
 
 
 def check_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi != math.inf else "")
-        fail(name, value, f"a finite number {bound}")
+    Float(lo, hi, lo_open).check(name, value)
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -134,9 +128,9 @@ class Allowed:
 class Int(Allowed):
     type = int
 
-    def __init__(self, minimum: int, maximum: int | None = None, note: str = ""):
+    def __init__(self, minimum: int, maximum: int | None = None):
         self.minimum, self.maximum = minimum, maximum
-        self.text = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "") + note
+        self.text = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
 
     def check(self, path, value):
         ok = not isinstance(value, bool) and isinstance(value, int) and value >= self.minimum

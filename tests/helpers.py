@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from maspo_verl.config import actor_config  # noqa: F401  (re-exported for the tests)
-from maspo_verl.util import config_dir
+from maspo_verl.reference import compose_config  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,12 +24,6 @@ SMALL = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
 ]
-
-
-def compose_config(*overrides, config_name="maspo_trainer"):
-    """Our trainer config (``hydra_configs/``) with Hydra overrides, as the CLI composes it."""
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides))
 
 
 def random_batch(B=6, T=20, scale=0.3, seed=0, dtype=torch.float64, lengths=None, per_token=False):
