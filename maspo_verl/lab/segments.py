@@ -51,6 +51,7 @@ from maspo_verl import fsq, inspection, segments
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.lab import common
 from maspo_verl.segments.rules import logprob, tokenval
+from maspo_verl.token_sets import inputs_needed
 
 OUT = "segments"
 PREFIX = "actor_rollout_ref.actor.policy_loss."
@@ -673,7 +674,7 @@ def analyse(args: argparse.Namespace) -> dict:
         v.label: suggest(corpus, settings, v, table[v.label], table[BASELINE], args, has_words) for v in found
     }
     consistency = None
-    needs_tokenizer = segments.TOKENIZER in segments.inputs_needed(loss_config(settings))
+    needs_tokenizer = segments.TOKENIZER in inputs_needed(loss_config(settings))
     if needs_tokenizer and any(s is not None for s in corpus.dumped_segment_ids):
         notes.append(
             f"segment_rule={settings['segment_rule']!r} needs the actor's tokenizer: the run's segment ids are "

@@ -81,8 +81,3 @@ def rules_in_use(config: Any) -> tuple[SegmentRule, ...]:
     if fallback is None or fallback.fallback_field is not None:
         fail(rule.fallback_field, name, "one of " + ", ".join(fallback_rules()))
     return (rule, fallback)
-
-
-def inputs_needed(config: Any) -> frozenset[str]:
-    """Everything the rules in use read (``SegmentRule.needs``)."""
-    return frozenset().union(*(rule.needs for rule in rules_in_use(config)))

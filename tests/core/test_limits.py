@@ -9,9 +9,9 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl import segments
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
+from maspo_verl.token_sets import inputs_needed
 from tests.helpers import actor_config, random_batch
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
@@ -84,7 +84,7 @@ def declared(limit: str) -> list[Case]:
     cases = []
     for rule in SEGMENT_RULES.values():
         if limit in rule.limits:
-            reads_ids = RESPONSE_IDS in segments.inputs_needed(actor_config(segment_rule=rule.name).policy_loss)
+            reads_ids = RESPONSE_IDS in inputs_needed(actor_config(segment_rule=rule.name).policy_loss)
             cases.append(
                 Case(
                     f"{rule.name}-declared",
