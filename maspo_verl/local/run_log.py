@@ -60,7 +60,18 @@ KNOWN_NOISE = (
     ("a torch deprecation note", re.compile(r"is_fx_tracing will return true for both fx\.symbolic_trace")),
     ("a torchdata deprecation note", re.compile(r"UserWarning: 'set_vital' is deprecated")),
     ("verl's dump of the Ray arguments (the start line names the cluster)", re.compile(r"^ray init kwargs: ")),
-    ("Ray's token-authentication note (a private cluster)", re.compile(r"Token authentication is enabled for")),
+    (
+        "Ray's token-authentication notes (a private cluster)",
+        re.compile(r"Token authentication is enabled for|Generated new authentication token and saved to"),
+    ),
+    ("verl's dataset notes (the start line names the data files)", re.compile(r"^(Using dataset class|dataset len): ")),
+    (
+        "progress bars of start-up (data, weights, the embedded model)",
+        re.compile(r"^(Generating \w+ split|Loading weights|Writing model shards): "),
+    ),
+    ("verl's memory report (host memory in the local mode)", re.compile(r"device memory used/total \(GB\)")),
+    ("verl's worker-class and kernel-patch notes", re.compile(r"^(colocated worker base class|Skipping monkey patch)")),
+    ("verl's note that no validation ran", re.compile(r"^'Final validation metrics: None'$")),
 )
 PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes the source line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -170,10 +181,11 @@ class _Console:
 
     def line(self, text: str, target) -> None:
         plain = ANSI.sub("", text)
-        self.log.write(plain + "\n")
         prefix = RAY_PREFIX.match(plain)
         head = prefix.group(0) if prefix else ""
-        body = plain[len(head) :]
+        body = plain[len(head) :].rsplit("\r", 1)[-1]  # a progress bar's redraws: what a terminal shows last
+        plain = head + body
+        self.log.write(plain + "\n")
         echo_of, self._echo_of = self._echo_of, None
         if echo_of is not None and echo_of[0] == head and body.startswith("  "):  # the warning's source line
             self.hidden[echo_of[1]] += 1
@@ -184,8 +196,17 @@ class _Console:
                 if PYTHON_WARNING.match(body):
                     self._echo_of = (head, reason)
                 return
-        target.write(text + "\n")
+        # a terminal gets Ray's colours; a pipe, and a progress bar's last redraw, the plain line
+        shown = text if "\r" not in text and _isatty(target) else plain
+        target.write(shown + "\n")
         target.flush()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class _LineStream:

@@ -42,6 +42,19 @@ NOISE = [
     "ray init kwargs: {'num_cpus': 16, 'runtime_env': {}}",
     "2026-11-24 02:58:25,979\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled for this "
     "Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.",
+    "2026-11-24 23:31:55,209\tINFO authentication_token_setup.py:50 -- Generated new authentication token and saved "
+    "to /home/u/.ray/auth_token",
+    "\x1b[36m(TaskRunnerV1 pid=9148)\x1b[0m Using dataset class: RLHFDataset",
+    "(TaskRunnerV1 pid=9148) dataset len: 64",
+    "(TaskRunnerV1 pid=9148) \rGenerating train split: 0 examples [00:00, ? examples/s]\rGenerating train split: 64 "
+    "examples [00:00, 14925.52 examples/s]",
+    "(WorkerDict pid=9326) \rLoading weights:   0%|          | 0/26 [00:00<?, ?it/s]\rLoading weights: 100%|##| 26/26",
+    "\rWriting model shards:   0%|          | 0/1 [00:00<?, ?it/s]\rWriting model shards: 100%|##| 1/1",
+    "(WorkerDict pid=9326) Before FSDP, memory allocated (GB): 0.00, memory reserved (GB): 0.00, device memory "
+    "used/total (GB): 5.24/23.54",
+    "(TaskRunnerV1 pid=9148) colocated worker base class <class 'verl.single_controller.base.worker.Worker'>",
+    "(WorkerDict pid=9326) Skipping monkey patch for Qwen2ForCausalLM as use_fused_kernels is False",
+    "(TaskRunnerV1 pid=9148) 'Final validation metrics: None'",
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
@@ -84,9 +97,38 @@ def _feed(lines: list[str], tmp_path: Path, noise=KNOWN_NOISE) -> tuple[str, str
 def test_known_noise_leaves_the_console_but_not_the_log(tmp_path):
     shown, logged, console = _feed(NOISE + KEPT, tmp_path)
     assert shown.splitlines() == KEPT
-    assert logged.splitlines() == [run_log.ANSI.sub("", line) for line in NOISE + KEPT]
+    assert logged.splitlines() == [_plain(line) for line in NOISE + KEPT]
     assert sum(console.hidden.values()) == len(NOISE)
     assert set(console.hidden) == {reason for reason, _ in KNOWN_NOISE}  # every pattern matched its line
+
+
+def _plain(line: str) -> str:
+    """A line as a file shows it: no colours, a progress bar's last redraw after Ray's prefix."""
+    line = run_log.ANSI.sub("", line)
+    head = run_log.RAY_PREFIX.match(line)
+    head = head.group(0) if head else ""
+    return head + line[len(head) :].split("\r")[-1]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_colours_on_a_terminal_only_and_a_progress_bar_as_its_last_redraw(terminal, tmp_path):
+    coloured = "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:1 - x:1"
+    bar = "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m \rTraining Progress:   0%|  | 0/2\rTraining Progress:  50%|# | 1/2"
+    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    target = _Terminal() if terminal else io.StringIO()
+    for line in (coloured, bar):
+        console.line(line, target)
+    console.log.close()
+    assert target.getvalue().splitlines() == [
+        coloured if terminal else "(TaskRunnerV1 pid=1) step:1 - x:1",
+        "(TaskRunnerV1 pid=1) Training Progress:  50%|# | 1/2",
+    ]
+    assert (tmp_path / "run.log").read_text().splitlines() == [_plain(coloured), _plain(bar)]
 
 
 def test_a_source_line_is_hidden_only_after_its_own_warning(tmp_path):
@@ -98,7 +140,7 @@ def test_a_source_line_is_hidden_only_after_its_own_warning(tmp_path):
 
 def test_not_quiet_shows_everything(tmp_path):
     shown, _, console = _feed(NOISE + KEPT, tmp_path, noise=())
-    assert shown.splitlines() == NOISE + KEPT
+    assert shown.splitlines() == [_plain(line) for line in NOISE + KEPT]  # on a pipe: the plain lines
     assert console.hidden == {}
 
 
