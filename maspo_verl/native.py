@@ -45,7 +45,10 @@ class Config(ctypes.Structure):
     """The C ``config`` struct: a rule's settings (built by ``config_for``)."""
 
     _fields_ = (
-        [(name, ctypes.c_int64) for name in ("rule", "fallback_rule", "window", "per_sample", "min_len", "max_len")]
+        [
+            (name, ctypes.c_int64)
+            for name in ("rule", "fallback_rule", "window", "per_sample", "min_len", "max_len", "turn_window")
+        ]
         + [(name, ctypes.c_double) for name in ("logprob_threshold", "tokenval_threshold", "std_floor", "max_drop")]
         + [(name, ctypes.c_int64) for name in ("codec_offset", "codec_size", "distance", "n_groups")]
         + [

@@ -1,7 +1,7 @@
 /*
  * Segment ids of maspo_verl.segments, one row at a time (the C path of compute_segment_ids).
  *
- * The vectorised torch code in maspo_verl/segments.py defines the rules; this file computes the
+ * The vectorised torch code in maspo_verl/segments/ defines the rules; this file computes the
  * same ids row by row: a row's valid tokens are copied run by run into dense arrays (the packed row
  * of segments.Packed), the rule and the length limits run on those in short loops the compiler
  * vectorises, and the ids are copied back run by run. Only the rule a row needs runs (the words
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { RULE_FIXED = 0, RULE_LOGPROB = 1, RULE_TOKENVAL = 2, RULE_WORDS = 3 };
+enum { RULE_FIXED = 0, RULE_LOGPROB = 1, RULE_TOKENVAL = 2, RULE_WORDS = 3, RULE_TURNS = 4 };
 enum { DIST_ID = 0, DIST_L1 = 1, DIST_HAMMING = 2 };
 enum { F32 = 0, F64 = 1, BF16 = 2 };
 enum { I64 = 0, I32 = 1 };
@@ -27,7 +27,7 @@ enum { ROW_EMPTY = 0, ROW_OWN_RULE = 1, ROW_FALLBACK = 2 };
 
 /* Mirrors maspo_verl.native.Config (ctypes). */
 typedef struct {
-    int64_t rule, fallback_rule, window, per_sample, min_len, max_len;
+    int64_t rule, fallback_rule, window, per_sample, min_len, max_len, turn_window;
     double logprob_threshold, tokenval_threshold, std_floor, max_drop;
     int64_t codec_offset, codec_size, distance, n_groups;
     /* FSQ digits in groups: digit group g of code c is (c / radix) % size, by shift and mask when
@@ -279,6 +279,19 @@ static int candidates(const job *j, const config *c, int64_t rule, int64_t row, 
         case 3: tokenval_loop(args, 3, 1); break;
         case 4: tokenval_loop(args, 4, 1); break;
         default: tokenval_loop(args, groups, 0);
+        }
+    } else if (rule == RULE_TURNS) {
+        /* a turn is a run of valid tokens: each turn's first token but the row's first is a forced
+         * boundary (min_len never joins two turns); with turn_window > 0 every turn_window-th token
+         * of a turn is a boundary too */
+        const int64_t w = c->turn_window;
+        for (int64_t r = 0, k = 0; r < sc->n_runs; r++) {
+            const int64_t len = sc->runs[2 * r + 1] - sc->runs[2 * r];
+            for (int64_t i = 0, phase = 0; i < len; i++, k++, phase = phase + 1 == w ? 0 : phase + 1) {
+                flags[k] = w > 0 && phase == 0 ? BOUND : 0;
+                score[k] = 1.0f;
+            }
+            if (r > 0) flags[k - len] = FORCED | BOUND;
         }
     } else { /* RULE_WORDS: a boundary where the word id changes; score 2 on a word, 1 on a gap */
         int64_t *restrict w = sc->ints;

@@ -72,6 +72,7 @@ def cases(draw):
     tokens = tokens.to(draw(st.sampled_from([torch.int64, torch.int32])))
     words = torch.randint(-1, 4, (B, T), generator=g).sort(-1).values
     words[torch.rand(B, generator=g) < 0.3] = NO_WORD  # rows without words take the fallback
+    fields["turn_window"] = draw(st.integers(0, 9))
     return mask, fields, lp, tokens, words
 
 

@@ -26,6 +26,7 @@ class TurnsRule(SegmentRule):
         ),
     )
     limits = {"token": {"turn_window": 1}}
+    native_code = 4
 
     def candidates(self, config, packed, inputs):
         B, T = packed.valid.shape
@@ -41,3 +42,6 @@ class TurnsRule(SegmentRule):
             since = packed.columns - torch.cummax(first * packed.columns, dim=-1).values
             boundaries |= packed.valid & (since % window == 0)
         return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device), starts)
+
+    def native_fields(self, config):
+        return {"turn_window": int(config.turn_window)}
