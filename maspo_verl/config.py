@@ -151,6 +151,8 @@ def _reject_unknown_fields(cls) -> None:
 
 
 _reject_unknown_fields(GranularLossConfig)
+# what ``policy_loss._target_`` names to select it
+TARGET = f"{GranularLossConfig.__module__}.{GranularLossConfig.__qualname__}"
 
 
 def actor_config(clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_agg_mode="token-mean", **policy_loss) -> ActorConfig:

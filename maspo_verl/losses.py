@@ -29,13 +29,13 @@ if TYPE_CHECKING:
 
 def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
     """The actor config's ``policy_loss``, which must be our dataclass for our loss modes."""
-    from maspo_verl.config import GranularLossConfig
+    from maspo_verl.config import TARGET, GranularLossConfig
 
     pl = config.policy_loss if config is not None else None
     if not isinstance(pl, GranularLossConfig):
         raise TypeError(
             f"policy_loss.loss_mode={loss_mode!r} needs actor_rollout_ref.actor.policy_loss._target_="
-            f"maspo_verl.config.GranularLossConfig (got {type(pl).__name__}); "
+            f"{TARGET} (got {type(pl).__name__}); "
             "hydra_configs/maspo_trainer.yaml sets it"
         )
     return pl

@@ -95,8 +95,10 @@ def check_policy_loss(config: DictConfig) -> None:
     starts (no Ray, no run folder), not by verl's validation inside the run."""
     from verl.utils.config import omega_conf_to_dataclass
 
+    from maspo_verl.config import TARGET
+
     section = config.actor_rollout_ref.actor.policy_loss
-    if section.get("_target_") == "maspo_verl.config.GranularLossConfig":
+    if section.get("_target_") == TARGET:
         omega_conf_to_dataclass(section)
 
 

@@ -75,12 +75,14 @@ def _loss_checks(config) -> list[str]:
     loss_mode = policy_loss.get("loss_mode", "vanilla")
     if loss_mode not in TOKEN_SETS:
         return []
+    from maspo_verl.config import TARGET  # not at import: ``import verl`` loads this module while config loads
+
     require_registered(loss_mode)
     target = policy_loss.get("_target_", "")
-    if target != "maspo_verl.config.GranularLossConfig":
+    if target != TARGET:
         raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} needs "
-            f"policy_loss._target_=maspo_verl.config.GranularLossConfig (got {target!r})"
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} needs policy_loss._target_={TARGET} "
+            f"(got {target!r})"
         )
     # the actor fields the surrogate reads (SAPO's temperatures; verl checks none of them); an unknown
     # surrogate is the config's to refuse
