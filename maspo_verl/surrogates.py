@@ -10,20 +10,23 @@ ratio's value exp(l_t); in the stop-gradient form its gradient is r_t grad log p
 | `cispo` | -sg[clip(r, lo, hi)] A log pi_t                            | weight clipped below / above; none    |
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none |
 
-``ppo`` and ``cispo`` take their bounds from the clip schedule (``maspo_verl.clipping``); ``sapo`` reads
-the actor's ``tau_pos``/``tau_neg`` (verl's fields). Each returns its loss values, the masks and
-d loss_t / d log pi_t in closed form; ``apply`` turns that into one autograd node that saves one tensor.
+``ppo`` and ``cispo`` take their bounds from the clip schedule (``maspo_verl.clipping.ClipBounds``); ``sapo``
+reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each returns its loss
+values, the masks and g_t = d loss_t / d log pi_t in closed form; ``apply`` gives the loss that gradient in
+one stop-gradient form, the same eager and under ``torch.compile``. Each declares worked examples
+(``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from maspo_verl import clipping
+from maspo_verl.clipping import ClipBounds
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting, check_choice, check_float, fail
 
@@ -43,12 +46,46 @@ class TokenLosses:
     clipped_dual: torch.Tensor
 
 
-class Surrogate:
-    """One objective on the shared ratio. ``values`` gets the advantages zeroed outside the kept tokens."""
+@dataclass(frozen=True)
+class SapoTemperatures:
+    """SAPO's gate temperatures: ``positive`` where A > 0, ``negative`` elsewhere."""
+
+    positive: float
+    negative: float
+
+
+@dataclass(frozen=True)
+class Example:
+    """A worked example of a surrogate: with the shared ratios ``ratio``, advantages ``advantage`` and log-probs
+    ``log_prob`` (-1 each when empty) of one row of tokens, the per-token ``loss`` and ``grad`` (d loss_t /
+    d log pi_t), worked out by hand from the surrogate's formula. ``settings``: policy-loss fields; ``actor``:
+    ``maspo_verl.config.actor_config``'s clip arguments (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``:
+    the set sizes n_t a log-space schedule reads."""
+
+    why: str
+    ratio: tuple[float, ...]
+    advantage: tuple[float, ...]
+    loss: tuple[float, ...]
+    grad: tuple[float, ...]
+    log_prob: tuple[float, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
+    actor: dict[str, Any] = field(default_factory=dict)
+    sizes: tuple[float, ...] | None = None
+
+
+# a surrogate's parameters: ``ClipBounds`` for the clipped ones, ``SapoTemperatures`` for SAPO
+Params = TypeVar("Params")
+
+
+class Surrogate(Generic[Params]):
+    """One objective on the shared ratio: its parameters (``params``), its closed form (``values``) and its worked
+    examples (``examples``, required). ``values`` gets the advantages zeroed outside the kept tokens."""
 
     name: ClassVar[str]
-    # the clip schedules it accepts (None: any)
+    # the clip schedules it accepts (None: any), and why
     clip_schedules: ClassVar[tuple[str, ...] | None] = None
+    why_schedule: ClassVar[str] = ""
+    examples: ClassVar[tuple[Example, ...]] = ()
 
     def check(self, policy_loss: Any) -> None:
         """Refuse settings that make no sense with this surrogate (``FieldError``)."""
@@ -60,16 +97,18 @@ class Surrogate:
                 f"{', '.join(schedules)} with surrogate={self.name!r} ({self.why_schedule})",
             )
 
-    why_schedule: ClassVar[str] = ""
-
     def check_actor(self, actor: Any) -> None:
         """Check the actor fields this surrogate reads (start-up, on the driver)."""
 
-    def params(self, pl: Any, actor: Any, sizes: torch.Tensor | None) -> Any:
-        return clipping.clip_bounds(pl, actor, sizes)
+    def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
+        """Its parameters from the configs (``sizes``: per-token set sizes, for a log-space schedule)."""
+        raise NotImplementedError
 
-    def values(self, log_prob, ratio, log_ratio, adv, params, keep):
-        """(loss, clipped_low, clipped_high, clipped_dual, d loss / d log pi), all [B, T]."""
+    def values(
+        self, log_prob: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor | None, adv: torch.Tensor,
+        params: Params, keep: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, clipped_low, clipped_high, clipped_dual, d loss / d log pi), all [B, T], without autograd."""
         raise NotImplementedError
 
 
@@ -87,23 +126,62 @@ SETTINGS = (
 
 
 @register_surrogate
-class PPOClip(Surrogate):
+class PPOClip(Surrogate[ClipBounds]):
     """PPO's pessimistic clip with dual clip, on the schedule's bounds (``clipping.pessimistic_values``)."""
 
     name = "ppo"
+    # verl's default ratio-space bounds: lo 0.8, hi 1.2, dual clip c 3
+    examples = (
+        Example(
+            "A > 0: -A r up to hi (gradient -A r), -A hi above it (no gradient); A < 0: -A max(r, lo), at most "
+            "-A c (dual clip); A = 0: nothing",
+            ratio=(1.1, 1.5, 0.5, 0.5, 1.5, 5.0, 2.0),
+            advantage=(1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 0.0),
+            loss=(-1.1, -1.2, -0.5, 0.8, 1.5, 3.0, 0.0),
+            grad=(-1.1, 0.0, -0.5, 0.0, 1.5, 0.0, 0.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
+        ),
+        Example(
+            "log_adaptive: n = 4, p = -0.5, eps 0.2: hi = exp(0.2 / 2) = 1.1051709180756477",
+            ratio=(1.2, 1.05),
+            advantage=(1.0, 2.0),
+            loss=(-1.1051709180756477, -2.1),
+            grad=(0.0, -2.1),
+            settings={"clip_schedule": "log_adaptive", "log_clip_low": 0.2, "log_clip_high": 0.2,
+                      "log_clip_dual": 1.0, "clip_exponent": -0.5},
+            sizes=(4.0, 4.0),
+        ),
+    )
+
+    def params(self, policy_loss, actor, sizes) -> ClipBounds:
+        return clipping.clip_bounds(policy_loss, actor, sizes)
 
     def values(self, log_prob, ratio, log_ratio, adv, params, keep):
         return clipping.pessimistic_values(ratio, log_ratio, adv, params)
 
 
 @register_surrogate
-class CISPO(Surrogate):
+class CISPO(Surrogate[ClipBounds]):
     """CISPO ("MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"): the clipped
     ratio is a stop-gradient weight on A log pi, so a clipped token keeps its gradient, bounded. The
     bounds are the schedule's (``ratio``: the actor's ``clip_ratio_low/high``, as verl's ``cispo``; no
     dual clip, ``clip_ratio_c`` and ``log_clip_dual`` are unused)."""
 
     name = "cispo"
+    examples = (
+        Example(
+            "loss -w A log pi, gradient -w A, with the weight w = clip(r, 0.8, 1.2): bounded where r is clipped",
+            ratio=(1.1, 1.5, 0.5),
+            advantage=(1.0, 1.0, -2.0),
+            log_prob=(-0.5, -0.5, -0.5),
+            loss=(0.55, 0.6, -0.8),
+            grad=(-1.1, -1.2, 1.6),
+            actor={"clip_low": 0.2, "clip_high": 0.2},
+        ),
+    )
+
+    def params(self, policy_loss, actor, sizes) -> ClipBounds:
+        return clipping.clip_bounds(policy_loss, actor, sizes)
 
     def values(self, log_prob, ratio, log_ratio, adv, params, keep):
         weight, clipped_low, clipped_high = clipping.clipped_weights(ratio, log_ratio, params)
@@ -113,7 +191,7 @@ class CISPO(Surrogate):
 
 
 @register_surrogate
-class SAPO(Surrogate):
+class SAPO(Surrogate[SapoTemperatures]):
     """SAPO ("Soft Adaptive Policy Optimization"): a sigmoid gate f(r) = (4 / tau) sigmoid(tau (r - 1))
     instead of a hard clip: f'(1) = 1, so near on-policy the gradient is PPO's, and it fades smoothly
     off-policy. Temperatures from the actor's ``tau_pos`` (A > 0) and
@@ -122,6 +200,17 @@ class SAPO(Surrogate):
     name = "sapo"
     clip_schedules = ("ratio",)
     why_schedule = "SAPO's gate has no clip bounds; it reads the actor's tau_pos/tau_neg"
+    # verl's default temperatures: tau_pos 1 (A > 0), tau_neg 1.05
+    examples = (
+        Example(
+            "at r = 1 the gate passes PPO's gradient -A; s = sigmoid(tau (r - 1)): loss -A (4 / tau) s, "
+            "gradient -4 A s (1 - s) r (r = 1.5, A = 1: s = sigmoid(0.5); r = 0.5, A = -1: s = sigmoid(-0.525))",
+            ratio=(1.0, 1.5, 0.5),
+            advantage=(1.0, 1.0, -1.0),
+            loss=(-2.0, -2.4898373248074184, 1.4159383303033666),
+            grad=(-1.0, -1.410022273209567, 0.4670699116426963),
+        ),
+    )
 
     def check_actor(self, actor: Any) -> None:
         for name in ("tau_pos", "tau_neg"):
@@ -130,12 +219,11 @@ class SAPO(Surrogate):
                 fail(f"actor_rollout_ref.actor.{name}", value, "a number > 0 (surrogate=sapo needs verl's SAPO fields)")
             check_float(f"actor_rollout_ref.actor.{name}", value, 0.0, lo_open=True)
 
-    def params(self, pl, actor, sizes):
-        return float(actor.tau_pos), float(actor.tau_neg)
+    def params(self, policy_loss, actor, sizes) -> SapoTemperatures:
+        return SapoTemperatures(float(actor.tau_pos), float(actor.tau_neg))
 
     def values(self, log_prob, ratio, log_ratio, adv, params, keep):
-        tau_pos, tau_neg = params
-        tau = torch.full_like(ratio, tau_neg).masked_fill_(adv > 0, tau_pos)
+        tau = torch.full_like(ratio, params.negative).masked_fill_(adv > 0, params.positive)
         z = (ratio - 1.0).mul_(tau)
         saturated_low, saturated_high = z < -SAPO_SATURATION, z > SAPO_SATURATION
         s = z.sigmoid_()
@@ -161,37 +249,6 @@ def check_config(policy_loss: Any) -> None:
     SURROGATES[policy_loss.surrogate].check(policy_loss)
 
 
-class _ClosedForm(torch.autograd.Function):
-    """A surrogate's loss values with d loss_t / d log pi_t from its closed form: forward runs without
-    autograd and saves that one tensor."""
-
-    @staticmethod
-    def forward(ctx, log_prob, ratio, log_ratio, advantages, surrogate, params, weights, keep):
-        loss, low, high, dual, coef = _values(surrogate, log_prob, ratio, log_ratio, advantages, params, weights, keep)
-        ctx.save_for_backward(coef)
-        ctx.grad_dtype = log_prob.dtype
-        ctx.mark_non_differentiable(low, high, dual)
-        return loss, low, high, dual
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        (coef,) = ctx.saved_tensors
-        grad = torch.empty(coef.shape, dtype=ctx.grad_dtype, device=coef.device)
-        return torch.mul(grad_loss, coef, out=grad), None, None, None, None, None, None, None
-
-
-def _values(surrogate, log_prob, ratio, log_ratio, advantages, params, weights, keep):
-    """``surrogate.values`` with the advantages and the weights zero outside ``keep``; the weights (rollout
-    correction) multiply loss and gradient."""
-    adv = clipping.zero_outside(advantages, keep, ratio.dtype)
-    weights = None if weights is None else clipping.zero_outside(weights, keep, ratio.dtype)
-    loss, low, high, dual, coef = surrogate.values(log_prob, ratio, log_ratio, adv, params, keep)
-    if weights is not None:
-        loss.mul_(weights)
-        coef.mul_(weights)
-    return loss, low, high, dual, coef
-
-
 def apply(
     surrogate: Surrogate,
     log_prob: torch.Tensor,
@@ -204,22 +261,24 @@ def apply(
 ) -> TokenLosses:
     """Per-token loss of ``surrogate`` with the shared ratio ``ratio`` (a value; no graph needed),
     differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient.
-    Log-space bounds (``params.scale`` set) need ``log_ratio`` = log(ratio). Outside ``keep`` (the tokens
-    in the loss) loss and gradient are zero, whatever advantages, weights and log-probs hold there."""
+    Log-space bounds need ``log_ratio`` = log(ratio). Outside ``keep`` (the tokens in the loss) loss and
+    gradient are zero, whatever advantages, weights and log-probs hold there.
+
+    The gradient in stop-gradient form: loss_t + g_t (log pi_t - sg[log pi_t]) has the value loss_t and the
+    gradient g_t grad log pi_t, g_t = d loss_t / d log pi_t from the surrogate's closed form. Eager and
+    compiled alike; backward saves g (and ``keep``).
+    """
     if keep is None:
         keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
-    if getattr(params, "scale", None) is not None and log_ratio is None:
+    if isinstance(params, ClipBounds) and params.scale is not None and log_ratio is None:
         raise ValueError("log-space clip bounds need log_ratio")
-    ratio = ratio.detach()
-    log_ratio = None if log_ratio is None else log_ratio.detach()
-    if torch.compiler.is_compiling():
-        # The same values and gradient in stop-gradient form: torch.compile's tracer (seen with torch
-        # 2.11) loses the gradient of the Function below, whose forward never reads log_prob's graph.
-        with torch.no_grad():
-            loss, low, high, dual, coef = _values(
-                surrogate, log_prob, ratio, log_ratio, advantages, params, weights, keep
-            )
-        zero = torch.where(keep, log_prob - log_prob.detach(), 0.0)  # 0, with gradient 1 at kept tokens
-        return TokenLosses(loss + coef * zero, low, high, dual)
-    loss, low, high, dual = _ClosedForm.apply(log_prob, ratio, log_ratio, advantages, surrogate, params, weights, keep)
-    return TokenLosses(loss, low, high, dual)
+    with torch.no_grad():
+        adv = clipping.zero_outside(advantages, keep, ratio.dtype)
+        log_ratio = None if log_ratio is None else log_ratio.detach()
+        loss, low, high, dual, grad = surrogate.values(log_prob.detach(), ratio.detach(), log_ratio, adv, params, keep)
+        if weights is not None:
+            w = clipping.zero_outside(weights, keep, ratio.dtype)
+            loss.mul_(w)
+            grad.mul_(w)
+    moving = torch.where(keep, log_prob - log_prob.detach(), 0.0)  # value 0, gradient 1 at kept tokens
+    return TokenLosses(loss + grad * moving, low, high, dual)

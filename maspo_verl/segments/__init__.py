@@ -8,20 +8,18 @@ outputs): rules work on packed rows, where "previous token" is the previous *val
 
 | module | what it holds |
 |---|---|
-| ``rule`` | what a rule declares (settings, inputs, limits, fallback, C kernel) and ``candidates``'s types |
+| ``rule`` | what a rule declares (settings, inputs, limits, fallback, worked examples) and ``candidates``'s types |
 | ``rules/`` | the rules, one module each, discovered on import (``registry``) |
 | ``registry`` | the registered rules, and which of them a config runs (with its fallback) and what they read |
 | ``packing`` | packed rows (valid tokens moved to the front) |
 | ``lengths`` | ``min_segment_len`` / ``max_segment_len`` for every rule |
-| ``compute`` | one segmentation: rule, lengths, ids; the C path (``maspo_verl.native``) or torch ops |
+| ``compute`` | one segmentation: rule, lengths, ids (``compute_segment_ids``, the public entry point) |
 | ``text_tables`` | the tokenizer's text tables for rules that find strings (``delimiters``) |
 """
 
 from maspo_verl.segments.compute import (
-    SEGMENT_KERNELS,
     compute_boundaries,
     compute_segment_ids,
-    compute_segments,
     packed_boundaries,
     token_level,
 )
@@ -42,6 +40,7 @@ from maspo_verl.segments.rule import (
     TOKENIZER,
     WORD_IDS,
     Candidates,
+    Example,
     RuleInputs,
     SegmentRule,
 )
@@ -52,17 +51,16 @@ __all__ = [
     "FROM_MICRO_BATCH",
     "OLD_LOG_PROB",
     "RESPONSE_IDS",
-    "SEGMENT_KERNELS",
     "SEGMENT_RULES",
     "TOKENIZER",
     "WORD_IDS",
     "Candidates",
+    "Example",
     "Packed",
     "RuleInputs",
     "SegmentRule",
     "compute_boundaries",
     "compute_segment_ids",
-    "compute_segments",
     "configured_rule",
     "fallback_rules",
     "packed_boundaries",

@@ -1,6 +1,5 @@
-"""Running a segmentation: the configured rule's candidates, then ``min_segment_len`` / ``max_segment_len``, as
-segment ids; by the C library for CPU tensors when the rules have a C kernel (``maspo_verl.native``, the same ids),
-else by the rule's closed formula where it has one, else by torch ops (the definition, and the GPU path).
+"""Running a segmentation: the configured rule's candidates, then ``min_segment_len`` / ``max_segment_len``, then
+segment ids. One torch implementation, the same on CPU and GPU: vectorised over [B, T], no host sync.
 
 The settings declared here are the segmentation's own, shared by every rule."""
 
@@ -11,25 +10,16 @@ from typing import Any
 
 import torch
 
-from maspo_verl import native
 from maspo_verl.segments.lengths import split_long, suppress_close
 from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.registry import SEGMENT_RULES, configured_rule, rules_in_use
+from maspo_verl.segments.registry import SEGMENT_RULES, configured_rule
 from maspo_verl.segments.rule import RuleInputs
-from maspo_verl.util import warn_once
 from maspo_verl.validation import Choice, Int, Setting, fail
 
-SEGMENT_KERNELS = ("auto", "torch")
 SETTINGS = (
     Setting("segment_rule", "fixed", Choice(lambda: tuple(SEGMENT_RULES)), "which tokens share a ratio (`maspo`)"),
     Setting("min_segment_len", 0, Int(0), "suppress boundaries closer than this to a stronger one (0 = off)"),
     Setting("max_segment_len", 0, Int(0), "force a boundary every this many tokens inside a segment (0 = off)"),
-    Setting(
-        "segment_kernel",
-        "auto",
-        Choice(SEGMENT_KERNELS),
-        "auto: the C library for CPU tensors in eager mode, torch ops otherwise; torch: always torch ops (same ids)",
-    ),
 )
 
 
@@ -80,47 +70,32 @@ def compute_boundaries(
     return packed.unpack(packed_boundaries(packed, config, inputs, metrics), False)
 
 
-def compute_segments(
+def compute_segment_ids(
     mask: torch.Tensor,
     config: Any,
     *,
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     metrics: dict[str, torch.Tensor] | None = None,
-    sizes_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Segment ids (token order; 0 on padding) of ``packed_boundaries`` (``token_ids``: the response ids,
-    else the micro-batch's), and each segment's number of valid tokens at its id ([B, T] in
-    ``sizes_dtype``) when the C library computed them along (None otherwise)."""
-    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
-    if _native_wanted(config, mask):
-        rules = rules_in_use(config)
-        spec = native.config_for(config, rules)
-        if spec is not None:
-            return native.compute_segments(mask, spec, rules, inputs, metrics, sizes_dtype)
-    direct = configured_rule(config).direct_ids(config, mask)
-    if direct is not None:
-        return direct, None
+) -> torch.Tensor:
+    """The segment ids [B, T] (int64) of the rule ``config.segment_rule`` (with ``min_segment_len`` /
+    ``max_segment_len``): the public entry point of the segmentation, for the loss and anything else that
+    needs a rule's segments (a segment-level importance weight, the lab).
+
+    - ``mask`` [B, T]: the tokens to segment (bool or 0/1); right-, left-padded or with holes.
+    - ``config``: any object with the policy-loss fields (``GranularLossConfig``, or one from
+      ``maspo_verl.config.actor_config(...).policy_loss``).
+    - ``old_log_prob`` [B, T]: needed by rules that read it (``SegmentRule.needs``: logprob, surprisal).
+    - ``token_ids`` [B, T]: the response ids; without them rules that read ids take them from the verl
+      micro-batch in scope (``maspo_verl.batch``), as do rules that read word ids or the tokenizer.
+    - ``metrics``: a dict that receives the rule's metrics (name -> 0-d tensor), if given.
+
+    Returns ids counted from 0 in each row in token order over the valid tokens (padding: 0), on
+    ``mask``'s device. No host sync.
+    """
     packed = Packed(mask)
+    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
     ids = torch.cumsum(packed_boundaries(packed, config, inputs, metrics), dim=-1, dtype=torch.int32).sub_(1)
     ids = packed.unpack(ids)
     del packed  # its int64 index before the int64 ids exist (peak memory)
-    return ids.long(), None
-
-
-def compute_segment_ids(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
-    """The segment ids of ``compute_segments`` (``inputs``: its keyword arguments)."""
-    return compute_segments(mask, config, **inputs)[0]
-
-
-def _native_wanted(config: Any, mask: torch.Tensor) -> bool:
-    """The C path is wanted: ``segment_kernel=auto``, CPU tensors, eager mode, and the library builds
-    (warned once when it does not)."""
-    if getattr(config, "segment_kernel", "auto") != "auto" or mask.device.type != "cpu":
-        return False
-    if torch.compiler.is_compiling():  # traced as torch ops
-        return False
-    reason = native.unavailable()
-    if reason is not None:
-        warn_once(f"segmentation runs on torch ops: the C path is unavailable ({reason})")
-    return reason is None
+    return ids.long()

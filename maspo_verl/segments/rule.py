@@ -10,11 +10,13 @@ A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule``
 - ``limits``: settings under which it ends a segment at every valid token (``"token"``: GRPO's ratio) or never
   (``"sequence"``: GSPO's), for any inputs; the limit tests run each one it declares, and ``token_level`` asks
   the first;
+- ``examples`` (required): small worked examples of what it does (``Example``: settings, a mask and the inputs
+  -> the expected segment lengths of each row), worked out by hand from the rule's definition. The discovered
+  tests run every example of every registered rule, so a rule that segments wrongly fails them even when it
+  keeps its limits;
 - optionally ``fallback_field`` (the field naming the rule for rows it cannot segment) and ``fallback_metric``,
-  ``reads_codec`` (it reads codec codes), ``native_code`` with ``native_fields`` (its C kernel and the settings
-  that cross into it, ``maspo_verl.native``), ``validate`` (checks across fields), ``startup`` (work on the
-  composed trainer config before Ray), ``direct_ids`` (a closed formula for the ids) and ``sweeps`` (how the
-  calibration lab varies its threshold on a corpus).
+  ``reads_codec`` (it reads codec codes), ``validate`` (checks across fields), ``startup`` (work on the
+  composed trainer config before Ray) and ``sweeps`` (how the calibration lab varies its threshold on a corpus).
 
 ``candidates`` gets the config, the rows packed (``Packed``) and its inputs, and proposes boundaries with their
 strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged.
@@ -53,6 +55,20 @@ class Candidates:
     scores: torch.Tensor
     forced: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Example:
+    """A worked example of a rule: with ``settings`` (policy-loss fields over the defaults; ``segment_rule`` is
+    the rule's own) the valid tokens of each row of ``mask`` (1: valid) form segments of ``lengths``, in token
+    order. ``inputs`` holds the rows of what the rule reads (``OLD_LOG_PROB``, ``RESPONSE_IDS``, ``WORD_IDS``:
+    one value per token, padding included; ``TOKENIZER``: the text of each id). ``why`` says what it shows."""
+
+    why: str
+    mask: tuple[tuple[int, ...], ...]
+    lengths: tuple[tuple[int, ...], ...]
+    settings: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,7 +141,7 @@ class SegmentRule:
     fallback_field: ClassVar[str | None] = None
     fallback_metric: ClassVar[str | None] = None
     reads_codec: ClassVar[bool] = False
-    native_code: ClassVar[int | None] = None
+    examples: ClassVar[tuple[Example, ...]] = ()
 
     @classmethod
     def summary(cls) -> str:
@@ -143,18 +159,10 @@ class SegmentRule:
     def validate(self, config: Any) -> None:
         """Checks across fields (each field alone is checked by its ``Setting``); raise ``FieldError``."""
 
-    def native_fields(self, config: Any) -> dict[str, Any]:
-        """The C kernel's settings from the config (``maspo_verl.native.Config`` field -> value)."""
-        return {}
-
     def sweeps(self, config: Any, packed: Packed, inputs: RuleInputs) -> list[Sweep | str]:
         """How ``python -m maspo_verl.lab segments`` calibrates the rule on a corpus (its rows packed, its inputs):
         the sweeps, and notes on what it leaves out (strings). None by default."""
         return []
-
-    def direct_ids(self, config: Any, mask: torch.Tensor) -> torch.Tensor | None:
-        """Segment ids (token order) by a closed formula when there is one (None: go through the boundaries)."""
-        return None
 
     def startup(self, trainer_config: Any) -> list[str]:
         """Start-up work on the composed trainer config (before Ray); returns the warnings issued."""

@@ -7,7 +7,7 @@ import torch
 from maspo_verl import vocab
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.rule import RESPONSE_IDS, TOKENIZER, Candidates, SegmentRule
+from maspo_verl.segments.rule import RESPONSE_IDS, TOKENIZER, Candidates, Example, SegmentRule
 from maspo_verl.segments.text_tables import device_tables, driver_tokenizer, text_tables
 from maspo_verl.util import warn_once
 from maspo_verl.validation import Setting, Strings, fail
@@ -58,6 +58,23 @@ class DelimitersRule(SegmentRule):
             "strings after which a segment ends (`delimiters`; default: paragraph/line breaks, sentence ends)",
         ),
         Setting("step_markers", [], Strings(), "strings at which a new segment starts (`delimiters`, e.g. Step)"),
+    )
+    # ids of a toy vocabulary: 0 "a", 1 "\n", 2 "Step", 3 " b", 4 "."
+    examples = (
+        Example(
+            "a segment ends after the line break and a new one starts at the step marker",
+            ((1,) * 7,),
+            ((3, 1, 3),),
+            {"delimiters": ["\n"], "step_markers": ["Step"]},
+            {RESPONSE_IDS: ((0, 0, 1, 0, 2, 3, 3),), TOKENIZER: ("a", "\n", "Step", " b", ".")},
+        ),
+        Example(
+            "'. ' across two tokens ends the segment after the first",
+            ((1,) * 4,),
+            ((2, 2),),
+            {"delimiters": [". "]},
+            {RESPONSE_IDS: ((0, 4, 3, 0),), TOKENIZER: ("a", "\n", "Step", " b", ".")},
+        ),
     )
 
     def candidates(self, config, packed, inputs):

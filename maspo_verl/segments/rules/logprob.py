@@ -8,7 +8,7 @@ import torch
 
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule, Sweep, quantile_grid
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Bool, Float, Setting
 
 # per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries
@@ -75,7 +75,30 @@ class LogprobRule(SegmentRule):
         "token": {"logprob_threshold": -2 * MAX_DROP, "logprob_per_sample": False},
         "sequence": {"logprob_threshold": 2 * MAX_DROP, "logprob_per_sample": False},
     }
-    native_code = 1
+    # drops lp[p-1] - lp[p] between valid neighbours
+    examples = (
+        Example(
+            "drops 0.1 1.8 0.1 -1.6 2.5 with threshold 1: new segments at the 1.8 and the 2.5",
+            ((1,) * 6,),
+            ((2, 3, 1),),
+            {"logprob_threshold": 1.0},
+            {OLD_LOG_PROB: ((-0.1, -0.2, -2.0, -2.1, -0.5, -3.0),)},
+        ),
+        Example(
+            "a drop is taken over a hole, whatever the hole holds",
+            ((1, 0, 1, 1),),
+            ((1, 2),),
+            {"logprob_threshold": 1.0},
+            {OLD_LOG_PROB: ((-0.1, -9.0, -2.0, -2.0),)},
+        ),
+        Example(
+            "per sample: drops 0.5 0.5 0.5 2 0.5 have mean 0.8 and std 0.6; z > 1 means a drop above 1.4",
+            ((1,) * 6,),
+            ((4, 2),),
+            {"logprob_threshold": 1.0, "logprob_per_sample": True},
+            {OLD_LOG_PROB: ((0.0, -0.5, -1.0, -1.5, -3.5, -4.0),)},
+        ),
+    )
 
     def candidates(self, config, packed, inputs):
         boundaries, scores = logprob_candidates(
@@ -95,11 +118,3 @@ class LogprobRule(SegmentRule):
             ),
             Sweep("logprob/per_sample", {**fixed, "logprob_per_sample": True}, "logprob_threshold", Z_GRID),
         ]
-
-    def native_fields(self, config):
-        return {
-            "logprob_threshold": float(config.logprob_threshold),
-            "per_sample": int(bool(config.logprob_per_sample)),
-            "std_floor": STD_FLOOR,
-            "max_drop": MAX_DROP,
-        }

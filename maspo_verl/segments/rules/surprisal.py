@@ -8,7 +8,7 @@ import torch
 
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
 from maspo_verl.segments.rules.logprob import MAX_DROP
 from maspo_verl.validation import Float, Setting
 
@@ -44,6 +44,22 @@ class SurprisalRule(SegmentRule):
         ),
     )
     limits = {"token": {"surprisal_quantile": 1.0}, "sequence": {"surprisal_quantile": 0.0}}
+    examples = (
+        Example(
+            "q = 0.2 of 10 tokens: the 2 most surprising (3.0 and 2.0) start segments, as does the first",
+            ((1,) * 10,),
+            ((1, 3, 6),),
+            {"surprisal_quantile": 0.2},
+            {OLD_LOG_PROB: ((-0.1, -2.0, -0.2, -0.3, -3.0, -0.1, -0.2, -0.1, -0.5, -0.4),)},
+        ),
+        Example(
+            "q = 0.25 of 4 tokens: one start; of two equal surprisals the earlier wins",
+            ((1, 1, 1, 1),),
+            ((1, 3),),
+            {"surprisal_quantile": 0.25},
+            {OLD_LOG_PROB: ((-1.0, -2.0, -2.0, -0.5),)},
+        ),
+    )
 
     def candidates(self, config, packed, inputs):
         return Candidates(*surprisal_candidates(inputs.get(OLD_LOG_PROB), packed, config.surprisal_quantile))

@@ -9,7 +9,7 @@ import torch
 
 from maspo_verl import fsq
 from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, SegmentRule, Sweep, quantile_grid
+from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, Example, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Choice, Float, Int, Ints, Setting, fail
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
@@ -68,7 +68,30 @@ class TokenvalRule(SegmentRule):
     # below 2**31; a threshold of 0 with the id distance ends a segment at every change of code
     limits = {"sequence": {"tokenval_threshold": float(2**31)}}
     reads_codec = True
-    native_code = 2
+    examples = (
+        Example(
+            "code distances 1 2 17 1 19 with threshold 5: new segments at the 17 and the 19",
+            ((1,) * 6,),
+            ((3, 2, 1),),
+            {"tokenval_distance": "id", "tokenval_threshold": 5.0, "codec_offset": 100, "codec_size": 50},
+            {RESPONSE_IDS: ((100, 101, 103, 120, 121, 140),)},
+        ),
+        Example(
+            "a text token (id 5, outside the codec) is a segment of its own",
+            ((1,) * 5,),
+            ((2, 1, 2),),
+            {"tokenval_distance": "id", "tokenval_threshold": 5.0, "codec_offset": 100, "codec_size": 50},
+            {RESPONSE_IDS: ((100, 101, 5, 102, 103),)},
+        ),
+        Example(
+            "fsq_l1 over levels [4, 4]: codes 0 5 6 10 are digits 00 11 12 22 (L1 2, 1, 1), threshold 1.5",
+            ((1,) * 4,),
+            ((1, 3),),
+            {"tokenval_distance": "fsq_l1", "tokenval_threshold": 1.5, "codec_offset": 100, "codec_size": 16,
+             "fsq_levels": [4, 4]},
+            {RESPONSE_IDS: ((100, 105, 106, 110),)},
+        ),
+    )
 
     def candidates(self, config, packed, inputs):
         dist, outside = tokenval_scores(
@@ -114,12 +137,3 @@ class TokenvalRule(SegmentRule):
                 f"levels whose product equals policy_loss.codec_size={config.codec_size} "
                 f"(tokenval_distance={config.tokenval_distance!r} splits codes into FSQ digits)",
             )
-
-    def native_fields(self, config):
-        return {
-            "tokenval_threshold": float(config.tokenval_threshold),
-            "codec_offset": int(config.codec_offset),
-            "codec_size": int(config.codec_size),
-            "distance": config.tokenval_distance,
-            "fsq_levels": tuple(int(level) for level in config.fsq_levels),
-        }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from maspo_verl.segments.packing import previous
-from maspo_verl.segments.rule import Candidates, SegmentRule
+from maspo_verl.segments.rule import Candidates, Example, SegmentRule
 from maspo_verl.validation import Int, Setting
 
 
@@ -26,7 +26,16 @@ class TurnsRule(SegmentRule):
         ),
     )
     limits = {"token": {"turn_window": 1}}
-    native_code = 4
+    examples = (
+        Example("holes split turns: 2, 3, 1", ((1, 1, 0, 0, 1, 1, 1, 0, 1),), ((2, 3, 1),)),
+        Example(
+            "turn_window 2 splits each turn from its start: turns of 3 and 5 are 2, 1 and 2, 2, 1",
+            ((1, 1, 1, 0, 1, 1, 1, 1, 1),),
+            ((2, 1, 2, 2, 1),),
+            {"turn_window": 2},
+        ),
+        Example("min_segment_len never merges turns", ((1, 0, 1, 1, 1),), ((1, 3),), {"min_segment_len": 3}),
+    )
 
     def candidates(self, config, packed, inputs):
         B, T = packed.valid.shape
@@ -42,6 +51,3 @@ class TurnsRule(SegmentRule):
             since = packed.columns - torch.cummax(first * packed.columns, dim=-1).values
             boundaries |= packed.valid & (since % window == 0)
         return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device), starts)
-
-    def native_fields(self, config):
-        return {"turn_window": int(config.turn_window)}

@@ -8,7 +8,7 @@ from maspo_verl.batch import NO_WORD
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import previous
 from maspo_verl.segments.registry import SEGMENT_RULES, fallback_rules
-from maspo_verl.segments.rule import WORD_IDS, Candidates, SegmentRule
+from maspo_verl.segments.rule import WORD_IDS, Candidates, Example, SegmentRule
 from maspo_verl.validation import Choice, Setting
 
 # share of the rows with valid tokens and no word that took the fallback rule
@@ -45,7 +45,15 @@ class WordsRule(SegmentRule):
     }
     fallback_field = "words_fallback_rule"
     fallback_metric = WORDS_FALLBACK_METRIC
-    native_code = 3
+    examples = (
+        Example(
+            "word ids 0 0 1 1 1 - - 2: words and the gap are segments; a row without words takes the fallback",
+            ((1,) * 8, (1,) * 5 + (0,) * 3),
+            ((2, 3, 2, 1), (3, 2)),
+            {"words_fallback_rule": "fixed", "segment_window": 3},
+            {WORD_IDS: ((0, 0, 1, 1, 1, NO_WORD, NO_WORD, 2), (NO_WORD,) * 8)},
+        ),
+    )
 
     def token_level(self, config):
         return False  # rows with word ids are never token level
