@@ -64,11 +64,6 @@ def check() -> int:
         expected = plugin.registered()
         report["registered"] = expected
         report["hooks"] = {name: problem or "installed" for name, problem in hooks.PATCHES.items()}
-        from maspo_verl import native
-
-        # informational: without the C library the segmentation runs on torch ops (same ids, slower on CPU)
-        reason = native.unavailable()
-        report["segmentation_on_cpu"] = "C library" if reason is None else f"torch ops ({reason})"
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report["import_plugin"] = _failure(exc)
     want = expected and expected["policy_losses"] + expected["advantage_estimators"]

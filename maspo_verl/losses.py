@@ -12,13 +12,13 @@ loads the plugin, which imports this module, so importing this module must not i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from maspo_verl import inspection, ratios, surrogates
-from maspo_verl.clipping import clip_bounds  # noqa: F401  (the schedule's bounds; re-exported)
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
@@ -46,21 +46,20 @@ def aggregate(
     mask: torch.Tensor,
     loss_agg_mode: str,
     agg_mode: str,
-    sizes: torch.Tensor | None,
-    seg_ids: torch.Tensor | None,
+    set_sizes: torch.Tensor | None,
+    num_segments: torch.Tensor | None,
     global_batch_info: dict,
 ) -> torch.Tensor:
     """verl's ``agg_loss``; ``seg-mean-token-mean`` weights token t by 1 / (|seg(t)| * K_i).
 
-    ``seg_ids``: the segment ids [B, T], or their row maxima [B, 1] (all that is used).
+    ``set_sizes``: |seg(t)| per token [B, T]; ``num_segments``: K_i, each row's number of segments [B, 1].
 
     With those weights each row sums to the mean over its K_i segments of the token-mean inside
     each segment; verl's ``seq-mean-token-sum`` then averages rows over the global batch, so the
     mode stays invariant to data parallelism like verl's own modes.
     """
     if agg_mode == "seg-mean-token-mean":
-        num_segments = (seg_ids.amax(dim=-1, keepdim=True) + 1).to(loss_mat.dtype)
-        loss_mat = loss_mat / (sizes.clamp(min=1.0) * num_segments)
+        loss_mat = loss_mat / (set_sizes.clamp(min=1.0) * num_segments.to(loss_mat.dtype))
         loss_agg_mode = "seq-mean-token-sum"
     info = dict(global_batch_info)
     if info.get("dp_size", 1) <= 1 and (info.get("batch_num_tokens") is None or info.get("global_batch_size") is None):
@@ -81,25 +80,25 @@ def aggregate(
 
 def metric_sums(
     mask: torch.Tensor,
-    delta: torch.Tensor,
+    delta_sum: torch.Tensor,
     ratio: torch.Tensor,
-    surrogate: surrogates.TokenLosses,
-    seg_ids: torch.Tensor | None,
+    token_losses: surrogates.TokenLosses,
+    num_segments: torch.Tensor | None,
     buckets: int,
     response: torch.Tensor,
-    extra: dict[str, torch.Tensor],
+    rule_metrics: dict[str, torch.Tensor],
 ) -> tuple[torch.Tensor, tuple[tuple[str, int], ...]]:
     """All metrics of one call as raw sums, counts and extremes, named and reduced on the device into
     one float64 vector, and its layout (name, length) in order (``metrics_from_sums`` reads it back after
     a single transfer).
 
-    ``delta`` (zero on padding) may be given as its sum, ``seg_ids`` [B, T] as its row maxima [B, 1].
-    ``mask``: the tokens in the loss; ``response``: verl's response mask (``mask`` plus the dropped
-    non-finite tokens). ``extra``: more 0-d tensors to report under their own names (e.g. the
-    segmentation rule's).
+    ``mask``: the tokens in the loss; ``delta_sum``: the sum of their token log-ratios; ``num_segments``:
+    each row's number of segments [B, 1] (None: not segments); ``response``: verl's response mask (``mask``
+    plus the dropped non-finite tokens); ``rule_metrics``: more 0-d tensors to report under their own names
+    (the segmentation rule's).
     """
     mask = mask.bool()
-    clips = [c & mask for c in (surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_dual)]
+    clips = [c & mask for c in (token_losses.clipped_low, token_losses.clipped_high, token_losses.clipped_dual)]
     lengths = mask.sum(-1, dtype=torch.int32)  # [B]
     # ratio over valid tokens: zero on padding for the sum and max (r > 0), the largest float for the min
     valid = ratios.float_mask(mask, ratio.dtype)
@@ -122,12 +121,12 @@ def metric_sums(
         "tokens": lengths.sum(),
         "nonfinite": response.sum(dtype=torch.int32) - lengths.sum(),  # dropped non-finite tokens
     }
-    if seg_ids is not None:
+    if num_segments is not None:
         rows = lengths > 0
         parts["rows"] = rows.sum()
-        parts["segments"] = ((seg_ids.amax(dim=-1) + 1) * rows).sum()
-    parts.update(extra)
-    parts["delta_sum"] = delta.sum()
+        parts["segments"] = (num_segments.squeeze(-1) * rows).sum()
+    parts.update(rule_metrics)
+    parts["delta_sum"] = delta_sum
     parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
     parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
     layout = tuple((name, part.numel()) for name, part in parts.items())
@@ -190,79 +189,89 @@ def granular_policy_loss(
     *,
     loss_mode: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set.
+    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set (``config``: verl's actor config).
 
     Whatever padded positions hold has no effect on the loss or the gradient. A valid token whose
     log-prob or old log-prob is not finite is dropped from the loss (as if padded, so it shares no
     ratio either), counted in ``actor/ratio/nonfinite_tokens`` and warned about.
     """
-    pl = policy_loss_config(config, loss_mode)
-    step = inspection.due(pl) if pl.inspect_dir is not None else None
-    if step is not None:  # an inspected step: the eager body, which also returns the rows to write
-        pg_loss, sums, layout, rows = loss_body(
-            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights,
-            loss_mode=loss_mode, inspect_rows=inspection.ROWS,
-        )  # fmt: skip
-        inspection.write(step, rows, pl, config, loss_mode)  # the one extra transfer of an inspected step
-    else:
-        body = compiled_loss_body(loss_mode) if pl.compile else partial(loss_body, loss_mode=loss_mode)
-        pg_loss, sums, layout = body(
-            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, pl, rollout_is_weights
+    actor = config
+    policy_loss = policy_loss_config(actor, loss_mode)
+    body = compiled_loss_body(loss_mode) if policy_loss.compile else partial(loss_body, loss_mode=loss_mode)
+    step = body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor, policy_loss, rollout_is_weights)
+    inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
+    if inspected is not None:  # the one extra transfer of an inspected step
+        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask)
+        rows = inspection.record(
+            inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses, ids
         )
-    # the one device-to-host transfer of the call
-    metrics = metrics_from_sums(sums.tolist(), layout)
+        inspection.write(inspected, rows, policy_loss, actor, loss_mode)
+    metrics = metrics_from_sums(step.metric_sums.tolist(), step.layout)  # the one device-to-host transfer
     if metrics["actor/ratio/nonfinite_tokens"]:
         warn_once(
             "maspo_verl: non-finite log-probs at valid response tokens (corrupted inference-engine log-probs "
             "in bypass mode?); such tokens are dropped from the loss and counted in actor/ratio/nonfinite_tokens",
             RuntimeWarning,
         )
-    return pg_loss, metrics
+    return step.loss, metrics
+
+
+@dataclass
+class LossStep:
+    """What ``loss_body`` computes on the device: verl's aggregated loss, the metric sums with their layout
+    (``metric_sums``), and the per-token tensors an inspected step records."""
+
+    loss: torch.Tensor
+    metric_sums: torch.Tensor
+    layout: tuple[tuple[str, int], ...]
+    mask: torch.Tensor  # the tokens in the loss
+    ratio: torch.Tensor  # each token's shared ratio (a value)
+    token_losses: surrogates.TokenLosses
 
 
 def loss_body(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    loss_agg_mode,
-    config,
-    pl,
-    rollout_is_weights,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    actor: Any,
+    policy_loss: GranularLossConfig,
+    rollout_is_weights: torch.Tensor | None,
     *,
-    loss_mode,
-    inspect_rows: int = 0,
-):
-    """The loss and the metric sums with their layout (``metric_sums``): everything of
-    ``granular_policy_loss`` that runs on the device. With ``inspect_rows`` > 0 (an inspected step) also
-    the first rows of its tensors, for ``inspection.write``."""
+    loss_mode: str,
+) -> LossStep:
+    """Token set -> shared log-ratio -> clip schedule -> surrogate -> verl's aggregation, and the metric sums:
+    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.reference_loss`` is the same
+    written plainly)."""
+    response = response_mask.bool()
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
-        response = response_mask.bool()
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
-        sets = TOKEN_SETS[loss_mode].sums(pl, old_log_prob, mask, delta)
-        delta = delta.sum()  # only the sum is reported: free the [B, T] tensor early (peak memory)
-        log_ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha))
+        shared = TOKEN_SETS[loss_mode].sums(policy_loss, old_log_prob, mask, delta)
+        delta_sum = delta.sum()
+        del delta  # only its sum is reported (peak memory)
+        log_ratio = shared.per_token(ratios.normalise(shared.sums, shared.sizes, shared.alpha))
         ratio = log_ratio.exp()
-        # per-token set sizes only where a schedule or the aggregation needs them
-        sizes = sets.per_token(sets.sizes) if pl.agg_mode != "actor" or pl.clip_schedule != "ratio" else None
-        # the aggregation and metrics need only each row's last segment id
-        seg_ids = None if sets.seg_ids is None else sets.seg_ids.amax(dim=-1, keepdim=True)
-        if inspect_rows:
-            full_ids = None if sets.seg_ids is None else sets.seg_ids[:inspect_rows]
-        extra = sets.metrics  # the segmentation rule's own metrics, if any
-        del sets
-        objective = SURROGATES[pl.surrogate]
-        params = objective.params(pl, config, sizes)
-        if pl.agg_mode == "actor":
-            sizes = None
-    surrogate = surrogates.apply(objective, log_prob, ratio, advantages, params, rollout_is_weights, log_ratio, mask)
+        # per-token set sizes, where the clip schedule or the aggregation reads them
+        needs_sizes = policy_loss.clip_schedule != "ratio" or policy_loss.agg_mode != "actor"
+        set_sizes = shared.per_token(shared.sizes) if needs_sizes else None
+        num_segments = None if shared.segment_ids is None else shared.segment_ids.amax(dim=-1, keepdim=True) + 1
+        rule_metrics = shared.metrics
+        del shared
+        surrogate = SURROGATES[policy_loss.surrogate]
+        params = surrogate.params(policy_loss, actor, set_sizes)
+    token_losses = surrogates.apply(
+        surrogate, log_prob, ratio, advantages, params, rollout_is_weights, log_ratio, mask
+    )  # fmt: skip
     del log_ratio, params
-    pg_loss = aggregate(surrogate.loss, response, loss_agg_mode, pl.agg_mode, sizes, seg_ids, config.global_batch_info)
-    sums, layout = metric_sums(mask, delta, ratio, surrogate, seg_ids, pl.position_buckets, response, extra)
-    if inspect_rows:
-        rows = inspection.record(inspect_rows, mask, old_log_prob, log_prob, advantages, ratio, surrogate, full_ids)
-        return pg_loss, sums, layout, rows
-    return pg_loss, sums, layout
+    loss = aggregate(
+        token_losses.loss, response, loss_agg_mode, policy_loss.agg_mode, set_sizes, num_segments,
+        actor.global_batch_info,
+    )  # fmt: skip
+    sums, layout = metric_sums(
+        mask, delta_sum, ratio, token_losses, num_segments, policy_loss.position_buckets, response, rule_metrics
+    )
+    return LossStep(loss, sums, layout, mask, ratio, token_losses)
 
 
 # verl's losses that one of our token sets computes exactly (docs/algorithms.md §5): inspected through it
@@ -296,10 +305,14 @@ def inspect_verl_loss(
         else:
             fields = dict(same, clip_schedule="ratio", agg_mode="actor", min_segment_len=0, max_segment_len=0)
             twin = dataclasses.replace(pl, compile=False, **fields)
-            rows = loss_body(
+            out = loss_body(
                 old_log_prob, log_prob.detach(), advantages, response_mask, loss_agg_mode, config, twin,
-                rollout_is_weights, loss_mode=twin.loss_mode, inspect_rows=inspection.ROWS,
-            )[3]  # fmt: skip
+                rollout_is_weights, loss_mode=twin.loss_mode,
+            )  # fmt: skip
+            ids = TOKEN_SETS[twin.loss_mode].segment_ids(twin, old_log_prob, out.mask)
+            rows = inspection.record(
+                inspection.ROWS, out.mask, old_log_prob, log_prob, advantages, out.ratio, out.token_losses, ids
+            )
     return inspection.write(step, rows, pl, config, name)
 
 

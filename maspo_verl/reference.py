@@ -123,7 +123,7 @@ def fields_table(presets: dict) -> list[str]:
 def rules_table() -> list[str]:
     """The README's table of segment rules, from their declarations."""
     names = {"old_log_prob": "old log-probs", "response_ids": "response ids", "word_ids": "word ids"}
-    rows = ["| `segment_rule` | what | settings | reads | limits | C kernel |", "|---|---|---|---|---|---|"]
+    rows = ["| `segment_rule` | what | settings | reads | limits | worked examples |", "|---|---|---|---|---|---|"]
     for rule in SEGMENT_RULES.values():
         settings = ", ".join(f"`{s.name}`" for s in rule.settings) or "–"
         reads = ", ".join(names.get(n, n) for n in sorted(rule.needs)) or "the mask"
@@ -131,8 +131,8 @@ def rules_table() -> list[str]:
             f"{limit}: " + ", ".join(f"{k}={_value(v)}" for k, v in values.items())
             for limit, values in rule.limits.items()
         )
-        kernel = "yes" if rule.native_code is not None else "torch ops"
-        rows.append(f"| `{rule.name}` | {_cell(rule.summary())} | {settings} | {reads} | {limits or '–'} | {kernel} |")
+        examples = len(rule.examples)
+        rows.append(f"| `{rule.name}` | {_cell(rule.summary())} | {settings} | {reads} | {limits or '–'} | {examples} |")
     return rows
 
 

@@ -28,19 +28,19 @@ from maspo_verl.util import registrar
 class SharedSums:
     """Sums of delta over each token's set S(t) and the set sizes abs(S(t)).
 
-    For segments (``seg_ids`` given) both are per segment id, broadcast to tokens by ``per_token``;
+    For segments (``segment_ids`` given) both are indexed by segment id, broadcast to tokens by ``per_token``;
     for prefixes they are already per token.
     """
 
     sums: torch.Tensor
     sizes: torch.Tensor
     alpha: float
-    seg_ids: torch.Tensor | None
+    segment_ids: torch.Tensor | None
     # metrics of the segmentation rule (name -> 0-d tensor), reported with the loss's metrics
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.seg_ids is None else ratios.per_token(values, self.seg_ids)
+        return values if self.segment_ids is None else ratios.per_token(values, self.segment_ids)
 
 
 class TokenSet:
@@ -50,14 +50,21 @@ class TokenSet:
     # the sets partition each response (segment aggregation is defined)
     partition: ClassVar[bool] = True
 
-    def sums(self, config: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SharedSums:
+    def sums(
+        self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor
+    ) -> SharedSums:
+        """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
         raise NotImplementedError
 
-    def token_level(self, config: Any) -> bool:
+    def segment_ids(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments)."""
+        return None
+
+    def token_level(self, policy_loss: Any) -> bool:
         """True when the settings give every token its own ratio (GRPO's granularity)."""
         return False
 
-    def segment_rules(self, config: Any) -> tuple[segments.SegmentRule, ...]:
+    def segment_rules(self, policy_loss: Any) -> tuple[segments.SegmentRule, ...]:
         """The segmentation rules the settings run (none for sets that are not segments)."""
         return ()
 
@@ -84,22 +91,20 @@ class Segments(TokenSet):
 
     name = "maspo"
 
-    def sums(self, config, old_log_prob, mask, delta):
+    def sums(self, policy_loss, old_log_prob, mask, delta):
         metrics: dict[str, torch.Tensor] = {}
-        seg_ids, sizes = segments.compute_segments(
-            mask, config, old_log_prob=old_log_prob, metrics=metrics, sizes_dtype=delta.dtype
-        )
-        if sizes is None:
-            total, sizes = ratios.segment_totals(delta, seg_ids, mask)
-        else:
-            total = ratios.segment_sums(delta, seg_ids)
-        return SharedSums(total, sizes, config.length_exponent, seg_ids, metrics)
+        ids = segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob, metrics=metrics)
+        total, sizes = ratios.segment_totals(delta, ids, mask)
+        return SharedSums(total, sizes, policy_loss.length_exponent, ids, metrics)
 
-    def segment_rules(self, config):
-        return segments.rules_in_use(config)
+    def segment_ids(self, policy_loss, old_log_prob, mask):
+        return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob)
 
-    def token_level(self, config):
-        return segments.token_level(config)
+    def segment_rules(self, policy_loss):
+        return segments.rules_in_use(policy_loss)
+
+    def token_level(self, policy_loss):
+        return segments.token_level(policy_loss)
 
 
 @register_token_set
@@ -109,9 +114,9 @@ class Prefixes(TokenSet):
     name = "ctpo"
     partition = False
 
-    def sums(self, config, old_log_prob, mask, delta):
+    def sums(self, policy_loss, old_log_prob, mask, delta):
         total, sizes = ratios.prefix_sums(delta, mask)
-        return SharedSums(total, sizes, 0.0 if config.ctpo_mode == "cumprod" else 1.0, None)
+        return SharedSums(total, sizes, 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0, None)
 
 
 @register_token_set
@@ -120,7 +125,10 @@ class WholeResponse(TokenSet):
 
     name = "pgspo"
 
-    def sums(self, config, old_log_prob, mask, delta):
-        seg_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
-        total, sizes = ratios.segment_totals(delta, seg_ids, mask)
-        return SharedSums(total, sizes, config.length_exponent, seg_ids)
+    def sums(self, policy_loss, old_log_prob, mask, delta):
+        ids = self.segment_ids(policy_loss, old_log_prob, mask)
+        total, sizes = ratios.segment_totals(delta, ids, mask)
+        return SharedSums(total, sizes, policy_loss.length_exponent, ids)
+
+    def segment_ids(self, policy_loss, old_log_prob, mask):
+        return torch.zeros(mask.shape, dtype=torch.long, device=mask.device)

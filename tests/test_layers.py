@@ -29,7 +29,7 @@ CORE = {
     "advantages",
     "batch",
     "util",
-    "native",
+    "reference_loss",
     "fsq",
     "inspection",
     "vocab",

@@ -238,7 +238,7 @@ def loss_config(settings: dict, **changes):
     names = [f.name for f in dataclasses.fields(GranularLossConfig) if f.init]
     values = {k: v for k, v in {**settings, **changes}.items() if k != "_target_"}
     reject_unknown("policy_loss (--set)", values, names, SystemExit, "fields")
-    values.update(loss_mode="maspo", inspect_dir=None, compile=False, segment_kernel="auto")
+    values.update(loss_mode="maspo", inspect_dir=None, compile=False)
     return GranularLossConfig(**values)
 
 

@@ -112,7 +112,6 @@ BAD_VALUES = [
     ("agg_mode", "seg-mean", "actor, seg-mean-token-mean"),
     ("position_buckets", 0, "integer >= 1"),
     ("logprob_per_sample", "yes", "true or false"),
-    ("segment_kernel", "triton", "auto, torch"),
 ]
 
 

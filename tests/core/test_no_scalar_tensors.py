@@ -1,6 +1,6 @@
 """No tensor is made from Python values inside a loss call: on a GPU each such tensor is a host-to-device copy,
 which synchronises (``tests/core/test_cuda.py`` counts the synchronisations there). Checked on CPU for every preset
-on the GPU path (``segment_kernel=torch``), by counting the calls that make one."""
+(the same torch ops as on a GPU), by counting the calls that make one."""
 
 import pytest
 import torch
@@ -38,7 +38,7 @@ def test_the_counter_sees_a_scalar_tensor(monkeypatch):
 
 @pytest.mark.parametrize("preset", [p for p in preset_names() if p not in ("grpo", "gspo")])
 def test_a_loss_call_makes_no_tensor_from_python_values(preset, monkeypatch):
-    cfg = compose_config(f"loss={preset}", "actor_rollout_ref.actor.policy_loss.segment_kernel=torch")
+    cfg = compose_config(f"loss={preset}")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.policy_loss.loss_mode in TOKEN_SETS
     old, new, adv, mask = random_batch(B=4, T=40, dtype=torch.float32)

@@ -123,7 +123,7 @@ def test_one_host_transfer_per_call(name):
 
 def test_log_adaptive_bounds_stay_finite_at_the_widest_allowed_settings():
     """p = 1 on 300 tokens with a wide dual range: finite bounds, finite loss (p = 2 is refused)."""
-    from maspo_verl.losses import clip_bounds
+    from maspo_verl.clipping import clip_bounds
 
     old, new, adv, mask = random_batch(B=3, T=300, seed=21, lengths=[300, 150, 1])
     new = (new.detach() + 15.0).requires_grad_()

@@ -1,7 +1,7 @@
 """A segment rule declares what it reads and how it falls back; everything else asks it.
 
 A throw-away rule that needs the response ids is one class: it is selectable, validated, reaches the
-ids of verl's micro-batch, runs on torch ops under ``segment_kernel=auto`` (no C implementation), can
+ids of verl's micro-batch, can
 serve as the words rule's fallback, and the start-up checks refuse it when the hook that brings the ids
 is missing, all with no edit anywhere else.
 """
@@ -52,12 +52,11 @@ def expected_ids(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
-def test_the_rule_reads_the_micro_batch_ids(even_ids_rule, kernel):
+def test_the_rule_reads_the_micro_batch_ids(even_ids_rule):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (5, 23), generator=g)
     mask = torch.rand(5, 23, generator=g) < 0.8
-    config = actor_config(segment_rule=NAME, segment_kernel=kernel).policy_loss
+    config = actor_config(segment_rule=NAME).policy_loss
     assert inputs_needed(config) == {RESPONSE_IDS} and segment_rules(config) == (even_ids_rule,)
     with micro_batch_scope({"responses": ids}):
         got = segments.compute_segment_ids(mask, config)

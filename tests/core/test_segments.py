@@ -194,15 +194,17 @@ def test_min_len_keeps_the_stronger_boundary():
 
 
 @given(st.data())
-def test_fixed_window_shortcut_equals_boundary_path(data):
+def test_fixed_ids_are_valid_position_over_window(data):
+    """With min_segment_len <= W and max_segment_len 0 or >= W nothing moves the fixed rule's boundaries: the
+    ids are (valid position) // W."""
     mask = data.draw(masks())
     window = data.draw(st.integers(1, 8))
     min_len = data.draw(st.integers(0, window))
     max_len = data.draw(st.sampled_from([0, window, window + 3]))
-    config = GranularLossConfig(
-        segment_window=window, min_segment_len=min_len, max_segment_len=max_len, segment_kernel="torch"
-    )
-    # the boundary path's ids: the running count of boundaries (the first valid token is one)
+    config = GranularLossConfig(segment_window=window, min_segment_len=min_len, max_segment_len=max_len)
+    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    assert torch.equal(segments.compute_segment_ids(mask, config), position.div(window, rounding_mode="floor") * mask)
+    # and the running count of the boundaries (the first valid token is one)
     general = (segments.compute_boundaries(mask, config).long().cumsum(-1) - 1).clamp(min=0) * mask
     assert torch.equal(segments.compute_segment_ids(mask, config), general)
 

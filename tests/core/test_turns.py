@@ -43,11 +43,10 @@ def holes_mask(B, T, seed, left_pad=False):
     seed=st.integers(0, 10_000),
     window=st.sampled_from([0, 1, 2, 3, 7]),
     left_pad=st.booleans(),
-    kernel=st.sampled_from(["auto", "torch"]),
 )
-def test_turns_are_the_runs_of_valid_tokens(seed, window, left_pad, kernel):
+def test_turns_are_the_runs_of_valid_tokens(seed, window, left_pad):
     mask = holes_mask(5, 31, seed, left_pad)
-    config = actor_config(segment_rule="turns", turn_window=window, segment_kernel=kernel).policy_loss
+    config = actor_config(segment_rule="turns", turn_window=window).policy_loss
     got = compute_segment_ids(mask, config)
     assert torch.equal(got * mask, expected_ids(mask, window))
 

@@ -81,7 +81,6 @@ def test_check_command_reports_ok():
     # every hook installed at import is installed (the v1 trainer's install when verl imports it)
     assert {"ppo_loss", "token_scores", "update_step", "verl_losses"} <= set(report["hooks"])
     assert set(report["hooks"].values()) == {"installed"}, report["hooks"]
-    assert report["segmentation_on_cpu"] == "C library"  # CI has a C compiler
 
 
 def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):

@@ -31,7 +31,7 @@ def _main(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def test_close_names_and_a_wrapped_allowed_list():
-    assert close_names("segment_windw", ["segment_window", "segment_kernel", "min_segment_len"]) == ["segment_window"]
+    assert close_names("segment_windw", ["segment_window", "max_segment_len", "min_segment_len"]) == ["segment_window"]
     assert close_names("zzz", ["segment_window"]) == []
     from maspo_verl.main import policy_loss_fields
 
