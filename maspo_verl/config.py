@@ -2,8 +2,10 @@
 credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Every field of ``GranularLossConfig`` is declared once as a ``Setting`` (name, default, allowed values, one
-line): the loss's own in ``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, each
-rule's in its module (``maspo_verl/segments/rules/``), the surrogate's in ``maspo_verl.surrogates``. The
+line), in one shape everywhere: what a part shares in a module-level ``SETTINGS`` (the loss's own in
+``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, the surrogate selector in
+``maspo_verl.surrogates``) and what each registered member owns in its class's ``settings`` (each rule in
+``maspo_verl/segments/rules/``, each token set in ``maspo_verl.token_sets``, each surrogate). The
 dataclass, its checks, the Hydra defaults in ``hydra_configs/maspo_base.yaml`` and the README's field table are
 made from them (``python -m maspo_verl generate`` writes the last two). Selected with
 ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig`` (our
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
@@ -26,13 +28,15 @@ from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.validation import Bool, Choice, Float, Int, OptionalPath, Setting, check_float, fail, reject_unknown
 
+if TYPE_CHECKING:  # the declared fields for static tools (generated: maspo_verl/config_fields.py)
+    from maspo_verl.config_fields import GranularLossFields
+else:
+    GranularLossFields = object
+
 MAX_POSITION_BUCKETS = 64
 # the loss's own settings: normalisation, clipping, aggregation, metrics, compilation, inspection
 LOSS_SETTINGS = (
     Setting("length_exponent", 1.0, Float(0.0, 1.0), "α of ℓ_t = Σ δ / abs(S(t))^α (`maspo`, `pgspo`; 1 = mean)"),
-    Setting(
-        "ctpo_mode", "cumprod", Choice(("cumprod", "geomean")), "`ctpo`: the prefix product (α 0) or its mean (α 1)"
-    ),
     Setting(
         "clip_schedule", "ratio", Choice(("ratio", "log_adaptive")), "ratio: verl's clip_ratio_*; log_adaptive: below"
     ),
@@ -57,15 +61,24 @@ LOSS_SETTINGS = (
 
 
 def declared_settings() -> tuple[Setting, ...]:
-    """Every field of ``GranularLossConfig``: the segmentation's, each rule's (registry order), the loss's, the
-    surrogate's."""
-    declared = (*segments.compute.SETTINGS, *(s for rule in SEGMENT_RULES.values() for s in rule.settings))
-    declared += LOSS_SETTINGS + surrogates.SETTINGS
+    """Every field of ``GranularLossConfig``: each part's shared settings, then its members' (registry order):
+    the segmentation and the rules, the loss and the token sets, the surrogate selector and the surrogates."""
+    parts = (
+        (segments.compute.SETTINGS, SEGMENT_RULES),
+        (LOSS_SETTINGS, TOKEN_SETS),
+        (surrogates.SETTINGS, surrogates.SURROGATES),
+    )
+    declared = tuple(s for shared, members in parts for s in (*shared, *members_settings(members)))
     names = [s.name for s in declared]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"policy_loss fields declared more than once: {twice}")
     return declared
+
+
+def members_settings(members: dict) -> tuple[Setting, ...]:
+    """The settings the registered ``members`` (rules, token sets, surrogates) declare on their classes."""
+    return tuple(s for member in members.values() for s in member.settings)
 
 
 SETTINGS = declared_settings()
@@ -120,7 +133,7 @@ def _declared_fields(cls):
 
 
 @_declared_fields
-class GranularLossConfig(PolicyLossConfig):
+class GranularLossConfig(PolicyLossConfig, GranularLossFields):
     """Token set x normalisation x clip schedule (docs/algorithms.md); one field per declared ``SETTINGS``.
 
     ``loss_mode`` picks the token set (``maspo_verl.token_sets``): ``maspo`` (segments), ``ctpo``

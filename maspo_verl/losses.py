@@ -198,7 +198,9 @@ def granular_policy_loss(
     actor = config
     policy_loss = policy_loss_config(actor, loss_mode)
     body = compiled_loss_body(loss_mode) if policy_loss.compile else partial(loss_body, loss_mode=loss_mode)
-    step = body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor, policy_loss, rollout_is_weights)
+    step = body(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor, policy_loss, rollout_is_weights
+    )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
         ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask)

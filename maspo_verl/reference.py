@@ -18,6 +18,8 @@ from omegaconf import OmegaConf
 
 from maspo_verl.config import SETTINGS
 from maspo_verl.segments import SEGMENT_RULES, compute
+from maspo_verl.surrogates import SURROGATES
+from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import config_dir, preset_names
 
 COMMAND = "python -m maspo_verl generate"
@@ -48,9 +50,10 @@ def compose_config(*overrides: str, config_name: str = "maspo_trainer"):
 def _owner(name: str) -> str:
     if any(s.name == name for s in compute.SETTINGS):
         return "segmentation"
-    for rule in SEGMENT_RULES.values():
-        if any(s.name == name for s in rule.settings):
-            return f"rule `{rule.name}`"
+    for kind, members in (("rule", SEGMENT_RULES), ("loss", TOKEN_SETS), ("surrogate", SURROGATES)):
+        for member in members.values():
+            if any(s.name == name for s in member.settings):
+                return f"{kind} `{member.name}`"
     return "loss"
 
 
@@ -132,7 +135,9 @@ def rules_table() -> list[str]:
             for limit, values in rule.limits.items()
         )
         examples = len(rule.examples)
-        rows.append(f"| `{rule.name}` | {_cell(rule.summary())} | {settings} | {reads} | {limits or '–'} | {examples} |")
+        rows.append(
+            f"| `{rule.name}` | {_cell(rule.summary())} | {settings} | {reads} | {limits or '–'} | {examples} |"
+        )
     return rows
 
 
@@ -175,6 +180,21 @@ def _readme_part(name: str) -> tuple[str, str]:
     return f"<!-- generated: {name} ({COMMAND}) -->", f"<!-- end of generated: {name} -->"
 
 
+FIELDS_MARKERS = (
+    f"# generated ({COMMAND}): one annotation per declared setting",
+    "# end of generated fields",
+)
+
+
+def _type_name(kind: Any) -> str:
+    return kind.__name__ if isinstance(kind, type) else str(kind)
+
+
+def field_annotations() -> list[str]:
+    """``maspo_verl/config_fields.py``'s body: each declared setting's name and type."""
+    return [f"    {s.name}: {_type_name(s.allowed.type)}" for s in SETTINGS]
+
+
 YAML_MARKERS = (
     f"# generated ({COMMAND}): every declared setting at its default, so each is settable from the CLI",
     "# end of generated settings",
@@ -192,7 +212,11 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
         return text
 
     yaml_lines = base_yaml_fields()
+    annotations = field_annotations()
     return {
+        Path(__file__).parent / "config_fields.py": lambda text: _replace(
+            text, *FIELDS_MARKERS, annotations, "config_fields.py"
+        ),
         root / "README.md": readme,
         config_dir() / "maspo_base.yaml": lambda text: _replace(text, *YAML_MARKERS, yaml_lines, "maspo_base.yaml"),
     }

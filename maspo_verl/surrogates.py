@@ -82,6 +82,8 @@ class Surrogate(Generic[Params]):
     examples (``examples``, required). ``values`` gets the advantages zeroed outside the kept tokens."""
 
     name: ClassVar[str]
+    # its own policy-loss fields (``Setting``), like a segment rule's
+    settings: ClassVar[tuple[Setting, ...]] = ()
     # the clip schedules it accepts (None: any), and why
     clip_schedules: ClassVar[tuple[str, ...] | None] = None
     why_schedule: ClassVar[str] = ""
@@ -105,8 +107,13 @@ class Surrogate(Generic[Params]):
         raise NotImplementedError
 
     def values(
-        self, log_prob: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor | None, adv: torch.Tensor,
-        params: Params, keep: torch.Tensor,
+        self,
+        log_prob: torch.Tensor,
+        ratio: torch.Tensor,
+        log_ratio: torch.Tensor | None,
+        adv: torch.Tensor,
+        params: Params,
+        keep: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, clipped_low, clipped_high, clipped_dual, d loss / d log pi), all [B, T], without autograd."""
         raise NotImplementedError
@@ -114,7 +121,8 @@ class Surrogate(Generic[Params]):
 
 SURROGATES: dict[str, Surrogate] = {}
 register_surrogate = registrar(SURROGATES)
-# the policy-loss field that selects one (``maspo_verl.config`` builds the field from it)
+# the policy-loss field that selects one, shared by all (``maspo_verl.config`` builds the fields from it and from
+# each surrogate's ``settings``)
 SETTINGS = (
     Setting(
         "surrogate",
@@ -147,8 +155,13 @@ class PPOClip(Surrogate[ClipBounds]):
             advantage=(1.0, 2.0),
             loss=(-1.1051709180756477, -2.1),
             grad=(0.0, -2.1),
-            settings={"clip_schedule": "log_adaptive", "log_clip_low": 0.2, "log_clip_high": 0.2,
-                      "log_clip_dual": 1.0, "clip_exponent": -0.5},
+            settings={
+                "clip_schedule": "log_adaptive",
+                "log_clip_low": 0.2,
+                "log_clip_high": 0.2,
+                "log_clip_dual": 1.0,
+                "clip_exponent": -0.5,
+            },
             sizes=(4.0, 4.0),
         ),
     )

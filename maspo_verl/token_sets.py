@@ -10,7 +10,7 @@ Each registered ``TokenSet`` is one loss of this package: the plugin registers e
 | `pgspo` | whole response          | `length_exponent` (1 = GSPO)                                |
 
 A new loss is one subclass here, decorated with ``@register_token_set``, plus a preset in
-``hydra_configs/loss/`` (and its settings declared in ``maspo_verl.config.LOSS_SETTINGS`` if it needs new ones).
+``hydra_configs/loss/``; the settings it owns go in its class's ``settings``, like a segment rule's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from maspo_verl import ratios, segments
 from maspo_verl.util import registrar
+from maspo_verl.validation import Choice, Setting
 
 
 @dataclass
@@ -47,12 +48,12 @@ class TokenSet:
     """A token set and its normalisation: one loss."""
 
     name: ClassVar[str]
+    # its own policy-loss fields (``Setting``), like a segment rule's
+    settings: ClassVar[tuple[Setting, ...]] = ()
     # the sets partition each response (segment aggregation is defined)
     partition: ClassVar[bool] = True
 
-    def sums(
-        self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor
-    ) -> SharedSums:
+    def sums(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SharedSums:
         """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
         raise NotImplementedError
 
@@ -112,6 +113,11 @@ class Prefixes(TokenSet):
     """CTPO: the prefix {1..t}; cumprod is the full prefix product, geomean its geometric mean."""
 
     name = "ctpo"
+    settings = (
+        Setting(
+            "ctpo_mode", "cumprod", Choice(("cumprod", "geomean")), "`ctpo`: the prefix product (α 0) or its mean (α 1)"
+        ),
+    )
     partition = False
 
     def sums(self, policy_loss, old_log_prob, mask, delta):

@@ -3,7 +3,8 @@
 To use it, copy this file into ``maspo_verl/segments/rules/``, add a preset ``hydra_configs/loss/maspo_entropy.yaml``
 (``loss_mode: maspo``, ``segment_rule: entropy``), run ``python -m maspo_verl generate`` and the tests: the rule is
 discovered, its field ``policy_loss.entropy_threshold`` is validated, documented and settable from the CLI, and the
-discovered tests (limits, validation, fuzz, data parallelism, the preset) cover it. ``tests/test_example_rule.py``
+discovered tests (its worked examples, limits, validation, the reference loss, fuzz, data parallelism, the preset)
+cover it. ``tests/test_example_rule.py``
 does exactly this in a copy of the repository, under a name the code has never seen.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from maspo_verl.ratios import float_mask
 from maspo_verl.segments.packing import previous
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, SegmentRule
+from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
 from maspo_verl.validation import Float, Setting
 
 # non-finite old log-probs count as this much surprisal
@@ -26,6 +27,23 @@ class EntropyRule(SegmentRule):
     settings = (Setting("entropy_threshold", 2.0, Float(), "surprisal (nats) after which a segment ends (`entropy`)"),)
     # surprisal is clamped to [-MAX_SURPRISAL, MAX_SURPRISAL]: below that every token ends a segment, above it none
     limits = {"token": {"entropy_threshold": -2 * MAX_SURPRISAL}, "sequence": {"entropy_threshold": 2 * MAX_SURPRISAL}}
+    # required: what the rule does, worked out by hand (the discovered tests run each one)
+    examples = (
+        Example(
+            "surprisals 0.5 3.0 0.1 0.2 2.5 0.3, threshold 2: segments end after the 3.0 and the 2.5",
+            mask=((1,) * 6,),
+            lengths=((2, 3, 1),),
+            settings={"entropy_threshold": 2.0},
+            inputs={OLD_LOG_PROB: ((-0.5, -3.0, -0.1, -0.2, -2.5, -0.3),)},
+        ),
+        Example(
+            "a hole is skipped: the token after the surprising one is the next valid token",
+            mask=((1, 1, 0, 1),),
+            lengths=((2, 1),),
+            settings={"entropy_threshold": 2.0},
+            inputs={OLD_LOG_PROB: ((-0.5, -3.0, -9.0, -0.1),)},
+        ),
+    )
 
     def candidates(self, config, packed, inputs):
         # packed rows: column p is the row's valid token p, so the previous column is the previous valid token

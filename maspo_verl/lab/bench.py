@@ -340,8 +340,7 @@ def write_report(out, rows, args, seconds, profiled) -> None:
         "profile: a load-independent proxy for CPU dispatch overhead and GPU kernel launches.",
         "- `host_syncs`: Python-level device-to-host transfers per call (item/tolist/numpy/cpu/bool/float/int); "
         "verl's `vanilla` and `gspo` do 3 `.item()` each, ours one `.tolist()` of all metrics.",
-        "- On CPU the MASPO presets segment with the C library (`segment_kernel=auto`, `maspo_verl/native.py`), "
-        "which also gives the segment sizes; the `+compile` rows and GPUs run the segmentation's torch ops.",
+        "- The segmentation runs on the same torch ops on every device (one implementation per rule).",
         "",
     ]
     if not any(r["device"] == "cuda" for r in rows):

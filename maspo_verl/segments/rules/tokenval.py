@@ -87,8 +87,13 @@ class TokenvalRule(SegmentRule):
             "fsq_l1 over levels [4, 4]: codes 0 5 6 10 are digits 00 11 12 22 (L1 2, 1, 1), threshold 1.5",
             ((1,) * 4,),
             ((1, 3),),
-            {"tokenval_distance": "fsq_l1", "tokenval_threshold": 1.5, "codec_offset": 100, "codec_size": 16,
-             "fsq_levels": [4, 4]},
+            {
+                "tokenval_distance": "fsq_l1",
+                "tokenval_threshold": 1.5,
+                "codec_offset": 100,
+                "codec_size": 16,
+                "fsq_levels": [4, 4],
+            },
             {RESPONSE_IDS: ((100, 105, 106, 110),)},
         ),
     )
