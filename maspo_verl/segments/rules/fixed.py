@@ -25,8 +25,12 @@ class FixedRule(SegmentRule):
             ((2, 1), (2, 2, 1)),
             {"segment_window": 2},
         ),
-        Example("max_segment_len splits a window: 5 -> 2, 2, 1", ((1,) * 10,), ((2, 2, 1, 2, 2, 1),),
-                {"segment_window": 5, "max_segment_len": 2}),
+        Example(
+            "max_segment_len splits a window: 5 -> 2, 2, 1",
+            ((1,) * 10,),
+            ((2, 2, 1, 2, 2, 1),),
+            {"segment_window": 5, "max_segment_len": 2},
+        ),
     )
 
     def candidates(self, config, packed, inputs):
