@@ -9,7 +9,7 @@ Reads responses from
   speech reward produces them) or ``word_times`` ([[start_s, end_s], ...], turned into word ids by the
   speech reward's own ``word_token_ids`` at ``--frame-rate`` codes/s), and ``old_log_probs``.
 
-Every segmentation is computed by ``maspo_verl.segments.compute_segments`` with a
+Every segmentation is computed by ``maspo_verl.segments.compute_segment_ids`` with a
 ``GranularLossConfig`` (the run's settings, or the defaults, then ``--preset`` and ``--set``), exactly
 as the loss computes it; each rule's threshold is swept over a grid. Writes to ``--out``:
 
