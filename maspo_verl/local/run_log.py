@@ -72,6 +72,10 @@ KNOWN_NOISE = (
     ("verl's memory report (host memory in the local mode)", re.compile(r"device memory used/total \(GB\)")),
     ("verl's worker-class and kernel-patch notes", re.compile(r"^(colocated worker base class|Skipping monkey patch)")),
     ("verl's note that no validation ran", re.compile(r"^'Final validation metrics: None'$")),
+    (
+        "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
+        re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
+    ),
 )
 PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes the source line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -216,10 +216,11 @@ def check_gpus(r: Report, config) -> None:
 
     wanted, here = int(trainer.get("n_gpus_per_node", 1)), torch.cuda.device_count()
     if wanted > here:
+        fewer = f"set trainer.n_gpus_per_node<={here}, " if here else ""
         r.problem(
-            "trainer.n_gpus_per_node", wanted, f"this node has {here} CUDA GPU(s) and no Ray cluster to join: set "
-            f"trainer.n_gpus_per_node<={here}" + (", or " if here else "; ") + "add local=cpu for the CPU mode "
-            "(a tiny model, a few steps), or start a Ray cluster (ray start) and set RAY_ADDRESS"
+            "trainer.n_gpus_per_node", wanted, f"this node has {here or 'no'} CUDA GPU{'s' * (here != 1)} and no "
+            f"Ray cluster to join: {fewer}add local=cpu for the CPU mode (a tiny model, a few steps), or join a "
+            "Ray cluster with GPUs (RAY_ADDRESS)"
         )  # fmt: skip
 
 

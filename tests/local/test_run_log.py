@@ -55,6 +55,8 @@ NOISE = [
     "(TaskRunnerV1 pid=9148) colocated worker base class <class 'verl.single_controller.base.worker.Worker'>",
     "(WorkerDict pid=9326) Skipping monkey patch for Qwen2ForCausalLM as use_fused_kernels is False",
     "(TaskRunnerV1 pid=9148) 'Final validation metrics: None'",
+    "(AgentLoopWorkerTQ pid=6521) WARNING:2026-11-25 21:02:11,104:No model-specific Continuous Token builder is "
+    "registered for config.json model_type='llama'; falling back to ContinuousTokenModelFamily.DEFAULT.",
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
