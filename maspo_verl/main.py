@@ -15,13 +15,16 @@ run folder; an override of a ``policy_loss`` field that does not exist names the
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from maspo_verl.batch_sizes import check_batch_sizes
 from maspo_verl.plugin.checks import run_startup_checks
+from maspo_verl.plugin.preflight import preflight
 from maspo_verl.util import config_dir
 from maspo_verl.validation import FieldError, root_cause, unknown_message
 
@@ -46,15 +49,56 @@ def loss_section(config: DictConfig) -> dict:
     return section
 
 
+def unread_fields(policy_loss: dict) -> list[str]:
+    """Our declared ``policy_loss`` fields the chosen loss does not read: all of them for verl's own losses;
+    for ours the segmentation's when no rule runs, a rule's when another runs, a setting whose
+    description names other token sets (`maspo`, `pgspo`) or another ``clip_schedule`` ("log_adaptive: ...")."""
+    import re
+
+    from maspo_verl.config import SETTINGS
+    from maspo_verl.segments import SEGMENT_RULES, compute
+    from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+
+    loss_mode = policy_loss.get("loss_mode")
+    if loss_mode not in TOKEN_SETS:
+        return [s.name for s in SETTINGS if s.name in policy_loss]
+    in_use = {rule.name for rule in segment_rules(policy_loss)}
+    rule_of = {s.name: rule.name for rule in SEGMENT_RULES.values() for s in rule.settings}
+    segmentation = {s.name for s in compute.SETTINGS}
+    schedules = next(s.allowed.choices for s in SETTINGS if s.name == "clip_schedule")
+    unread = []
+    for s in SETTINGS:
+        sets = [name for name in re.findall(r"`(\w+)`", s.doc) if name in TOKEN_SETS]
+        schedule = s.doc.split(":", 1)[0] if s.name != "clip_schedule" else None
+        if (
+            (s.name in rule_of and rule_of[s.name] not in in_use)
+            or (s.name in segmentation and not in_use)
+            or (sets and loss_mode not in sets)
+            or (schedule in schedules and schedule != policy_loss.get("clip_schedule"))
+        ):
+            unread.append(s.name)
+    return [name for name in unread if name in policy_loss]
+
+
 def dry_run(config: DictConfig) -> dict:
-    """verl's own validation (which builds the actor dataclass, ours included) without starting Ray."""
+    """verl's own validation (which builds the actor dataclass, ours included) without starting Ray. Prints
+    the loss section with the ``policy_loss`` fields the chosen loss reads; returns all of it."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     section = loss_section(config)
+    policy_loss = section.get("policy_loss")
+    shown, unread = section, []
+    if isinstance(policy_loss, dict):
+        unread = unread_fields(policy_loss)
+        shown = {**section, "policy_loss": {k: v for k, v in policy_loss.items() if k not in unread}}
     print("maspo_verl dry run: config valid; loss section:")
-    print(OmegaConf.to_yaml(OmegaConf.create(section)))
+    print(OmegaConf.to_yaml(OmegaConf.create(shown)), end="")
+    if unread:
+        print(f"# not shown: {len(unread)} policy_loss fields {policy_loss.get('loss_mode')} does not read "
+              "(python -m maspo_verl.main ... --cfg job prints the whole config)")  # fmt: skip
+    print(flush=True)
     return section
 
 
@@ -68,6 +112,7 @@ def run(config: DictConfig) -> None:
         from maspo_verl import local
 
         local.prepare_task(config)  # the task's lengths and data (task=turns), before the batch checks
+    preflight(config, local=bool(maspo.get("local")))  # paths and GPUs on this machine (the dry run too)
     check_batch_sizes(config)
     check_policy_loss(config)
     if not maspo.get("local"):
@@ -134,9 +179,35 @@ def check_policy_loss_overrides(overrides: list[str]) -> None:
         raise FieldError(f"{prefix}{unknown[0]}", unknown_message(POLICY_LOSS, unknown, allowed, "fields"))
 
 
+# set by ``cli`` while Hydra composes, so a composition error reaches ``cli`` (``unknown_key_message``)
+_FORCED_FULL_ERROR = "_MASPO_VERL_FORCED_HYDRA_FULL_ERROR"
+
+
+def unknown_key_message(exc: BaseException, overrides: list[str]) -> str | None:
+    """For Hydra's "Could not override 'a.b.c'" (a key verl's config does not have): the section's closest
+    keys, as our own fields get them, and the ``+`` form for a key meant to be new; None for other errors."""
+    cause = exc.__cause__
+    key, full_key, parent = (getattr(cause, a, None) for a in ("key", "full_key", "parent_node"))
+    if not (isinstance(key, str) and isinstance(full_key, str) and hasattr(parent, "keys")):
+        return None
+    if "Could not override" not in str(exc):
+        return None
+    section = full_key[: -len(key)].rstrip(".") or "the config"
+    given = next((o for o in overrides if o.split("=", 1)[0] == full_key), f"{full_key}=...")
+    head = unknown_message(section, [key], [str(k) for k in parent.keys()], "keys")
+    return f"{head}\n(a key verl's config does not have is added with +{given})"
+
+
+def _restore_hydra_full_error() -> None:
+    if os.environ.pop(_FORCED_FULL_ERROR, None):
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
 @hydra.main(config_path=CONFIG_PATH, config_name="maspo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     from maspo_verl.local.run_log import remove_hydra_run_folder, run_dir
+
+    _restore_hydra_full_error()  # errors of the run itself: Hydra's own reporting
 
     log = run_dir() / "run.log"  # written by a local run's session from its start
     try:
@@ -159,13 +230,44 @@ def main(config: DictConfig) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """The module's command line: the ``policy_loss`` override check, then Hydra's ``main``."""
+    """The module's command line: the ``policy_loss`` override check, then Hydra's ``main``; a misspelt
+    verl key gets the closest keys instead of Hydra's "+key" advice."""
+    overrides = sys.argv[1:] if argv is None else argv
     try:
-        check_policy_loss_overrides(sys.argv[1:] if argv is None else argv)
+        check_policy_loss_overrides(overrides)
     except FieldError as exc:
         print(f"maspo_verl: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    main()
+    if "HYDRA_FULL_ERROR" not in os.environ:
+        os.environ.update({"HYDRA_FULL_ERROR": "1", _FORCED_FULL_ERROR: "1"})
+    try:
+        main()
+    except Exception as exc:  # raised while Hydra composes (the run's own errors Hydra reports itself)
+        forced = bool(os.environ.get(_FORCED_FULL_ERROR))
+        _restore_hydra_full_error()
+        message = unknown_key_message(exc, overrides)
+        if message is not None:
+            print(f"maspo_verl: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if not forced:
+            raise
+        _report_like_hydra(exc)
+
+
+def _report_like_hydra(exc: BaseException) -> None:
+    """What Hydra prints for an error without HYDRA_FULL_ERROR: a composition error's message, else the
+    traceback; exit status 1."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, CompactHydraException):
+        print(str(exc), file=sys.stderr)
+        if isinstance(exc.__cause__, OmegaConfBaseException):
+            print(str(exc.__cause__), file=sys.stderr)
+    else:
+        traceback.print_exception(exc)
+    sys.stderr.flush()
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ recipe_overrides() {
 
 # maspo_launch [overrides...]: $PYTHON -m maspo_verl.main --config-name $CONFIG_NAME with them.
 #   DRY_RUN=1    compose, validate with verl's validate_config, print the loss section; no Ray, no GPU;
-#                MODEL_PATH, the data files and any reward model are not opened.
+#                what MODEL_PATH, the data files and the reward name that this machine lacks is listed,
+#                not refused (maspo.preflight=warn: the run may be meant for another machine).
 #   PRINT_CMD=1  print the command (one shell-quoted line) and exit.
 #   PRINT_ARGV=1 print the command's words, each ended by a NUL byte, and exit;
 #                recipes/cluster/ray_submit.sh passes them to `ray job submit` as the entrypoint.
@@ -78,9 +79,10 @@ maspo_launch() {
         return 0
     fi
     if [ "${DRY_RUN:-0}" = 1 ]; then
-        cmd+=(maspo.dry_run=true)
-        echo "DRY_RUN=1: composing and validating only; MODEL_PATH, data files and reward models are not opened."
-        printf 'command:'; printf ' %q' "${cmd[@]}"; printf '\n'
+        cmd+=(maspo.dry_run=true maspo.preflight=warn)
+        echo "DRY_RUN=1: composing and validating only; paths and GPUs this machine lacks are listed, not refused."
+        printf 'command: %q' "${cmd[0]}"; printf ' %q' "${cmd[@]:1:4}"   # python -m maspo_verl.main --config-name X
+        printf ' \\\n    %q' "${cmd[@]:5}"; printf '\n'                   # then one override per line
     fi
     "${cmd[@]}"
 }

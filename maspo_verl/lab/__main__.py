@@ -1,17 +1,23 @@
 """python -m maspo_verl.lab <command> [--out DIR | --update-docs] [options]
 
-Each command writes its tables, plots and a COMMAND.txt (the command that made them) to
-outputs/lab/<folder>/, a scratch folder; --out DIR writes elsewhere, --update-docs to the committed
-docs/results/<folder>/ of the checkout it runs in. `<command> --help` lists its knobs.
+Each command writes its tables, plots, a README.md (the report), a COMMAND.txt (the command that made
+them) and lab.log (its whole console output) to outputs/lab/<folder>/, a scratch folder; --out DIR
+writes elsewhere, --update-docs to the committed docs/results/<folder>/ of the checkout it runs in (no
+lab.log there). On the console: its progress, the report's title and where the files are.
+`<command> --help` lists its knobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+LOG = "lab.log"  # each command's whole console output, in its folder
 
 # name (also the module of maspo_verl.lab), what it measures
 COMMANDS = [
@@ -60,11 +66,17 @@ def main(argv: list[str] | None = None) -> None:
         module.add_arguments(p)
         p.set_defaults(module=module, folder=folder)
     args = parser.parse_args(argv)
+    if hasattr(args.module, "folder_of"):  # a mode with a folder of its own (bench --mode update)
+        args.folder = args.module.folder_of(args)
     if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():
         parser.error(f"--update-docs writes docs/results/{args.folder}/ of a checkout: run it from the repository root")
     args.out = str(args.out or common.default_out(args.folder, update_docs=args.update_docs))
-    args.module.run(args, argv)
-    print(f"results: {Path(args.out).resolve()}/")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler's USDT start/stop marker lines: none
+    # the whole console output in the folder (not in the committed one: --update-docs)
+    with contextlib.nullcontext() if args.update_docs else common.full_log(Path(args.out) / LOG):
+        args.module.run(args, argv)
+    out = Path(args.out).resolve()
+    print(f"results: {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
 
 
 if __name__ == "__main__":

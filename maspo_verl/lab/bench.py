@@ -219,6 +219,11 @@ def bench_entries(args: argparse.Namespace) -> list[Entry]:
     return entries + (surrogate_entries(entries) if args.surrogates else [])
 
 
+def folder_of(args: argparse.Namespace) -> str:
+    """``--mode update`` writes a folder of its own (its committed results: docs/results/update_share/)."""
+    return "update_share" if args.mode == "update" else "bench"
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     if args.mode == "update":
         return run_update(args, argv, bench_entries(args))
@@ -296,7 +301,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     if profile_text:
         (out / "profile.txt").write_text(profile_text)
     write_report(out, rows, args, time.time() - t0, bool(profile_text))
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 def profile_breakdown(fns, entries, args) -> str:
@@ -620,7 +625,7 @@ def run_update(args: argparse.Namespace, argv: list[str], entries) -> None:
         "",
     ]
     (out / "README.md").write_text("\n".join(lines))
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 def add_update_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import os
@@ -36,6 +37,44 @@ def prepare_out(out: str | os.PathLike, argv: Sequence[str]) -> Path:
     ]
     (path / "COMMAND.txt").write_text("\n".join(lines) + "\n")
     return path
+
+
+class _Tee:
+    """A text stream that writes to ``stream`` and to ``log``."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def full_log(path: Path):
+    """Everything the command prints (stdout and stderr) also goes to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as log:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
+def report_written(out: Path) -> None:
+    """The report's title and its path (the whole report is in the file, not on the console)."""
+    readme = Path(out) / "README.md"
+    title = next((line[2:].strip() for line in readme.read_text().splitlines() if line.startswith("# ")), "report")
+    print(f"{title}: {readme.resolve()}")
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

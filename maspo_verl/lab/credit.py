@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     race.write_tables(out, curves, rows, summary, prefix="race")
     race.plot(curves, tasks, contenders, args, out / "race_reward.png")
     write_report(out, grad_summary, summary, args, time.time() - t0)
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 def train_to(task: Task, seed: int, args) -> torch.Tensor:

@@ -230,7 +230,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     claims = check_claims(table, cases)
     plot(table, lengths, drifts, out)
     write_report(out, table, cases, claims, lengths, drifts, time.time() - t0)
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 def check_claims(table: list[dict], cases: list[dict]) -> dict:

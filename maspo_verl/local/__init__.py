@@ -320,6 +320,8 @@ def prepare(config) -> dict:
         address = ray_cluster.configure_ray_init(config.ray_kwargs.ray_init, env, new_temp_dir)
         if address is None:
             _fit_private_cluster(config)
+            if new_temp_dir is not None:  # a token in the cluster's temp dir, none in HOME
+                os.environ.update(ray_cluster.private_token_env(config.ray_kwargs.ray_init._temp_dir))
     ray_init = config.ray_kwargs.ray_init
     from maspo_verl.local.run_log import run_dir, shown_path
 

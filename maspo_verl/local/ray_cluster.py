@@ -4,7 +4,11 @@
   for the entrypoint of every ``ray job submit`` job): join that cluster. Its workers can fetch the
   job's ``working_dir``, and ``ray.init`` gets no ``num_cpus``/``num_gpus``/``_temp_dir`` (Ray
   refuses the first two when connecting; a fresh temp dir names no node of that cluster).
-- No address, or ``address=local``: a private cluster in its own temp dir.
+- No address, or ``address=local``: a private cluster in its own temp dir. Ray >= 2.52 turns token
+  authentication on for a new ``ray.init`` cluster and, without a token, writes one to
+  ``~/.ray/auth_token``, after which every ``ray start`` from that HOME turns it on too; a private
+  cluster's token is a file in its temp dir instead (``private_token_env``), unless the user set up
+  authentication (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or a token in HOME).
 
 Environment: inside a job, the job's runtime env already sets its ``env_vars`` for the driver and
 every worker, and Ray refuses a ``ray.init(runtime_env=...)`` naming any of the same variables. The
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+from pathlib import Path
 
 from maspo_verl.local.mismatch import MISMATCH_ENV
 
@@ -95,3 +101,20 @@ def configure_ray_init(ray_init, worker_env: dict[str, str], new_temp_dir) -> st
     env_vars = dict(ray_init["runtime_env"].get("env_vars") or {})
     ray_init["runtime_env"]["env_vars"] = {**worker_env, **env_vars}
     return address
+
+
+# what the user sets up Ray's token authentication with; any of them set: Ray's own behaviour
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def private_token_env(temp_dir: str, environ=None, home: Path | None = None) -> dict[str, str]:
+    """``{"RAY_AUTH_TOKEN_PATH": <temp_dir>/auth_token}`` with a new token written there (owner-only), so a
+    private cluster keeps token authentication and writes nothing into HOME; {} where the user set it up."""
+    environ = os.environ if environ is None else environ
+    home = Path.home() if home is None else home
+    if any(environ.get(key) for key in AUTH_ENV) or (home / ".ray" / "auth_token").exists():
+        return {}
+    path = Path(temp_dir) / "auth_token"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_hex(32))
+    return {"RAY_AUTH_TOKEN_PATH": str(path)}

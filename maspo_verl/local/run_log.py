@@ -72,9 +72,14 @@ KNOWN_NOISE = (
     ("verl's memory report (host memory in the local mode)", re.compile(r"device memory used/total \(GB\)")),
     ("verl's worker-class and kernel-patch notes", re.compile(r"^(colocated worker base class|Skipping monkey patch)")),
     ("verl's note that no validation ran", re.compile(r"^'Final validation metrics: None'$")),
+    (
+        "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
+        re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
+    ),
 )
 PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes the source line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STEP_LINE = re.compile(r"^step:(\d+) - ")
 RAY_PREFIX = re.compile(r"^\([^()]*pid=[^()]*\) ?")
 
 
@@ -176,6 +181,7 @@ class _Console:
         self.log = open(log_path, "a", buffering=1, errors="replace")  # noqa: SIM115 (closed by session)
         self.noise = noise
         self.hidden: dict[str, int] = {}
+        self.steps_shown: set[int] = set()  # steps whose ``step:N - ...`` line reached the console
         self.lock = threading.RLock()
         self._echo_of: tuple[str, str] | None = None  # (prefix, reason) of a hidden Python warning
 
@@ -196,6 +202,9 @@ class _Console:
                 if PYTHON_WARNING.match(body):
                     self._echo_of = (head, reason)
                 return
+        step = STEP_LINE.match(body)
+        if step:
+            self.steps_shown.add(int(step.group(1)))
         # a terminal gets Ray's colours; a pipe, and a progress bar's last redraw, the plain line
         shown = text if "\r" not in text and _isatty(target) else plain
         target.write(shown + "\n")
@@ -409,8 +418,10 @@ def session(config, created_temp_dirs: list[str]):
         raise
     finally:
         _stop_ray(created_temp_dirs)
-        for name, stream in streams.items():
+        for stream in streams.values():
             stream.close_pending()
+        _late_step_lines(config, console, originals["stdout"])
+        for name in streams:
             setattr(sys, name, originals[name])
         for handler, stream in handlers:
             handler.setStream(stream)
@@ -418,6 +429,18 @@ def session(config, created_temp_dirs: list[str]):
         console.log.write(block + "\n")
         console.log.close()
         print(block, flush=True)
+
+
+def _late_step_lines(config, console: _Console, target) -> None:
+    """The step lines of the metrics file that never reached the console: Ray forwards a worker's output
+    asynchronously, and the legacy trainer's last line (printed just before its actor returns) is lost
+    when the driver shuts Ray down."""
+    if "console" not in backends(config):
+        return
+    for step, metrics in sorted(read_step_metrics(metrics_path(config)).items()):
+        line = format_step(metrics, step) if step not in console.steps_shown else None
+        if line:
+            console.line(line, target)
 
 
 def _redirect_handlers(replacements: dict[int, _LineStream]) -> list:

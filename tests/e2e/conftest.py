@@ -28,12 +28,12 @@ def local_cache_dir(tmp_path_factory):
 
 @pytest.fixture
 def local_run(tmp_path, local_cache_dir):
-    """``local_run(overrides, timeout_s=..., own_ray_dir=...) -> LocalRun``; run folders (console.log
+    """``local_run(overrides, timeout_s=..., own_ray_dir=..., home=...) -> LocalRun``; run folders (console.log
     inside) in tmp_path: ``run``, then ``run1``, ... for a test that runs the trainer more than once."""
 
-    def _run(overrides: list[str], timeout_s: float = 480, own_ray_dir: bool = True) -> LocalRun:
+    def _run(overrides: list[str], timeout_s: float = 480, own_ray_dir: bool = True, home=None) -> LocalRun:
         run_dir = next(tmp_path / f"run{i or ''}" for i in range(100) if not (tmp_path / f"run{i or ''}").exists())
-        env = {"MASPO_VERL_CACHE": local_cache_dir}
+        env = {"MASPO_VERL_CACHE": local_cache_dir, **({"HOME": str(home)} if home else {})}
         return run_local(overrides, run_dir, timeout_s=timeout_s, env=env, own_ray_dir=own_ray_dir)
 
     return _run

@@ -118,10 +118,13 @@ def _check_readable_log(run) -> None:
     assert run.ray_dir and run.ray_dir.startswith("/tmp/maspo_ray_") and not run.ray_dir_left, run.ray_dir
 
 
-def test_maspo_tokenval_bypass_v1(local_run):
+def test_maspo_tokenval_bypass_v1(local_run, tmp_path):
     """Token-id segmentation (ids reach the loss through our ppo_loss wrapper) with the HF server's
-    log-probs as old log-probs (bypass mode)."""
+    log-probs as old log-probs (bypass mode). Run from an empty HOME, which it leaves empty (the private
+    Ray cluster's token lives in its temp dir, not in ~/.ray)."""
     max_len = 8
+    home = tmp_path / "home"
+    home.mkdir()
     run = _run(
         local_run,
         [
@@ -131,8 +134,10 @@ def test_maspo_tokenval_bypass_v1(local_run):
             "algorithm.rollout_correction.bypass_mode=true",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
         ],
+        home=home,
     )
     _check_common(run)
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == [], run.tail()
     assert "maspo_verl local: tokenval codec range set to the embedded byte ids" in run.log
     for step, metrics in run.steps.items():
         context = f"step {step}\n--- trainer log tail ---\n{run.tail()}"

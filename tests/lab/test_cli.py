@@ -144,7 +144,20 @@ def test_default_output_is_a_scratch_folder(tmp_path, monkeypatch, capsys):
     assert (out / "bench.csv").exists()
     assert (out / "COMMAND.txt").read_text().startswith("python -m maspo_verl.lab bench --B 4 ")
     assert not any((tmp_path / "docs" / "results" / "bench").iterdir())
-    assert capsys.readouterr().out.strip().endswith(f"results: {out}/")
+    # on the console the report's title and where the files are; the whole output in lab.log
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed == [
+        f"Loss benchmark: {out / 'README.md'}",
+        f"results: {out}/ (COMMAND.txt, README.md, bench.csv, lab.log)",
+    ]
+    assert "bench: cpu T=64 fp32 done" in (out / "lab.log").read_text()
+    assert "| 64 | grpo |" in (out / "README.md").read_text()
+    # --mode update: a folder of its own, bench's files untouched
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    sizes = ["--update-batch", "2", "--prompt-len", "8", "--response-len", "16", "--reps", "1", "--warmup", "0"]
+    main(["bench", "--mode", "update", "--only", "grpo", "--devices", "cpu", *sizes])
+    assert (tmp_path / "outputs" / "lab" / "update_share" / "update_share.csv").exists()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_update_docs_writes_the_committed_folder(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import csv
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +222,18 @@ def test_parquet_with_word_times_gives_the_speech_rewards_word_ids(tmp_path):
     expected = word_token_ids([TimedWord("", a, b) for a, b in times], 50)
     assert corpus.word_ids[0].tolist() == expected and corpus.old_log_prob is None
     assert corpus.token_ids[0].tolist() == [OFFSET + c for c in range(50)]
+
+
+def test_the_calibration_guide_says_where_the_report_puts_the_overrides():
+    """docs/calibration.md names the report's section with the overrides and what comes before and after
+    it; the committed report (docs/results/segments/) has that layout."""
+    root = Path(__file__).resolve().parents[2]
+    guide = (root / "docs" / "calibration.md").read_text()
+    assert (
+        'in its section\n"Suggested overrides" (after the boundary check at the top, before the per-rule tables'
+        in guide
+    )
+    headings = [
+        line for line in (root / "docs/results/segments/README.md").read_text().splitlines() if line.startswith("## ")
+    ]
+    assert headings.index("## Suggested overrides") == 1 and headings[-2:] == ["## Per rule", "## Figures"], headings

@@ -134,3 +134,20 @@ def test_job_setting_a_required_variable_differently_is_refused(env, tmp_path):
     _enter_job(env, job)
     with pytest.raises(ValueError, match="VERL_PLATFORM='cuda'.*needs VERL_PLATFORM='cpu'"):
         _prepare([], tmp_path)
+
+
+def test_a_private_clusters_token_lives_in_its_temp_dir_not_in_home(tmp_path):
+    from maspo_verl.local.ray_cluster import private_token_env
+
+    home, temp = tmp_path / "home", tmp_path / "ray"
+    home.mkdir()
+    temp.mkdir()
+    env = private_token_env(str(temp), environ={}, home=home)
+    token = temp / "auth_token"
+    assert env == {"RAY_AUTH_TOKEN_PATH": str(token)} and len(token.read_text()) == 64
+    assert token.stat().st_mode & 0o077 == 0 and list(home.iterdir()) == []
+    assert private_token_env(str(temp), environ=env, home=home) == {}  # set up: Ray's own behaviour
+    assert private_token_env(str(temp), environ={"RAY_AUTH_MODE": "disabled"}, home=home) == {}
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("x")
+    assert private_token_env(str(temp), environ={}, home=home) == {}

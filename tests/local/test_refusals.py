@@ -99,3 +99,72 @@ def test_a_dry_run_writes_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "config valid; loss section:" in out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the preflight: what the config names on this machine, refused before Ray starts -------------------------------
+
+
+def _preflight_case(root: Path, case: str) -> tuple[list[str], str, str]:
+    """(overrides, the field the first line names, what it says to do) of one preflight refusal; every other
+    path of the config exists and has the expected shape."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = root / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    data = root / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["x"], "question": ["y"]}), data)
+    reward = root / "reward.py"
+    reward.write_text("def compute_score(*args, **kwargs):\n    return 0.0\n")
+    paths = {
+        "actor_rollout_ref.model.path": str(model),
+        "data.train_files": str(data),
+        "data.val_files": str(data),
+        "reward.custom_reward_function.path": str(reward),
+        "reward.custom_reward_function.name": "compute_score",
+    }
+    local = ["local=cpu"]
+    if case == "model":
+        paths["actor_rollout_ref.model.path"], fix = str(root / "no_model"), "no such folder: set it to a local model"
+    elif case == "data":
+        paths["data.train_files"], fix = str(root / "no.parquet"), "no such file: set it to a data file"
+    elif case == "prompt_key":
+        paths["data.prompt_key"], fix = "messages", "has no column data.prompt_key='messages'"
+    elif case == "reward":
+        paths["reward.custom_reward_function.name"], fix = "score", "defines no function 'score'"
+    else:  # the GPU command (no local=cpu) asking for more GPUs than any node here has
+        local, fix = ["loss=grpo", "trainer.n_gpus_per_node=1000"], "add local=cpu"
+    field = {"model": "actor_rollout_ref.model.path", "data": "data.train_files", "prompt_key": "data.train_files",
+             "reward": "reward.custom_reward_function.name", "gpus": "trainer.n_gpus_per_node"}[case]  # fmt: skip
+    return [*local, *(f"{k}={v}" for k, v in paths.items())], field, fix
+
+
+@pytest.mark.parametrize("case", ["model", "data", "prompt_key", "reward", "gpus"])
+def test_the_preflight_refuses_before_ray_and_the_dry_run_the_same(tmp_path, case):
+    overrides, field, fix = _preflight_case(tmp_path, case)
+    ray_dir = tmp_path / "ray"  # where Ray would start its cluster (no `ray start` cluster to join there)
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    for extra in ([], ["maspo.dry_run=true"]):
+        out = _main(cwd, *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_dir}", *extra)
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+        first = out.stderr.strip().splitlines()[0]
+        assert first.startswith(f"maspo_verl: {field}=") and fix in first, (extra, out.stderr[-3000:])
+        assert "Traceback" not in out.stderr and "config valid" not in out.stdout
+        assert list(cwd.iterdir()) == [] and not ray_dir.exists()  # no run folder, no Ray
+
+
+def test_a_misspelt_verl_key_names_the_closest_keys(tmp_path):
+    for extra in ([], ["maspo.dry_run=true"]):
+        out = _main(tmp_path, "local=cpu", "trainer.total_trainig_steps=3", *extra)
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        assert lines[0] == (
+            "maspo_verl: trainer has unknown keys ['total_trainig_steps']: did you mean `total_training_steps`?"
+        ), out.stderr[-3000:]
+        assert "To append to your config use" not in out.stderr and "Traceback" not in out.stderr
+        assert lines[-1] == "(a key verl's config does not have is added with +trainer.total_trainig_steps=3)"
+        assert list(tmp_path.iterdir()) == []

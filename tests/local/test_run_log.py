@@ -55,6 +55,8 @@ NOISE = [
     "(TaskRunnerV1 pid=9148) colocated worker base class <class 'verl.single_controller.base.worker.Worker'>",
     "(WorkerDict pid=9326) Skipping monkey patch for Qwen2ForCausalLM as use_fused_kernels is False",
     "(TaskRunnerV1 pid=9148) 'Final validation metrics: None'",
+    "(AgentLoopWorkerTQ pid=6521) WARNING:2026-11-25 21:02:11,104:No model-specific Continuous Token builder is "
+    "registered for config.json model_type='llama'; falling back to ContinuousTokenModelFamily.DEFAULT.",
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
@@ -326,3 +328,28 @@ def test_tracking_files_go_to_the_run_folder_unless_chosen(tmp_path, monkeypatch
     block = closing_block(config, run, run / "run.log", 0, 1)
     assert f"tensorboard  {tmp_path / 'mine'} (tensorboard --logdir {tmp_path / 'mine'})" in block
     assert f"wandb        {run / 'wandb'} (offline runs: wandb sync {run / 'wandb'}/offline-run-*)" in block
+
+
+def test_a_step_line_ray_did_not_forward_is_printed_from_the_metrics_file(tmp_path, monkeypatch):
+    """The legacy trainer's last step line can be lost when the driver shuts Ray down: the console
+    shows every step of the metrics file once, in the step line's format, run.log too."""
+    from omegaconf import OmegaConf
+
+    metrics = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
+    rows = [(1, {"actor/pg_loss": 0.5}), (2, {"actor/pg_loss": 0.25, "actor/grad_norm": 1.0})]
+    metrics.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
+    config = OmegaConf.create({"trainer": {"logger": ["console", "file"]}})
+    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    target = io.StringIO()
+    console.line("(TaskRunner pid=1) step:1 - pg_loss:0.5", target)
+    run_log._late_step_lines(config, console, target)
+    run_log._late_step_lines(config, console, target)  # said once
+    console.log.close()
+    expected = ["(TaskRunner pid=1) step:1 - pg_loss:0.5", "step:2 - actor/pg_loss:0.25 - actor/grad_norm:1"]
+    assert target.getvalue().splitlines() == expected
+    assert (tmp_path / "run.log").read_text().splitlines() == expected
+    config.trainer.logger = ["file"]  # no console backend: no step lines
+    target = io.StringIO()
+    run_log._late_step_lines(config, run_log._Console(tmp_path / "run2.log", KNOWN_NOISE), target)
+    assert target.getvalue() == ""

@@ -42,8 +42,13 @@ def loss_section(stdout: str) -> dict:
 
 def dry_run_command(stdout: str) -> tuple[str, list[str]]:
     """(config name, overrides) of the ``command:`` line a recipe prints under DRY_RUN=1."""
-    line = next(line for line in stdout.splitlines() if line.startswith("command:"))
-    argv = shlex.split(line[len("command:") :])
+    lines = stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("command:"))
+    words, i = lines[first][len("command:") :], first
+    while words.endswith(" \\"):  # one override per line, each line but the last ended by " \\"
+        i += 1
+        words = words[:-2] + " " + lines[i].strip()
+    argv = shlex.split(words)
     assert argv[1:3] == ["-m", "maspo_verl.main"], argv[:3]
     assert argv[3] == "--config-name"
     return argv[4], [a for a in argv[5:] if a != "maspo.dry_run=true"]
