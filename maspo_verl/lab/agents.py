@@ -138,6 +138,7 @@ def main(argv=None) -> None:
     p.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS)
     p.add_argument("--credits", nargs="+", default=list(CREDITS), choices=CREDITS)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--runs-dir", type=Path, default=None, help="the runs' folders (default: <out>/runs)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "learn_runs.csv"
@@ -158,6 +159,7 @@ def main(argv=None) -> None:
                 )
                 for r in csv.DictReader(f)
             ]
+    runs_dir = args.runs_dir or args.out / "runs"
     done = {(r["level"], r["credit"], r["seed"]) for r in runs}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for level in args.levels:
@@ -165,7 +167,7 @@ def main(argv=None) -> None:
                 if (level, credit, seed) in done:
                     continue
                 start = time.time()
-                run = run_local(overrides(args, level, credit, seed), args.out / "runs" / f"{level}_{credit}_{seed}")
+                run = run_local(overrides(args, level, credit, seed), runs_dir / f"{level}_{credit}_{seed}")
                 runs.append(record(args, level, credit, seed, run))
                 print(
                     f"seed {seed} {level}+{credit}: final {runs[-1]['final_reward']} ok {runs[-1]['ok']} "

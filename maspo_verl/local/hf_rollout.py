@@ -89,6 +89,8 @@ class HFServer:
         if self.mismatch.stale_syncs:  # apply the sync of k syncs ago (none yet: keep the initial weights)
             self.stale.append((state, global_steps))
             if len(self.stale) <= self.mismatch.stale_syncs:
+                # verl's staleness tags need a step: the initial weights count as this sync's step
+                self.global_steps = global_steps if self.global_steps is None else self.global_steps
                 self.weight_version += 1
                 return len(state)
             state, global_steps = self.stale.popleft()

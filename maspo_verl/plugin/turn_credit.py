@@ -4,7 +4,8 @@ non-tensor fields. Two hooks put them in scope (``advantages.turn_scores_scope``
 
 - ``turn_scores.v1``: around the v1 trainer's ``PPOTrainer._compute_advantage(self, batch, metrics)``, which
   fetches only tensors from TransferQueue: with ``adv_estimator=maspo_turn_grpo`` the hook fetches the samples'
-  ``extra_fields`` (where the agent loop's output puts them) in the batch's order;
+  ``extra_fields`` (where the agent loop's output puts them) in the batch's order, and logs
+  ``turn_credit/scored_fraction`` (the share of samples with per-turn scores);
 - ``turn_scores.legacy``: around ``ray_trainer.compute_advantage(data, adv_estimator, ...)``, whose
   ``data.non_tensor_batch`` holds them as verl's agent loop wrote them (one object array per key).
 
@@ -39,6 +40,7 @@ def _v1_wrapper(original):
         if self.config.algorithm.get("adv_estimator") != TURN_GRPO:
             return original(self, batch, metrics)
         scores = [turn_score_lists(f or {}) for f in _fetch_extra_fields(batch)]
+        metrics["turn_credit/scored_fraction"] = sum(s is not None for s in scores) / max(len(scores), 1)
         with turn_scores_scope(scores):
             return original(self, batch, metrics)
 

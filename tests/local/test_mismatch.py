@@ -157,6 +157,7 @@ def test_stale_syncs_apply_each_sync_late(model_path, monkeypatch):
     second = {k: v + 0.02 for k, v in initial.items()}
     server.load_weights(first, global_steps=1)
     assert all(torch.equal(server.model.state_dict()[k], initial[k]) for k in initial)
+    assert server.global_steps == 1  # verl tags each sample with a step: never None
     server.load_weights(second, global_steps=2)
     assert all(torch.equal(server.model.state_dict()[k], first[k]) for k in initial) and server.global_steps == 1
     assert LogProbMismatch(stale_syncs=1).active and "1 sync(s) stale" in LogProbMismatch(stale_syncs=1).describe()
