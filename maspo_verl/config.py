@@ -208,3 +208,28 @@ class SpanCreditConfig:
         values = {k: v for k, v in dict(section).items() if k != "_target_"}
         reject_unknown("algorithm.span_credit", values, [f.name for f in fields(cls)])
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class TurnCreditConfig:
+    """``algorithm.turn_credit`` of the ``maspo_turn_grpo`` advantage estimator (maspo_verl.advantages).
+
+    ``lam``: weight of the per-turn term added to GRPO's episode advantage; 0 gives verl's ``grpo`` exactly.
+    """
+
+    lam: float = 0.5
+
+    def __post_init__(self):
+        check_float("algorithm.turn_credit.lam", self.lam, 0.0)
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Any) -> TurnCreditConfig:
+        """From verl's ``algorithm`` config (DictConfig, dict or None); unknown keys are errors."""
+        section = algorithm.get("turn_credit", None) if algorithm is not None else None
+        if section is None:
+            return cls()
+        if isinstance(section, TurnCreditConfig):
+            return section
+        values = {k: v for k, v in dict(section).items() if k != "_target_"}
+        reject_unknown("algorithm.turn_credit", values, [f.name for f in fields(cls)])
+        return cls(**values)

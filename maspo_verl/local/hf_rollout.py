@@ -22,6 +22,7 @@ Meant for tiny models and smoke tests: requests are served one at a time.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -78,12 +79,21 @@ class HFServer:
         self.noise_generator = torch.Generator().manual_seed(seed + 7919)
         if self.mismatch.active:
             logger.warning("maspo_verl local: test instrument on, rollout log-probs: %s", self.mismatch.describe())
+        self.stale: collections.deque = collections.deque()  # syncs held back (stale_syncs)
         self.lock = asyncio.Lock()
         self.global_steps = None
         self.weight_version = 0
 
     # -- weights ---------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
+        if self.mismatch.stale_syncs:  # apply the sync of k syncs ago (none yet: keep the initial weights)
+            self.stale.append((state, global_steps))
+            if len(self.stale) <= self.mismatch.stale_syncs:
+                # verl's staleness tags need a step: the initial weights count as this sync's step
+                self.global_steps = global_steps if self.global_steps is None else self.global_steps
+                self.weight_version += 1
+                return len(state)
+            state, global_steps = self.stale.popleft()
         own = self.model.state_dict()
         unknown = [k for k in state if k not in own]
         if unknown:

@@ -7,6 +7,13 @@ Off by default. ``maspo.local_mismatch`` (``local=cpu``) has two keys:
   inference engine in bf16 does, while the trainer's actor stays in fp32.
 - ``noise_std``: sigma >= 0 (default 0). Each returned log-prob gets independent Gaussian noise
   N(0, sigma^2) after sampling (the tokens drawn do not change; the noise has its own generator).
+- ``stale_syncs``: k >= 0 (default 0). The server applies each weight sync k syncs late (a stale copy of
+  the policy, as an asynchronous rollout has): it samples from, and returns the log-probs of, the
+  policy of k updates ago (its initial weights until then).
+
+``logprob_dtype=bf16`` and ``stale_syncs`` make the rollout a different *policy* (tokens are sampled from
+it), the real mismatch verl's decoupled-mode rollout correction corrects; ``noise_std`` changes only the
+reported log-probs.
 
 The trainer's actor is fp32 only with ``actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32``:
 verl's default FSDP mixed precision computes its forward in bf16, a bf16-sized mismatch of its own in
@@ -29,7 +36,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
-from maspo_verl.validation import check_choice, check_float, reject_unknown
+from maspo_verl.validation import check_choice, check_float, check_int, reject_unknown
 
 SECTION = "maspo.local_mismatch"
 MISMATCH_ENV = "MASPO_VERL_HF_MISMATCH"
@@ -40,15 +47,17 @@ LOGPROB_DTYPES = ("fp32", "bf16")
 class LogProbMismatch:
     logprob_dtype: str = "fp32"
     noise_std: float = 0.0
+    stale_syncs: int = 0
 
     def __post_init__(self):
         check_choice(f"{SECTION}.logprob_dtype", self.logprob_dtype, LOGPROB_DTYPES)
         check_float(f"{SECTION}.noise_std", self.noise_std, 0.0)
+        check_int(f"{SECTION}.stale_syncs", self.stale_syncs, 0)
         object.__setattr__(self, "noise_std", float(self.noise_std))
 
     @property
     def active(self) -> bool:
-        return self.logprob_dtype != "fp32" or self.noise_std > 0
+        return self.logprob_dtype != "fp32" or self.noise_std > 0 or self.stale_syncs > 0
 
     @classmethod
     def from_mapping(cls, values: Mapping | None) -> LogProbMismatch:
@@ -72,4 +81,5 @@ class LogProbMismatch:
 
     def describe(self) -> str:
         parts = [f"log-probs in {self.logprob_dtype}"] + [f"noise sigma {self.noise_std:g}"] * (self.noise_std > 0)
+        parts += [f"weights {self.stale_syncs} sync(s) stale"] * (self.stale_syncs > 0)
         return ", ".join(parts)

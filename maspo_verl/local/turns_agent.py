@@ -5,8 +5,9 @@ and in every Ray worker), and the reward manager.
 - ``TurnsAgentLoop``: for each turn, the observation (response_mask 0, after the first turn), then the
   assistant's turn from the rollout server through verl's server manager (``max_tokens`` = the turn's
   length, response_mask 1), until every turn is done or ``rollout.response_length`` is spent. It
-  records each turn's span of the response (``extra_fields``: ``turn_starts``, ``turn_ends``), which
-  verl hands the reward as ``tool_extra_fields``.
+  records each turn's score (``extra_fields["turn_scores"]``, one float per assistant turn generated, as
+  verl's tool/interaction agent loop records them; turn credit reads them) and span of the response
+  (``turn_starts``, ``turn_ends``), which verl hands the reward as ``tool_extra_fields``.
 - ``TurnsRewardManager``: scores each turn's span of the response ids against its reference and
   returns the mean (``maspo_verl.local.turns.reward``), plus ``turns`` (turns done), ``first_turn``
   and ``last_turn`` scores, which the plugin logs as ``reward/<name>/mean``.
@@ -58,6 +59,7 @@ class TurnsAgentLoop(AgentLoopBase):
         with_logprobs = True
         starts: list[int] = []
         ends: list[int] = []
+        scores: list[float] = []
         extra: dict[str, Any] = {}
         generate_s, preempted = 0.0, -1
         for k, ref in enumerate(refs):
@@ -77,6 +79,7 @@ class TurnsAgentLoop(AgentLoopBase):
             if out.num_preempted is not None:
                 preempted = max(preempted, 0) + int(out.num_preempted)
             ids = [int(t) for t in out.token_ids][:room]
+            scores.append(env.turn_score(ids, ref))  # the environment scores the turn, as verl's interactions do
             starts.append(len(response))
             response += ids
             ends.append(len(response))
@@ -89,8 +92,8 @@ class TurnsAgentLoop(AgentLoopBase):
                 extra.update(out.extra_fields or {})
             elif (out.extra_fields or {}).get("max_global_steps") is not None:
                 extra["max_global_steps"] = out.extra_fields["max_global_steps"]
-        # the schema of verl's own loops (turn_scores, tool_rewards), and the turns' spans for the reward
-        extra.update({"turn_scores": [], "tool_rewards": [], SPAN_KEYS[0]: starts, SPAN_KEYS[1]: ends})
+        # the schema of verl's own loops (a score per assistant turn, tool_rewards), and the turns' spans
+        extra.update({"turn_scores": scores, "tool_rewards": [], SPAN_KEYS[0]: starts, SPAN_KEYS[1]: ends})
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response,

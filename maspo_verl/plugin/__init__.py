@@ -2,8 +2,9 @@
 
 ``import verl`` loads this package in the driver and in every Ray worker (``pip install`` declares the
 entry point). Importing it registers every token set of ``maspo_verl.token_sets`` as a verl policy loss
-(``maspo``, ``ctpo``, ``pgspo``) and ``maspo_span_grpo`` as an advantage estimator, and installs the
-hooks of ``maspo_verl.plugin.hooks``. The start-up checks that run before Ray are in
+(``maspo``, ``ctpo``, ``pgspo``), ``maspo_span_grpo`` and ``maspo_turn_grpo`` as advantage estimators, and
+installs the hooks of ``maspo_verl.plugin.hooks``, ``rollout_correction`` (segment-level rollout correction)
+and ``turn_credit`` (verl's turn scores for the estimator). The start-up checks that run before Ray are in
 ``maspo_verl.plugin.checks`` (``register_startup_check`` and ``run_startup_checks`` are re-exported
 here for recipes).
 """
@@ -46,14 +47,18 @@ def _failed_to_load(error: BaseException) -> None:
 # Only core modules that do not import verl at import time: ``import maspo_verl.config`` imports verl,
 # whose plugin loader imports this module while ``maspo_verl.config`` is still half-initialised.
 try:
-    from maspo_verl.advantages import SPAN_GRPO, compute_span_grpo_advantage
+    from maspo_verl.advantages import SPAN_GRPO, TURN_GRPO, compute_span_grpo_advantage, compute_turn_grpo_advantage
     from maspo_verl.losses import policy_loss_fn
     from maspo_verl.plugin.checks import register_startup_check, run_startup_checks
     from maspo_verl.plugin.hooks import install_hooks
+    from maspo_verl.plugin.rollout_correction import install_rollout_correction_hook, rollout_correction_checks
+    from maspo_verl.plugin.turn_credit import install_turn_score_hooks, turn_credit_checks
     from maspo_verl.token_sets import TOKEN_SETS
 except Exception as exc:
     _failed_to_load(exc)
     raise
+
+ESTIMATORS = {SPAN_GRPO: compute_span_grpo_advantage, TURN_GRPO: compute_turn_grpo_advantage}
 
 __all__ = ["register", "register_startup_check", "registered", "run_startup_checks"]
 
@@ -63,16 +68,21 @@ def register() -> None:
     for name in TOKEN_SETS:
         if name not in POLICY_LOSS_REGISTRY:
             POLICY_LOSS_REGISTRY[name] = policy_loss_fn(name)
-    if ADV_ESTIMATOR_REGISTRY.get(SPAN_GRPO) is not compute_span_grpo_advantage:
-        register_adv_est(SPAN_GRPO)(compute_span_grpo_advantage)
+    for name, fn in ESTIMATORS.items():
+        if ADV_ESTIMATOR_REGISTRY.get(name) is not fn:
+            register_adv_est(name)(fn)
     install_hooks()
+    install_rollout_correction_hook()
+    install_turn_score_hooks()
+    register_startup_check(rollout_correction_checks)
+    register_startup_check(turn_credit_checks)
 
 
 def registered() -> dict[str, list[str]]:
     """What of ours verl's registries hold now."""
     return {
         "policy_losses": [n for n in TOKEN_SETS if n in POLICY_LOSS_REGISTRY],
-        "advantage_estimators": [n for n in (SPAN_GRPO,) if n in ADV_ESTIMATOR_REGISTRY],
+        "advantage_estimators": [n for n in ESTIMATORS if n in ADV_ESTIMATOR_REGISTRY],
     }
 
 

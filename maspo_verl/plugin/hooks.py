@@ -271,10 +271,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def after_import(name: str, install: Callable[[Any], None]) -> None:
-    """``install(module)`` now if ``name`` is imported, else right after it is."""
+    """``install(module)`` now if ``name`` is imported, else right after it is (several installs per module
+    chain: each finder wraps the loader the next one found)."""
     if name in sys.modules:
         install(sys.modules[name])
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+    elif not any(isinstance(f, _AfterImport) and f.name == name and f.install is install for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(name, install))
 
 

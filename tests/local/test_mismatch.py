@@ -110,7 +110,9 @@ def test_settings_are_validated():
         with pytest.raises(FieldError, match="allowed") as info:
             LogProbMismatch.from_mapping(bad)
         assert info.value.field == field
-    with pytest.raises(ValueError, match=r"unknown keys \['sigma'\]\nallowed keys:\n  logprob_dtype, noise_std"):
+    with pytest.raises(
+        ValueError, match=r"unknown keys \['sigma'\]\nallowed keys:\n  logprob_dtype, noise_std, stale_syncs"
+    ):
         LogProbMismatch.from_mapping({"sigma": 0.2})
     spec = LogProbMismatch(logprob_dtype="bf16", noise_std=0.2)
     assert LogProbMismatch.from_env({MISMATCH_ENV: spec.to_env()}) == spec
@@ -137,6 +139,27 @@ def test_prepare_validates_and_forwards_to_the_workers(local_env, tmp_path):
     local.prepare(config)
     expected = LogProbMismatch(logprob_dtype="bf16", noise_std=0.2)
     assert LogProbMismatch.from_env(config.ray_kwargs.ray_init.runtime_env.env_vars) == expected
-    assert json.loads(os.environ[MISMATCH_ENV]) == {"logprob_dtype": "bf16", "noise_std": 0.2}
+    assert json.loads(os.environ[MISMATCH_ENV]) == {"logprob_dtype": "bf16", "noise_std": 0.2, "stale_syncs": 0}
     with pytest.raises(FieldError, match="maspo.local_mismatch.noise_std=-1"):
         local.prepare(compose_config(*base, "maspo.local_mismatch.noise_std=-1"))
+
+
+def test_stale_syncs_apply_each_sync_late(model_path, monkeypatch):
+    """stale_syncs=1: the first sync is held back (the server keeps its initial weights), the second applies
+    the first; with 0 each sync applies at once."""
+    from maspo_verl.local.hf_rollout import HFServer
+
+    monkeypatch.setenv(MISMATCH_ENV, LogProbMismatch(stale_syncs=1).to_env())
+    config = SimpleNamespace(prompt_length=64, response_length=RESPONSE, max_model_len=None, seed=0)
+    server = HFServer(config, SimpleNamespace(local_path=model_path, trust_remote_code=False))
+    initial = {k: v.clone() for k, v in server.model.state_dict().items()}
+    first = {k: v + 0.01 for k, v in initial.items()}
+    second = {k: v + 0.02 for k, v in initial.items()}
+    server.load_weights(first, global_steps=1)
+    assert all(torch.equal(server.model.state_dict()[k], initial[k]) for k in initial)
+    assert server.global_steps == 1  # verl tags each sample with a step: never None
+    server.load_weights(second, global_steps=2)
+    assert all(torch.equal(server.model.state_dict()[k], first[k]) for k in initial) and server.global_steps == 1
+    assert LogProbMismatch(stale_syncs=1).active and "1 sync(s) stale" in LogProbMismatch(stale_syncs=1).describe()
+    with pytest.raises(FieldError, match="maspo.local_mismatch.stale_syncs"):
+        LogProbMismatch(stale_syncs=-1)
