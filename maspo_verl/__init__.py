@@ -1,6 +1,6 @@
 """maspo-verl: granular importance-ratio policy losses for verl.
 
-Three layers, each importing only the ones below it (README, "Layout"):
+Three layers, each importing only the ones below it (docs/contributing.md, "Layout"):
 
 - core (``advantages``, ``batch``, ``batch_sizes``, ``clipping``, ``config``, ``fsq``, ``inspection``,
   ``losses``, ``ratios``, ``reference_loss``, ``segments``, ``surrogates``, ``token_sets``, ``util``, ``validation``,

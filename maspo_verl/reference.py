@@ -1,4 +1,5 @@
-"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml`` and ``README.md`` made from the declared
+"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``docs/configuration.md`` and ``README.md``
+made from the declared
 settings (``maspo_verl.config.SETTINGS``), the segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss
 presets (``hydra_configs/loss/``). ``python -m maspo_verl generate`` rewrites them; ``--check`` (and
 ``tests/test_reference.py``) fails when a file is out of date.
@@ -108,7 +109,7 @@ def _in_presets(key: str, presets: dict) -> str:
 
 
 def fields_table(presets: dict) -> list[str]:
-    """The README's field table: verl's fields the losses read, then every declared setting."""
+    """The field table (docs/configuration.md): verl's fields the losses read, then every declared setting."""
     bare = compose_config("~loss")
     rows = ["| field | of | what | default | in the presets | allowed |", "|---|---|---|---|---|---|"]
     for cell, key, what, allowed in VERL_FIELDS:
@@ -124,7 +125,7 @@ def fields_table(presets: dict) -> list[str]:
 
 
 def rules_table() -> list[str]:
-    """The README's table of segment rules, from their declarations."""
+    """The table of segment rules (docs/configuration.md), from their declarations."""
     names = {"old_log_prob": "old log-probs", "response_ids": "response ids", "word_ids": "word ids"}
     rows = ["| `segment_rule` | what | settings | reads | limits | worked examples |", "|---|---|---|---|---|---|"]
     for rule in SEGMENT_RULES.values():
@@ -154,7 +155,7 @@ def _first_sentence(path: Path) -> str:
 
 
 def presets_table(presets: dict) -> list[str]:
-    """The README's table of loss presets: each one's loss, rule and the first sentence of its comment."""
+    """The table of loss presets (docs/configuration.md): each one's loss, rule and the first sentence of its comment."""
     rows = ["| `loss=` | `loss_mode` | `segment_rule` | what |", "|---|---|---|---|"]
     for name, (_, composed) in presets.items():
         policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")
@@ -201,15 +202,33 @@ YAML_MARKERS = (
 )
 
 
+GRANULARITY = {"vanilla": "token", "gspo": "response", "pgspo": "response", "ctpo": "prefix"}
+
+
+def presets_short(presets: dict) -> list[str]:
+    """The README's short list of loss presets: who shares a ratio (the full table: docs/configuration.md)."""
+    rows = ["| `loss=` | one ratio per | `loss_mode` |", "|---|---|---|"]
+    for name, (_, composed) in presets.items():
+        policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")
+        mode = policy_loss.loss_mode
+        shared = f"segment (`{policy_loss.segment_rule}`)" if mode == "maspo" else GRANULARITY.get(mode, "–")
+        rows.append(f"| `{name}` | {shared} | `{mode}` |")
+    return rows
+
+
 def generated(root: Path) -> dict[Path, Callable[[str], str]]:
     """file -> the function that makes its generated text from its current text."""
     presets = _presets()
-    parts = {"fields": fields_table(presets), "rules": rules_table(), "presets": presets_table(presets)}
+    docs = {"fields": fields_table(presets), "rules": rules_table(), "presets": presets_table(presets)}
+    readme = {"presets_short": presets_short(presets)}
 
-    def readme(text: str) -> str:
-        for name, lines in parts.items():
-            text = _replace(text, *_readme_part(name), lines, "README.md")
-        return text
+    def parts(where: str, named: dict[str, list[str]]) -> Callable[[str], str]:
+        def make(text: str) -> str:
+            for name, lines in named.items():
+                text = _replace(text, *_readme_part(name), lines, where)
+            return text
+
+        return make
 
     yaml_lines = base_yaml_fields()
     annotations = field_annotations()
@@ -217,7 +236,8 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
         Path(__file__).parent / "config_fields.py": lambda text: _replace(
             text, *FIELDS_MARKERS, annotations, "config_fields.py"
         ),
-        root / "README.md": readme,
+        root / "README.md": parts("README.md", readme),
+        root / "docs" / "configuration.md": parts("docs/configuration.md", docs),
         config_dir() / "maspo_base.yaml": lambda text: _replace(text, *YAML_MARKERS, yaml_lines, "maspo_base.yaml"),
     }
 

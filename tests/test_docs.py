@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-DOCS = [README, *sorted(ROOT.glob("recipes/*/README.md")), ROOT / "docker" / "README.md"]
+PAGES = sorted(ROOT.glob("docs/*.md"))  # the pages a user finds by task (docs/results/ are study reports)
+DOCS = [README, *PAGES, *sorted(ROOT.glob("recipes/*/README.md")), ROOT / "docker" / "README.md"]
 RECIPE_READMES = sorted(ROOT.glob("recipes/*/README.md"))
 
 
@@ -211,7 +212,7 @@ def test_readmes_and_cli_list_the_same_lab_commands():
     from maspo_verl.lab.__main__ import COMMANDS
 
     cli = {name for name, _ in COMMANDS}
-    assert lab_commands(README) == cli
+    assert lab_commands(ROOT / "docs" / "lab.md") == cli
     assert lab_commands(ROOT / "docs" / "results" / "README.md") == cli
 
 
@@ -239,3 +240,24 @@ def test_the_calibration_example_runs_from_what_the_doc_says():
     assert lab and all("--out" not in c for c in lab), lab
     assert "outputs/lab/segments/" in doc and "outputs/" in (ROOT / ".gitignore").read_text().split()
     assert "+-0.01" in doc
+
+
+# ---- the README is a landing page ---------------------------------------------------------------------------------
+
+README_BUDGET = 150  # lines: what a user reads before choosing a page
+
+
+def test_the_readme_stays_a_landing_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_BUDGET, f"README.md has {len(lines)} lines (budget {README_BUDGET}): move detail to docs/"
+
+
+def test_every_page_is_linked_from_the_readme_and_every_link_resolves():
+    text = README.read_text()
+    linked = set(re.findall(r"\]\(([^)#\s]+)\)", text))
+    for page in PAGES:
+        assert str(page.relative_to(ROOT)) in linked, f"README.md links no {page.relative_to(ROOT)}"
+    for doc in [README, *PAGES]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not re.match(r"[a-z]+://", target):
+                assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links {target}, which does not exist"

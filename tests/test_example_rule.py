@@ -66,7 +66,7 @@ def checkout(tmp_path_factory) -> Path:
     )
     out = run(root, "-m", "maspo_verl", "generate")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "README.md" in out.stdout and "maspo_base.yaml" in out.stdout
+    assert "docs/configuration.md" in out.stdout and "maspo_base.yaml" in out.stdout
     return root
 
 
@@ -79,7 +79,7 @@ def run(root: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPro
 
 def test_the_example_is_a_complete_rule_the_code_has_never_seen():
     text = renamed_example()
-    assert NAME not in (REPO / "README.md").read_text()
+    assert NAME not in (REPO / "docs" / "configuration.md").read_text()
     assert f'name = "{NAME}"' in text and FIELD in text
 
 
@@ -87,8 +87,9 @@ def test_it_is_registered_and_documented_by_the_generator(checkout):
     code = f"from maspo_verl.segments import SEGMENT_RULES; print(SEGMENT_RULES['{NAME}'].settings[0].name)"
     out = run(checkout, "-c", code)
     assert out.returncode == 0 and out.stdout.strip() == FIELD, out.stderr
-    readme = (checkout / "README.md").read_text()
-    assert f"| `{NAME}` |" in readme and f"| `{FIELD}` | rule `{NAME}` |" in readme and f"| `{PRESET}` |" in readme
+    reference = (checkout / "docs" / "configuration.md").read_text()
+    assert f"| `{NAME}` |" in reference and f"| `{FIELD}` | rule `{NAME}` |" in reference
+    assert f"| `{PRESET}` |" in reference and f"| `{PRESET}` |" in (checkout / "README.md").read_text()
     assert f"{FIELD}: 2.0" in (checkout / "hydra_configs" / "maspo_base.yaml").read_text()
 
 

@@ -1,4 +1,4 @@
-"""The package's layers (README, "Layout"): core <- plugin <- recipes and tools.
+"""The package's layers (docs/contributing.md, "Layout"): core <- plugin <- recipes and tools.
 
 Imports are read from the source with ``ast`` (function-local imports count too), so a module that
 imports upward fails here whether or not the import runs.
@@ -136,7 +136,7 @@ def test_no_import_cycle(top_level_only):
 def test_readme_layout_lists_the_core_modules():
     import re
 
-    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1]
+    layout = (REPO / "docs" / "contributing.md").read_text().split("## Layout", 1)[1]
     block = layout.split("```", 2)[1]
     core = block.split("\ncore ", 1)[1].split(":", 1)[0]
     assert set(re.findall(r"\w+", core)) == CORE - {"maspo_verl"}

@@ -1,5 +1,5 @@
 """What is generated from the declarations (``maspo_verl.reference``) is up to date and complete: the Hydra defaults
-in ``hydra_configs/maspo_base.yaml`` and the README's fields, rules and presets tables."""
+in ``hydra_configs/maspo_base.yaml`` and docs/configuration.md's fields, rules and presets tables (and the README's short presets table)."""
 
 import dataclasses
 import subprocess
@@ -24,10 +24,12 @@ def test_the_generated_files_are_up_to_date():
 
 
 def test_a_stale_table_is_found_and_rewritten(tmp_path):
-    readme = tmp_path / "README.md"
-    text = (REPO / "README.md").read_text()
-    readme.write_text(text.replace("| `segment_window` |", "| `segment_windows` |", 1))
-    assert reference.write(tmp_path) == [readme] and readme.read_text() == text
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text((REPO / "README.md").read_text())
+    page = tmp_path / "docs" / "configuration.md"
+    text = (REPO / "docs" / "configuration.md").read_text()
+    page.write_text(text.replace("| `segment_window` |", "| `segment_windows` |", 1))
+    assert reference.write(tmp_path) == [page] and page.read_text() == text
 
 
 def test_the_dataclass_has_exactly_the_declared_fields_and_defaults():
@@ -46,14 +48,15 @@ def test_the_composed_defaults_are_the_declared_ones():
     assert {s.name: composed[s.name] for s in SETTINGS} == {s.name: s.default for s in SETTINGS}
 
 
-def test_the_readme_tables_name_every_setting_rule_and_preset():
-    text = (REPO / "README.md").read_text()
+def test_the_reference_tables_name_every_setting_rule_and_preset():
+    text = (REPO / "docs" / "configuration.md").read_text()
+    readme = (REPO / "README.md").read_text()
     for s in SETTINGS:
         assert f"| `{s.name}` |" in text, s.name
     for name in SEGMENT_RULES:
         assert f"| `{name}` |" in text, name
     for name in preset_names():
-        assert f"| `{name}` |" in text, name
+        assert f"| `{name}` |" in text and f"| `{name}` |" in readme, name
     assert (config_dir() / "maspo_base.yaml").read_text().count(reference.YAML_MARKERS[0]) == 1
 
 

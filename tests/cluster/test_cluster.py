@@ -115,7 +115,7 @@ def test_slurm_needs_nodes_outside_an_allocation():
     assert out.returncode != 0 and "NODES" in out.stderr
 
 
-@pytest.mark.parametrize("doc", ["README.md", "recipes/cluster/README.md"])
+@pytest.mark.parametrize("doc", ["docs/cluster.md", "recipes/cluster/README.md"])
 def test_cluster_docs_give_the_commands_ci_runs(doc):
     """The commands tests/e2e/test_ray_jobs.py runs against its live head, token authentication included
     (with a token present, Ray's job CLI is refused unless RAY_AUTH_MODE=token)."""
@@ -127,7 +127,7 @@ def test_cluster_docs_give_the_commands_ci_runs(doc):
         "ray job submit -- python -m maspo_verl.main local=cpu loss=maspo_fixed",
         "bash recipes/cluster/ray_submit.sh local=cpu",
     ]
-    if doc == "README.md":  # the full ray_submit.sh command (the knobs that shrink the recipe): the cluster README
+    if doc == "docs/cluster.md":  # the full ray_submit.sh command (the knobs that shrink the recipe): the cluster README
         order[-1] = "ray_submit.sh: recipes/cluster/README.md"
     positions = [text.find(command) for command in order]
     assert -1 not in positions, [c for c, p in zip(order, positions, strict=True) if p == -1]
