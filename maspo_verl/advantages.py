@@ -32,6 +32,8 @@ import torch
 
 SPAN_GRPO = "maspo_span_grpo"
 TURN_GRPO = "maspo_turn_grpo"
+# the estimators the plugin registers in verl, in this order
+ESTIMATOR_NAMES = (SPAN_GRPO, TURN_GRPO)
 # verl's agent loops' per-turn fields (non-tensor batch / extra_fields), in the order turn credit reads them
 TURN_SCORE_KEYS = ("turn_scores", "tool_rewards")
 

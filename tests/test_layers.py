@@ -27,6 +27,7 @@ CORE = {
     "token_sets",
     "losses",
     "advantages",
+    "rollout_correction",
     "batch",
     "util",
     "reference_loss",

@@ -25,6 +25,7 @@ from maspo_verl.lab.runs import run_local
 LEVELS = ("token", "sequence", "segment")
 CREDITS = ("grpo", "turns")
 BASELINE = ("token", "grpo")
+MIN_SEEDS = 3  # fewer paired seeds: the bootstrap interval says nothing (1 seed: zero width)
 WEIGHT_KEYS = {
     "token": ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"),
     "sequence": ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"),
@@ -103,7 +104,7 @@ def compare(runs: list[dict]) -> list[dict]:
                         "diff": mean,
                         "low": low,
                         "high": high,
-                        "interval_excludes_0": bool(seeds) and (low > 0 or high < 0),
+                        "interval_excludes_0": len(seeds) >= MIN_SEEDS and (low > 0 or high < 0),
                     }
                 )
     return out
@@ -139,6 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--credits", nargs="+", default=list(CREDITS), choices=CREDITS)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--runs-dir", type=Path, default=None, help="the runs' folders (default: <out>/runs)")
+    p.add_argument("--summarise", action="store_true", help="no runs: summarise the runs in <out>/learn_runs.csv")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "learn_runs.csv"
@@ -161,7 +163,7 @@ def main(argv=None) -> None:
             ]
     runs_dir = args.runs_dir or args.out / "runs"
     done = {(r["level"], r["credit"], r["seed"]) for r in runs}
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds) if not args.summarise else ():
         for level in args.levels:
             for credit in args.credits:
                 if (level, credit, seed) in done:

@@ -162,23 +162,32 @@ def main(argv=None) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"{len(rows)} rows in {time.time() - start:.0f} s -> {args.out / 'weights.csv'}")
+    (args.out / "weights_table.md").write_text(table(rows) + "\n")
+
+
+COLUMNS = (
+    ("token_abs_log_ratio_mean", "mean abs log-ratio per token", ".2e"),
+    ("token_ess", "token ESS", ".4f"),
+    ("turn_mean", "turn mean", ".4f"),
+    ("turn_ess", "turn ESS", ".4f"),
+    ("turn_capped", "turn capped", ".3f"),
+    ("sequence_mean", "seq mean", ".4f"),
+    ("sequence_ess", "seq ESS", ".4f"),
+    ("sequence_capped", "seq capped", ".3f"),
+    ("sequence_median_log", "seq median log w", "+.3f"),
+)
 
 
 def table(rows: list[dict]) -> str:
-    """The README's table: per mismatch and turn count, the three levels' mean / ESS / capped share."""
-    head = (
-        "| mismatch | turns | tokens | token mean | token ESS | turn mean | turn ESS | turn capped | "
-        "seq mean | seq ESS | seq capped | seq p05 | seq p95 |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    """Per mismatch and turn count, the mean over model seeds of each column of ``COLUMNS``."""
+    groups: dict = {}
     for r in rows:
-        f = {k: (float(v) if k not in ("mismatch",) else v) for k, v in r.items()}
-        lines.append(
-            f"| {r['mismatch']} | {int(f['turns'])} | {int(f['turns'] * f['turn_tokens'])} | {f['token_mean']:.4f} | "
-            f"{f['token_ess']:.4f} | {f['turn_mean']:.4f} | {f['turn_ess']:.4f} | {f['turn_capped']:.3f} | "
-            f"{f['sequence_mean']:.4f} | {f['sequence_ess']:.4f} | {f['sequence_capped']:.3f} | "
-            f"{f['sequence_p05']:.3f} | {f['sequence_p95']:.3f} |"
-        )
+        groups.setdefault((r["mismatch"], int(r["turns"]), int(r["turn_tokens"])), []).append(r)
+    head = "| mismatch | turns | tokens | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
+    for (mismatch, n, tokens), rs in groups.items():
+        cells = [format(sum(float(r[k]) for r in rs) / len(rs), f) for k, _, f in COLUMNS]
+        lines.append(f"| {mismatch} | {n} | {n * tokens} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

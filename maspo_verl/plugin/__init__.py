@@ -47,7 +47,13 @@ def _failed_to_load(error: BaseException) -> None:
 # Only core modules that do not import verl at import time: ``import maspo_verl.config`` imports verl,
 # whose plugin loader imports this module while ``maspo_verl.config`` is still half-initialised.
 try:
-    from maspo_verl.advantages import SPAN_GRPO, TURN_GRPO, compute_span_grpo_advantage, compute_turn_grpo_advantage
+    from maspo_verl.advantages import (
+        ESTIMATOR_NAMES,
+        SPAN_GRPO,
+        TURN_GRPO,
+        compute_span_grpo_advantage,
+        compute_turn_grpo_advantage,
+    )
     from maspo_verl.losses import policy_loss_fn
     from maspo_verl.plugin.checks import register_startup_check, run_startup_checks
     from maspo_verl.plugin.hooks import install_hooks
@@ -59,6 +65,7 @@ except Exception as exc:
     raise
 
 ESTIMATORS = {SPAN_GRPO: compute_span_grpo_advantage, TURN_GRPO: compute_turn_grpo_advantage}
+assert tuple(ESTIMATORS) == ESTIMATOR_NAMES
 
 __all__ = ["register", "register_startup_check", "registered", "run_startup_checks"]
 

@@ -14,7 +14,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 
 from maspo_verl import plugin
-from maspo_verl.advantages import SPAN_GRPO
+from maspo_verl.advantages import ESTIMATOR_NAMES
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.plugin import checks, hooks
 from maspo_verl.token_sets import TOKEN_SETS
@@ -77,7 +77,7 @@ def test_check_command_reports_ok():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
-    assert report["autoload_registers"] == [*TOKEN_SETS, SPAN_GRPO]
+    assert report["autoload_registers"] == [*TOKEN_SETS, *ESTIMATOR_NAMES]
     # every hook installed at import is installed (the v1 trainer's install when verl imports it)
     assert {"ppo_loss", "token_scores", "update_step", "verl_losses"} <= set(report["hooks"])
     assert set(report["hooks"].values()) == {"installed"}, report["hooks"]
@@ -228,5 +228,5 @@ def test_hook_install_is_idempotent(restore_hook):
     first = restore_hook.ppo_loss
     assert hooks.install_ppo_loss_hook() is None
     assert restore_hook.ppo_loss is first
-    assert plugin.registered() == {"policy_losses": list(TOKEN_SETS), "advantage_estimators": [SPAN_GRPO]}
+    assert plugin.registered() == {"policy_losses": list(TOKEN_SETS), "advantage_estimators": list(ESTIMATOR_NAMES)}
     assert {"maspo", "ctpo", "pgspo"} <= set(TOKEN_SETS)
