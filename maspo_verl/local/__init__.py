@@ -48,7 +48,7 @@ _activated = False
 # temp dirs of private Ray clusters this process started (removed by the session)
 CREATED_TEMP_DIRS: list[str] = []
 # what a run adds to LOCAL_ENV where the user has not set it (_run_env)
-RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR")
+RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE")
 # the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
 LOG_SETTINGS = ("quiet", "print_config")
 
@@ -218,12 +218,18 @@ def session(config):
 def _run_env(config) -> dict[str, str]:
     """Environment of a run, on top of ``LOCAL_ENV``, unless the user set it: TransferQueue's thread
     count within the physical cores (it warns in every process otherwise), the tracking backends'
-    files in the run folder."""
+    files in the run folder, the datasets cache in the local mode's cache (nothing new in HOME)."""
     import psutil
 
     from maspo_verl.local.run_log import tracking_env
 
     env = tracking_env(config)
+    if not (os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME")):
+        # verl's dataset caches the parquet it reads; in the local mode's cache, not ~/.cache/huggingface
+        from maspo_verl.local.assets import default_cache_dir
+
+        cache = config.get("maspo", {}).get("local_cache_dir") or default_cache_dir()
+        env["HF_DATASETS_CACHE"] = os.path.join(os.path.expanduser(str(cache)), "hf_datasets")
     if not os.environ.get("TQ_NUM_THREADS"):
         env["TQ_NUM_THREADS"] = str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1))
     return env

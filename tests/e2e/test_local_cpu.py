@@ -137,7 +137,8 @@ def test_maspo_tokenval_bypass_v1(local_run, tmp_path):
         home=home,
     )
     _check_common(run)
-    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == [], run.tail()
+    left = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
+    assert left == [], f"{left}\n{run.tail()}"
     assert "maspo_verl local: tokenval codec range set to the embedded byte ids" in run.log
     for step, metrics in run.steps.items():
         context = f"step {step}\n--- trainer log tail ---\n{run.tail()}"
@@ -157,6 +158,9 @@ def test_ctpo_legacy_trainer(local_run):
     prints the resolved config when asked (maspo.print_config=true)."""
     run = _run(local_run, ["loss=ctpo", "trainer.use_v1=false", "maspo.print_config=true"])
     _check_common(run)
+    # a step line for every step, the last one too (Ray may not forward it before the driver stops it)
+    for text in (run.log, (run.run_dir / "run.log").read_text()):
+        assert sorted(parse_steps(text)) == list(range(1, STEPS + 1)), run.tail()
     assert "'actor_rollout_ref'" in run.log and "'maspo'" in run.log and len(run.log.splitlines()) > 500, run.tail()
     for step, metrics in run.steps.items():
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
