@@ -263,11 +263,11 @@ def check_config(policy_loss: Any) -> None:
 
 
 def apply(
-    surrogate: Surrogate,
+    surrogate: Surrogate[Params],
     log_prob: torch.Tensor,
     ratio: torch.Tensor,
     advantages: torch.Tensor,
-    params: Any,
+    params: Params,
     weights: torch.Tensor | None = None,
     log_ratio: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,

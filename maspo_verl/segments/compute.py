@@ -58,7 +58,9 @@ def packed_boundaries(packed: Packed, config: Any, inputs: RuleInputs, metrics: 
         b = suppress_close(b, scores, config.min_segment_len, forced)
         if forced is not None:
             b |= forced
-    return split_long(b, packed, config.max_segment_len)
+    if config.max_segment_len > 0:
+        b = split_long(b, packed, config.max_segment_len)
+    return b
 
 
 def compute_boundaries(
