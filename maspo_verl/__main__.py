@@ -1,6 +1,6 @@
 """``python -m maspo_verl check``: does ``import verl`` load the plugin here, and what does it register?
-``python -m maspo_verl generate``: rewrite the parts of maspo_base.yaml, docs/configuration.md and the README made from the declared
-settings, rules and presets (``maspo_verl.reference``).
+``python -m maspo_verl generate``: rewrite the parts of maspo_base.yaml, docs/configuration.md and the README made
+from the declared settings, rules and presets (``maspo_verl.reference``).
 
 Each finding is reported on its own, never as a raw traceback: verl importable, our entry points,
 whether a fresh ``import verl`` (as in a Ray worker) registers our losses and estimator, whether the
@@ -84,7 +84,7 @@ def check() -> int:
 
 
 def generate(check_only: bool) -> int:
-    """Write (or with ``check_only`` compare) the generated parts of maspo_base.yaml, docs/configuration.md and the README."""
+    """Write (or with ``check_only`` compare) the generated files (``maspo_verl.reference``)."""
     from pathlib import Path
 
     from maspo_verl import reference
@@ -109,7 +109,7 @@ def cli(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="import, register and report the plugin's state")
     gen = sub.add_parser(
         "generate",
-        help="rewrite what is made from the declared settings, rules and presets (maspo_base.yaml, docs/configuration.md and README tables)",
+        help="rewrite what is made from the declared settings, rules and presets (configs, field types, docs tables)",
     )
     gen.add_argument("--check", action="store_true", help="only say which files are out of date (exit 1 if any)")
     args = parser.parse_args(argv)

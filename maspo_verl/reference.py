@@ -155,7 +155,7 @@ def _first_sentence(path: Path) -> str:
 
 
 def presets_table(presets: dict) -> list[str]:
-    """The table of loss presets (docs/configuration.md): each one's loss, rule and the first sentence of its comment."""
+    """The presets table (docs/configuration.md): each one's loss, rule and the first sentence of its comment."""
     rows = ["| `loss=` | `loss_mode` | `segment_rule` | what |", "|---|---|---|---|"]
     for name, (_, composed) in presets.items():
         policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")

@@ -249,7 +249,9 @@ README_BUDGET = 150  # lines: what a user reads before choosing a page
 
 def test_the_readme_stays_a_landing_page():
     lines = README.read_text().splitlines()
-    assert len(lines) <= README_BUDGET, f"README.md has {len(lines)} lines (budget {README_BUDGET}): move detail to docs/"
+    assert len(lines) <= README_BUDGET, (
+        f"README.md has {len(lines)} lines (budget {README_BUDGET}): move detail to docs/"
+    )
 
 
 def test_every_page_is_linked_from_the_readme_and_every_link_resolves():

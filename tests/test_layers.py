@@ -19,6 +19,7 @@ PACKAGE = REPO / "maspo_verl"
 CORE = {
     "maspo_verl",
     "config",
+    "config_fields",
     "validation",
     "segments",
     "ratios",

@@ -1,5 +1,6 @@
 """What is generated from the declarations (``maspo_verl.reference``) is up to date and complete: the Hydra defaults
-in ``hydra_configs/maspo_base.yaml`` and docs/configuration.md's fields, rules and presets tables (and the README's short presets table)."""
+in ``hydra_configs/maspo_base.yaml``, the fields, rules and presets tables of docs/configuration.md and the
+README's short presets table."""
 
 import dataclasses
 import subprocess

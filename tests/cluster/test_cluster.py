@@ -128,12 +128,12 @@ def test_cluster_docs_give_the_commands_ci_runs(doc):
         "ray job submit -- python -m maspo_verl.main local=cpu loss=maspo_fixed",
         "bash recipes/cluster/ray_submit.sh local=cpu",
     ]
-    if doc == "docs/cluster.md":  # the full ray_submit.sh command (the knobs that shrink the recipe): the cluster README
+    if doc == "docs/cluster.md":  # the full ray_submit.sh command (the knobs that shrink it): the cluster README
         order[-1] = "ray_submit.sh: recipes/cluster/README.md"
-    if doc != "README.md":  # the head has a temp dir of its own, and only its processes are stopped
-        order[1] += ' --temp-dir="$RAY_TMP"'
-        order.append('pkill -TERM -f -- "$RAY_TMP"')
-        assert not re.search(r"^ray stop\b", text, re.M), "`ray stop` stops every Ray instance of the machine"
+    # the head has a temp dir of its own, and only its processes are stopped
+    order[1] += ' --temp-dir="$RAY_TMP"'
+    order.append('pkill -TERM -f -- "$RAY_TMP"')
+    assert not re.search(r"^ray stop\b", text, re.M), "`ray stop` stops every Ray instance of the machine"
     positions = [text.find(command) for command in order]
     assert -1 not in positions, [c for c, p in zip(order, positions, strict=True) if p == -1]
     assert positions == sorted(positions), positions
