@@ -307,6 +307,18 @@ def loss_call(fn, cfg, old, lp, adv, ids, words):
         return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
 
 
+def backward(theta, fn, cfg, y, old, adv, ids, words):
+    """One update's loss on [S, m, T] rows: each seed's table gets that seed's gradient of verl's loss
+    (the call covers every seed; with equal per-seed blocks, S x the loss is the sum of the seeds' losses).
+    Returns the loss, verl's metrics and the current log-probs (detached)."""
+    S, m, T = y.shape
+    lp = gather(torch.log_softmax(theta, -1), y)
+    flat = [x.reshape(S * m, T) for x in (old, lp, adv, ids, words)]
+    loss, metrics = loss_call(fn, cfg, *flat)
+    (loss * S).backward()
+    return loss.detach(), metrics, lp.detach()
+
+
 def run_job(job: Job, args) -> dict:
     """Train ``job.preset`` in its cell for every seed at once: per-seed records and per-step curves."""
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
@@ -343,14 +355,10 @@ def run_job(job: Job, args) -> dict:
         step_grad, step_clip, step_kl = [], [], []
         for k in range(U):
             rows = perm[k * N // U : (k + 1) * N // U]
-            m = len(rows)
-            lp = gather(torch.log_softmax(theta, -1), y[:, rows])
-            if k == 0:
-                spreads.append((lp.detach() - old[:, rows]).reshape(S, -1).std(-1))
-            old_k, adv_k, ids_k, words_k = (x[:, rows].reshape(S * m, -1) for x in (old, adv, ids, words))
-            loss, metrics = loss_call(fn, cfg, old_k, lp.reshape(S * m, -1), adv_k, ids_k, words_k)
             opt.zero_grad()
-            (loss * S).backward()  # each seed's own gradient (equal per-seed blocks)
+            loss, metrics, lp = backward(theta, fn, cfg, *(x[:, rows] for x in (y, old, adv, ids, words)))
+            if k == 0:
+                spreads.append((lp - old[:, rows]).reshape(S, -1).std(-1))
             g = theta.grad.reshape(S, -1).norm(dim=-1)
             finite &= torch.isfinite(g) & bool(torch.isfinite(loss))
             step_grad.append(g)
