@@ -16,6 +16,7 @@ PAGE = Path("docs", "choosing.md")
 RESULTS = Path("docs", "results")
 GRID = "regimes"
 GRID_CSV = RESULTS / GRID / "regimes_compare.csv"
+GRID_SUMMARY = RESULTS / GRID / "regimes_summary.csv"
 # the grid's regimes: (column header, cell); both tasks are shown in each (S: speech-like, correlated tokens;
 # T: text-like, independent tokens)
 GRID_COLUMNS = (
@@ -27,11 +28,12 @@ GRID_COLUMNS = (
     ("384 tokens, stale rollout + 4 updates", "L384/stale2/U4"),
     ("384 tokens, log-prob noise σ 0.2, 1 update", "L384/noise0.2/U1"),
 )
+CONFIRMATION = "regimes_trainer"  # the grid's cells re-run in verl's trainer
 # trainer studies (lab learn): folder -> column header; every (task, cell) in their learn_compare.csv
 TRAINER = (
     ("learn_mismatch", "trainer: speech-like, 12 tokens"),
     ("learn_turns", "trainer: multi-turn agent, 4-token turns"),
-    ("regimes_trainer", "trainer: the grid's cells confirmed"),
+    (CONFIRMATION, "trainer: the grid's cells confirmed"),
 )
 TASK_LETTER = {"speech": "S", "text": "T"}
 
@@ -75,6 +77,71 @@ def trainer_cell(rows: list[dict], loss: str) -> str:
     return "<br>".join(parts) if parts else "not run"
 
 
+def grid_cell_of(trainer_cell: str) -> str:
+    """The grid's name of a ``lab learn`` cell: ``L96/0.2/U4`` -> ``L96/noise0.2/U4`` (a number is the noise sigma)."""
+    length, mismatch, updates = trainer_cell.split("/")
+    try:
+        mismatch = f"noise{float(mismatch):g}"
+    except ValueError:
+        pass
+    return f"{length}/{mismatch}/{updates}"
+
+
+def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
+    """Each trainer comparison (final reward vs grpo) next to the grid's in the same cell and task."""
+    lines = []
+    for r in trainer:
+        if r["comparison"] != "vs_grpo" or r["metric"] != "final_reward":
+            continue
+        cell = grid_cell_of(r["cell"])
+        g = next(
+            (
+                c
+                for c in grid
+                if (c["task"], c["cell"], c["loss"], c["metric"]) == (r["task"], cell, r["loss"], "final_reward")
+            ),
+            None,
+        )
+        here = f"{float(r['diff']):+.3f} [{float(r['low']):+.3f}, {float(r['high']):+.3f}] ({r['seeds']} seeds)"
+        if g is None:
+            lines.append(f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; the grid has no such cell.")
+            continue
+        there = f"{float(g['diff']):+.3f} [{float(g['low']):+.3f}, {float(g['high']):+.3f}]"
+        t_sup, g_sup = _yes(r["interval_excludes_0"]), _yes(g["supported"])
+        same_sign = (float(r["diff"]) > 0) == (float(g["diff"]) > 0)
+        if t_sup and g_sup:
+            verdict = (
+                "agrees (both supported, same sign)" if same_sign else "disagrees (both supported, opposite signs)"
+            )
+        elif g_sup:
+            verdict = "does not confirm it (the trainer's interval includes 0" + (
+                ", its mean on the grid's side)" if same_sign else ", its mean on the other side)"
+            )
+        elif t_sup:
+            verdict = "finds a difference the grid does not"
+        else:
+            verdict = "agrees: no difference supported in either"
+        lines.append(f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; grid {cell} {there}: {verdict}.")
+    return lines
+
+
+def clipping(summary: list[dict], loss: str) -> str:
+    """The preset's mean clip fraction and gradient norm over the grid's longest cells, next to grpo's."""
+    if not summary:
+        return ""
+    longest = max(int(r["cell"].split("/")[0][1:]) for r in summary)
+
+    def mean(name: str, key: str) -> float:
+        v = [float(r[key]) for r in summary if r["loss"] == name and r["cell"].startswith(f"L{longest}/")]
+        return sum(v) / len(v) if v else float("nan")
+
+    grad = mean(loss, "grad_norm") / mean(BASELINE, "grad_norm")
+    return (
+        f" At {longest} tokens (mean over its cells) it clips {mean(loss, 'clipfrac'):.3f} of the tokens (grpo "
+        f"{mean(BASELINE, 'clipfrac'):.3f}), gradient norm {grad:.2f}x grpo's."
+    )
+
+
 def presets(root: Path) -> list[str]:
     names = sorted(p.stem for p in (root / "hydra_configs" / "loss").glob("*.yaml"))
     return sorted(names, key=lambda n: (n != BASELINE, n))
@@ -112,6 +179,7 @@ def _where(rows: list[dict], loss: str, sign: int) -> str:
 
 def render(root: Path) -> str:
     grid = _read(root / GRID_CSV)
+    grid_summary = _read(root / GRID_SUMMARY)
     names = presets(root)
     link = f"results/{GRID}/README.md"
     header = ["preset", *(f"[{h}]({link})" for h, _ in GRID_COLUMNS)]
@@ -132,6 +200,8 @@ def render(root: Path) -> str:
             *(f"| `{n}` | {trainer_cell(rows, n)} |" for n in run),
             "",
         ]
+        if folder == CONFIRMATION:
+            trainer_tables += ["Does the trainer agree with the grid?", "", *agreement(grid, rows), ""]
     summary = []
     total_up = total_down = 0
     for loss in names[1:]:
@@ -148,7 +218,7 @@ def render(root: Path) -> str:
             line += f" Above: {_where(grid, loss, 1)}."
         if down3:
             line += f" Below: {_where(grid, loss, -1)}."
-        summary.append(line)
+        summary.append(line + clipping(grid_summary, loss))
     n_cmp = sum(r["metric"] == "final_reward" for r in grid)
     verdict = (
         f"Over the grid's {n_cmp} comparisons of final reward, {total_up} place a preset above grpo and "
