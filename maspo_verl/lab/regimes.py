@@ -16,7 +16,8 @@ exactly that seed's gradient (``tests/lab/test_regimes.py`` checks it against pe
 Tasks (``--tasks``):
 
 - ``speech``: 50 Hz speech-like. The target is a sequence of units ("phonemes") of 3-15 frames (durations
-  drawn log-normal, median 6 frames = 120 ms), no unit the same as the one before. Token ids are XCodec2-like
+  drawn log-normal, median 6 frames = 120 ms; the last one cut at the response's end), no unit the same as
+  the one before. Token ids are XCodec2-like
   codes in Llasa's id range (``CODEC_OFFSET`` + code): each of the 8 symbols is one FSQ code, the codes
   pairwise 12+ apart in FSQ digit L1 distance, so ``tokenval`` finds the runs. The initial policy is
   persistent (neighbouring frames tied). Reward = fraction of units recognised, a unit recognised when more
