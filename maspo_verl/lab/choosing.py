@@ -121,7 +121,8 @@ def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
             verdict = "finds a difference the grid does not"
         else:
             verdict = "agrees: no difference supported in either"
-        lines.append(f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; grid {cell} {there}: {verdict}.")
+        few = " (under 5 seeds: the percentile interval is too narrow, a lead only)" if int(r["seeds"]) < 5 else ""
+        lines.append(f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; grid {cell} {there}: {verdict}{few}.")
     return lines
 
 
