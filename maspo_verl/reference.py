@@ -1,7 +1,7 @@
-"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``docs/configuration.md`` and ``README.md``
-made from the declared
-settings (``maspo_verl.config.SETTINGS``), the segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss
-presets (``hydra_configs/loss/``). ``python -m maspo_verl generate`` rewrites them; ``--check`` (and
+"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``docs/configuration.md`` and
+``README.md`` made from the declared settings (``maspo_verl.config.SETTINGS``), the segment rules
+(``maspo_verl.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and ``docs/choosing.md`` from the committed result tables
+(``maspo_verl.lab.choosing``). ``python -m maspo_verl generate`` rewrites them; ``--check`` (and
 ``tests/test_reference.py``) fails when a file is out of date.
 
 Each generated part stands between two marker lines and is replaced whole; the rest of each file is written by hand.
@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from maspo_verl.config import SETTINGS
+from maspo_verl.lab import choosing
 from maspo_verl.segments import SEGMENT_RULES, compute
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS
@@ -232,7 +233,7 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
 
     yaml_lines = base_yaml_fields()
     annotations = field_annotations()
-    return {
+    files = {
         Path(__file__).parent / "config_fields.py": lambda text: _replace(
             text, *FIELDS_MARKERS, annotations, "config_fields.py"
         ),
@@ -240,18 +241,26 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
         root / "docs" / "configuration.md": parts("docs/configuration.md", docs),
         config_dir() / "maspo_base.yaml": lambda text: _replace(text, *YAML_MARKERS, yaml_lines, "maspo_base.yaml"),
     }
+    if (root / choosing.GRID_CSV).is_file():  # a checkout with the committed results: the guide from their tables
+        files[root / choosing.PAGE] = lambda text: choosing.render(root)
+    return files
 
 
 def stale(root: Path) -> list[Path]:
     """The files whose generated parts are out of date."""
-    return [path for path, make in generated(root).items() if make(path.read_text()) != path.read_text()]
+    return [path for path, make in generated(root).items() if make(_text(path)) != _text(path)]
+
+
+def _text(path: Path) -> str:
+    """A file's text; a generated page not written yet is empty."""
+    return path.read_text() if path.is_file() else ""
 
 
 def write(root: Path) -> list[Path]:
     """Rewrite the generated parts; returns the files that changed."""
     changed = []
     for path, make in generated(root).items():
-        text = path.read_text()
+        text = _text(path)
         new = make(text)
         if new != text:
             path.write_text(new)

@@ -26,6 +26,7 @@ COMMANDS = [
     ("credit", "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks"),
     ("bench", "forward+backward time, peak memory and host syncs of each loss"),
     ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
+    ("regimes", "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
     ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),

@@ -1,0 +1,591 @@
+"""The regime grid: every loss preset on long, correlated responses under a real rollout mismatch.
+
+The fast engine of the grid extends ``lab race``: a tabular policy (a position-dependent bigram logit table,
+exact log-probs), verl's GRPO advantage (``compute_grpo_outcome_advantage``) and every loss preset exactly
+as a user configures it: each ``hydra_configs/loss/*.yaml`` is discovered and composed through the trainer's
+config (``maspo_verl.reference.compose_config`` and ``maspo_verl.main.loss_section``), and its loss fetched
+from verl's registry (``get_policy_loss_fn``) and called as verl's ``ppo_loss`` calls it, with the
+micro-batch's response ids, word ids and the vocabulary's text in scope (``maspo_verl.batch``). A preset
+whose call fails on what the engine provides is reported as skipped with its error, not dropped.
+
+Seeds are a batch dimension: each seed has its own table (its own Adam moments: Adam is element-wise) and
+one loss call covers all seeds' rows. With fixed-length responses every verl aggregation mode is a mean over
+equal-sized per-seed blocks, so the call's loss times the number of seeds has, for each seed's table,
+exactly that seed's gradient (``tests/lab/test_regimes.py`` checks it against per-seed float64 calls).
+
+Tasks (``--tasks``):
+
+- ``speech``: 50 Hz speech-like. The target is a sequence of units ("phonemes") of 3-15 frames (durations
+  drawn log-normal, median 6 frames = 120 ms; the last one cut at the response's end), no unit the same as
+  the one before. Token ids are XCodec2-like
+  codes in Llasa's id range (``CODEC_OFFSET`` + code): each of the 8 symbols is one FSQ code, the codes
+  pairwise 12+ apart in FSQ digit L1 distance, so ``tokenval`` finds the runs. The initial policy is
+  persistent (neighbouring frames tied). Reward = fraction of units recognised, a unit recognised when more
+  than half of its frames carry its symbol (units are scored, not tokens). The "ASR words" (``words`` rule)
+  are the runs of the response.
+- ``text``: text-like. Tokens are words (" ka", " lo", ...) and "." (sentences of 4-11 words), weak random
+  initial dependence on the previous token, no two equal neighbours in the target; reward = fraction of
+  tokens right. Each token is a "word"; the vocabulary's text lets ``delimiters`` (``maspo_steps``) cut at
+  sentence ends.
+
+Mismatch (``--mismatch``): the responses are sampled by a rollout policy and the old log-probs are that
+policy's own (verl's bypass mode: the inference engine's log-probs are the old log-probs):
+
+- ``none``: the rollout policy is the trained one (fp32);
+- ``bf16`` / ``fp16``: the trained table rounded to that precision (the rollout's weights and logits), its
+  log-softmax in float32;
+- ``stale<K>`` (e.g. ``stale2``): the trained table as it was K optimizer updates earlier (asynchronous RL);
+- ``noise<SIGMA>`` (e.g. ``noise0.2``): samples from the trained policy, Gaussian noise of that sigma on each
+  reported log-prob (the instrument of ``lab learn``; perturbed numbers, not a policy mismatch).
+
+Each run reports the measured token-level log-ratio spread at each batch's first update (sd over tokens of
+log pi_theta - old log-prob; for ``none`` with 1 update exactly 0).
+
+Updates per batch (``--updates``): the batch is split into that many mini-batches, one optimizer update each.
+Per run: final reward (last ``--last`` steps), reward AUC (mean over all steps), steps to step 0's reward +
+``--gain`` (3-step moving average; not reached: steps + 1), collapse (non-finite loss or gradient, or the
+final reward ``COLLAPSE_DROP`` below the best 3-step average), the gradient norm of the seed's table (mean over
+updates), verl's ``actor/pg_clipfrac`` (per cell and step, a mean over the seeds of the call). Paired
+(same-seed, same initial table and target) bootstrap intervals of each preset minus ``grpo``.
+
+Writes ``outputs/lab/regimes/`` (``--update-docs``: ``docs/results/regimes/``): README, ``regimes_runs.csv``
+(per seed), ``regimes_curves.csv`` (per step, mean over seeds), ``regimes_summary.csv``,
+``regimes_compare.csv`` (paired differences vs grpo), ``regimes_mismatch.csv`` (log-ratio spreads),
+``regimes_skipped.csv``, plots, ``COMMAND.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BASELINE = "grpo"
+CODEC_OFFSET = 128264  # Llasa-1B's first speech id, the shipped codec presets' codec_offset
+CODEC_SIZE = 65536
+# 8 symbols -> FSQ codes (8 base-4 digits); the digits are 3 x the bits of a Hadamard code (pairwise Hamming
+# distance >= 4), so two symbols' codes are >= 12 apart in digit L1 distance, one symbol's code 0 from itself
+HADAMARD = ("00000000", "11110000", "00001111", "11111111", "11001100", "00110011", "10101010", "01010101")
+CODES = tuple(sum(3 * int(b) * 4**k for k, b in enumerate(word)) for word in HADAMARD)
+VOCAB = len(CODES)
+TEXT = (" ka", " lo", " mi", " nu", " pe", " ro", " su", ".")  # text-task ids 0..7
+TEXT_END = TEXT.index(".")
+# the rest of the toy tokenizer's text (never sampled): what the shipped delimiters look for
+TEXT_OTHER = ("\n\n", "\n", "?", "!", " ")
+COLLAPSE_DROP = 0.1
+MISMATCHES = ("none", "bf16", "stale2", "noise0.2")
+TASKS = ("speech", "text")
+NO_WORD = -1
+
+
+# ------------------------------------------------------------------ presets as a user configures them
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    loss_mode: str
+    actor: dict  # clip_ratio_low/high/c, loss_agg_mode
+    policy_loss: dict  # the composed policy_loss section without _target_
+
+
+def discover_presets(names: list[str] | None = None) -> list[Preset]:
+    """Every ``hydra_configs/loss/*.yaml`` (or ``names``), composed as ``python -m maspo_verl.main loss=<name>``
+    composes it; the baseline first."""
+    from maspo_verl.main import loss_section
+    from maspo_verl.reference import compose_config
+    from maspo_verl.util import preset_names
+
+    available = preset_names()
+    names = names or available
+    unknown = sorted(set(names) - set(available))
+    if unknown:
+        raise SystemExit(f"--presets {unknown}: allowed {available} (hydra_configs/loss/)")
+    names = sorted(names, key=lambda n: (n != BASELINE, n))
+    out = []
+    for name in names:
+        section = loss_section(compose_config(f"loss={name}"))
+        policy_loss = {k: v for k, v in section["policy_loss"].items() if k != "_target_"}
+        actor = {k: section[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")}
+        out.append(Preset(name, policy_loss["loss_mode"], actor, policy_loss))
+    return out
+
+
+def preset_config(p: Preset):
+    """verl's ``ActorConfig`` with our policy-loss dataclass, as the trainer instantiates it."""
+    from maspo_verl.config import actor_config
+
+    a = p.actor
+    return actor_config(
+        a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"], a["loss_agg_mode"], **p.policy_loss
+    )
+
+
+_VOCABULARY: list[str] | None = None
+
+
+def vocabulary() -> list[str]:
+    """The text of every id (the tokenizer's part ``delimiters`` reads): the text task's words, codes empty."""
+    global _VOCABULARY
+    if _VOCABULARY is None:
+        _VOCABULARY = list(TEXT + TEXT_OTHER) + [""] * (CODEC_OFFSET + CODEC_SIZE - len(TEXT + TEXT_OTHER))
+    return _VOCABULARY
+
+
+# ------------------------------------------------------------------ tasks
+
+
+@dataclass
+class Task:
+    name: str
+    target: torch.Tensor  # [S, T] symbols
+    unit_id: torch.Tensor  # [S, T] index of the reward unit of each frame
+    n_units: torch.Tensor  # [S]
+    persistence: float
+    noise: float
+
+    def reward(self, y: torch.Tensor) -> torch.Tensor:
+        """[S, N, T] symbols -> [S, N] rewards."""
+        right = (y == self.target[:, None, :]).float()
+        if self.name == "text":
+            return right.mean(-1)
+        S, N, T = y.shape
+        units = int(self.n_units.max())
+        idx = self.unit_id[:, None, :].expand(S, N, T)
+        hits = torch.zeros(S, N, units).scatter_add_(2, idx, right)
+        size = torch.zeros(S, 1, units).scatter_add_(2, self.unit_id[:, None, :], torch.ones(S, 1, T))
+        ok = (hits > size / 2) & (size > 0)
+        return ok.sum(-1).float() / self.n_units[:, None].float()
+
+    def token_ids(self, y: torch.Tensor) -> torch.Tensor:
+        if self.name == "speech":
+            return CODEC_OFFSET + torch.tensor(CODES)[y]
+        return y
+
+    def word_ids(self, y: torch.Tensor) -> torch.Tensor:
+        """Per token the index of its recognised "word": a run of one symbol (speech), each token (text)."""
+        if self.name == "text":
+            return torch.arange(y.shape[-1]).expand(y.shape).clone()
+        change = torch.ones_like(y)
+        change[..., 1:] = (y[..., 1:] != y[..., :-1]).long()
+        return change.cumsum(-1) - 1
+
+
+def make_task(name: str, length: int, seeds: list[int]) -> Task:
+    targets, units, counts = [], [], []
+    for s in seeds:
+        g = torch.Generator().manual_seed(1000 + s)
+        if name == "speech":
+            # phoneme-like durations: log-normal, median 6 frames (120 ms at 50 Hz), within 3..15
+            sym, unit, t, k, prev = [], [], 0, 0, -1
+            while t < length:
+                d = int(torch.exp(math.log(6.0) + 0.45 * torch.randn(1, generator=g)).round().clamp(3, 15))
+                d = min(d, length - t)
+                choice = int(torch.randint(VOCAB - 1, (1,), generator=g))
+                v = choice if choice < prev or prev < 0 else choice + 1  # not the previous unit's symbol
+                sym += [v] * d
+                unit += [k] * d
+                t, k, prev = t + d, k + 1, v
+            targets.append(sym)
+            units.append(unit)
+            counts.append(k)
+        else:
+            sym, t, prev = [], 0, -1
+            while t < length:
+                n = int(torch.randint(4, 12, (1,), generator=g))
+                for _ in range(n):
+                    choice = int(torch.randint(TEXT_END - 1, (1,), generator=g))
+                    v = choice if choice < prev or prev < 0 else choice + 1
+                    sym.append(v)
+                    prev = v
+                sym.append(TEXT_END)
+                prev = TEXT_END
+                t += n + 1
+            targets.append(sym[:length])
+            units.append(list(range(length)))
+            counts.append(length)
+    persistence, noise = (3.0, 0.3) if name == "speech" else (0.0, 0.5)
+    return Task(name, torch.tensor(targets), torch.tensor(units), torch.tensor(counts), persistence, noise)
+
+
+def init_tables(task: Task, length: int, seeds: list[int]) -> torch.Tensor:
+    """[S, T, V+1, V] logit tables (row V: the first token's context)."""
+    tables = []
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        theta = task.noise * torch.randn(length, VOCAB + 1, VOCAB, generator=g)
+        theta[:, :VOCAB, :] += task.persistence * torch.eye(VOCAB)
+        tables.append(theta)
+    return torch.stack(tables)
+
+
+# ------------------------------------------------------------------ policy
+
+
+def log_prob_table(theta: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """log-softmax over the last axis; ``bf16``/``fp16``: of the table rounded to that precision (the rollout's
+    weights and logits), computed in float32 as inference engines do."""
+    if precision != "fp32":
+        theta = theta.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision])).float()
+    return torch.log_softmax(theta, -1)
+
+
+def gather(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Log-probs [S, N, T] of responses ``y`` [S, N, T] under ``table`` [S, T, V+1, V] (one flat gather)."""
+    S, N, T = y.shape
+    prev = torch.cat([torch.full((S, N, 1), VOCAB), y[..., :-1]], -1)
+    s = torch.arange(S)[:, None, None]
+    t = torch.arange(T)[None, None, :]
+    flat = ((s * T + t) * (VOCAB + 1) + prev) * VOCAB + y
+    return table.reshape(-1)[flat]
+
+
+@torch.no_grad()
+def sample(table: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` responses per seed from ``table`` (inverse CDF, exact): symbols [S, n, T] and their log-probs."""
+    S, T = table.shape[0], table.shape[1]
+    u = torch.rand(T, S * n, 1, generator=gen)
+    cdf = table.exp().cumsum(-1)
+    cdf[..., -1] = 2.0  # rounding never leaves u above the last bin
+    by_t = cdf.transpose(0, 1).reshape(T, S * (VOCAB + 1), VOCAB)  # [T, S*(V+1), V]
+    base = torch.arange(S).repeat_interleave(n) * (VOCAB + 1)
+    prev = torch.full((S * n,), VOCAB)
+    ys = torch.empty(T, S * n, dtype=torch.long)
+    for t in range(T):
+        prev = (by_t[t].index_select(0, base + prev) <= u[t]).sum(-1)
+        ys[t] = prev
+    y = ys.T.reshape(S, n, T)
+    return y, gather(table, y)
+
+
+# ------------------------------------------------------------------ mismatch
+
+
+def parse_mismatch(text: str) -> tuple[str, float]:
+    """``none`` | ``bf16`` | ``fp16`` | ``stale<K>`` | ``noise<SIGMA>`` -> (kind, K or SIGMA)."""
+    allowed = "none, bf16, fp16, stale<K> (K >= 1 updates behind, e.g. stale2), noise<SIGMA> (e.g. noise0.2)"
+    if text in ("none", "bf16", "fp16"):
+        return text, 0.0
+    m = re.fullmatch(r"(stale|noise)([0-9.]+)", text)
+    if m:
+        value = float(m.group(2))
+        if (m.group(1) == "stale" and value >= 1 and value == int(value)) or (m.group(1) == "noise" and value > 0):
+            return m.group(1), value
+    raise SystemExit(f"--mismatch {text!r}: allowed {allowed}")
+
+
+# ------------------------------------------------------------------ one job: a preset in a cell, all seeds
+
+
+@dataclass(frozen=True)
+class Job:
+    task: str
+    length: int
+    mismatch: str
+    updates: int
+    preset: Preset
+
+    @property
+    def cell(self) -> str:
+        return f"L{self.length}/{self.mismatch}/U{self.updates}"
+
+
+def loss_call(fn, cfg, old, lp, adv, ids, words):
+    """One call as verl's ``ppo_loss`` makes it: [rows, T] tensors, the micro-batch's ids in scope."""
+    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
+
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, vocabulary()):
+        return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
+
+
+def backward(theta, fn, cfg, y, old, adv, ids, words):
+    """One update's loss on [S, m, T] rows: each seed's table gets that seed's gradient of verl's loss
+    (the call covers every seed; with equal per-seed blocks, S x the loss is the sum of the seeds' losses).
+    Returns the loss, verl's metrics and the current log-probs (detached)."""
+    S, m, T = y.shape
+    lp = gather(torch.log_softmax(theta, -1), y)
+    flat = [x.reshape(S * m, T) for x in (old, lp, adv, ids, words)]
+    loss, metrics = loss_call(fn, cfg, *flat)
+    (loss * S).backward()
+    return loss.detach(), metrics, lp.detach()
+
+
+def run_job(job: Job, args) -> dict:
+    """Train ``job.preset`` in its cell for every seed at once: per-seed records and per-step curves."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
+
+    import maspo_verl.plugin  # noqa: F401  (registers our losses)
+
+    torch.set_num_threads(1)
+    seeds = list(range(args.seeds))
+    S, G, n, U = len(seeds), args.groups, args.group_size, job.updates
+    N = G * n
+    task = make_task(job.task, job.length, seeds)
+    theta = init_tables(task, job.length, seeds).requires_grad_()
+    opt = torch.optim.Adam([theta], lr=args.lr)
+    fn, cfg = get_policy_loss_fn(job.preset.loss_mode), preset_config(job.preset)
+    kind, value = parse_mismatch(job.mismatch)
+    gen = torch.Generator().manual_seed(args.sample_seed)
+    history = [theta.detach().clone()]  # the table after each update (stale rollouts)
+    index = np.repeat(np.arange(S * G), n)
+    rewards, grads, clipfracs, kls, spreads, finite = [], [], [], [], [], torch.ones(S, dtype=torch.bool)
+    for _ in range(args.steps):
+        if kind == "stale":
+            rollout = history[max(0, len(history) - 1 - int(value))]
+        else:
+            rollout = theta.detach()
+        y, old = sample(log_prob_table(rollout, kind if kind in ("bf16", "fp16") else "fp32"), N, gen)
+        if kind == "noise":
+            old = old + value * torch.randn(old.shape, generator=gen)
+        r = task.reward(y)  # [S, N]
+        rewards.append(r.mean(-1))
+        adv = compute_grpo_outcome_advantage(r.reshape(-1, 1), torch.ones(S * N, 1), index)[0].reshape(S, N, 1)
+        adv = adv.expand(S, N, job.length)
+        ids, words = task.token_ids(y), task.word_ids(y)
+        perm = torch.randperm(N, generator=gen)
+        step_grad, step_clip, step_kl = [], [], []
+        for k in range(U):
+            rows = perm[k * N // U : (k + 1) * N // U]
+            opt.zero_grad()
+            loss, metrics, lp = backward(theta, fn, cfg, *(x[:, rows] for x in (y, old, adv, ids, words)))
+            if k == 0:
+                spreads.append((lp - old[:, rows]).reshape(S, -1).std(-1))
+            g = theta.grad.reshape(S, -1).norm(dim=-1)
+            finite &= torch.isfinite(g) & bool(torch.isfinite(loss))
+            step_grad.append(g)
+            opt.step()
+            history = (history + [theta.detach().clone()])[-(int(value) + 1 if kind == "stale" else 1) :]
+            step_clip.append(float(metrics.get("actor/pg_clipfrac", float("nan"))))
+            step_kl.append(float(metrics.get("actor/ppo_kl", float("nan"))))
+        grads.append(torch.stack(step_grad).mean(0))
+        clipfracs.append(float(np.mean(step_clip)))
+        kls.append(float(np.mean(step_kl)))
+    curve = torch.stack(rewards, 1).numpy()  # [S, steps]
+    grad = torch.stack(grads, 1).numpy()
+    spread = torch.stack(spreads, 1).numpy()
+    records = []
+    for i, s in enumerate(seeds):
+        records.append(
+            {
+                "task": job.task,
+                "cell": job.cell,
+                "length": job.length,
+                "mismatch": job.mismatch,
+                "updates": job.updates,
+                "loss": job.preset.name,
+                "seed": s,
+                **summarise_run(curve[i], args, bool(finite[i])),
+                "grad_norm": float(grad[i].mean()),
+                "logratio_sd": float(spread[i].mean()),
+                "clipfrac": float(np.mean(clipfracs)),
+                "ppo_kl": float(np.mean(kls)),
+            }
+        )
+    steps = [
+        {
+            "task": job.task,
+            "cell": job.cell,
+            "loss": job.preset.name,
+            "step": t,
+            "reward": float(curve[:, t].mean()),
+            "clipfrac": clipfracs[t],
+            "grad_norm": float(grad[:, t].mean()),
+            "logratio_sd": float(spread[:, t].mean()),
+        }
+        for t in range(args.steps)
+    ]
+    return {"records": records, "steps": steps}
+
+
+def summarise_run(curve: np.ndarray, args, finite: bool) -> dict:
+    k = min(args.last, len(curve))
+    smooth = np.convolve(curve, np.ones(3) / 3, mode="valid") if len(curve) >= 3 else curve
+    final = float(curve[-k:].mean())
+    target = float(curve[0]) + args.gain
+    hit = np.nonzero(smooth >= target)[0]
+    reached = int(hit[0]) + 3 if len(hit) else None
+    collapse = (not finite) or final < float(smooth.max()) - COLLAPSE_DROP or not math.isfinite(final)
+    return {
+        "first_reward": float(curve[0]),
+        "final_reward": final,
+        "auc": float(curve.mean()),
+        "steps_to_target": reached,
+        "steps_to_target_c": reached if reached is not None else args.steps + 1,
+        "collapse": bool(collapse),
+    }
+
+
+# ------------------------------------------------------------------ probing presets
+
+
+def probe(preset: Preset, task: str) -> str | None:
+    """None if the preset's loss runs on what the engine provides for ``task`` (a tiny call), else why not."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    import maspo_verl.plugin  # noqa: F401
+
+    t = make_task(task, 24, [0])
+    y = torch.randint(VOCAB, (1, 4, 24), generator=torch.Generator().manual_seed(0))
+    lp = torch.randn(4, 24).mul(0.1).sub(1.0).requires_grad_()
+    try:
+        fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
+        loss, _ = loss_call(fn, cfg, lp.detach() + 0.01, lp, torch.randn(4, 24), t.token_ids(y)[0], t.word_ids(y)[0])
+        loss.backward()
+        if not torch.isfinite(loss) or lp.grad is None or not torch.isfinite(lp.grad).all():
+            return "the loss or its gradient is not finite on the engine's inputs"
+    except Exception as exc:  # noqa: BLE001 - reported in regimes_skipped.csv
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return None
+
+
+# ------------------------------------------------------------------ the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "The regime grid: tasks x lengths x mismatch x updates per batch x every loss preset "
+        "(hydra_configs/loss/*.yaml, composed as the trainer composes them), --seeds seeds each, paired "
+        "bootstrap vs grpo. Mismatch: none | bf16 | fp16 (rollout table rounded) | stale<K> (rollout K "
+        "updates behind) | noise<SIGMA> (Gaussian noise on the reported log-probs)."
+    )
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p.add_argument("--lengths", nargs="+", type=int, default=[16, 96, 384], help="response tokens")
+    p.add_argument(
+        "--mismatch",
+        nargs="+",
+        default=list(MISMATCHES),
+        help="none | bf16 | fp16 | stale<K> | noise<SIGMA> (rollout vs trained policy; old log-probs = rollout's)",
+    )
+    p.add_argument("--updates", nargs="+", type=int, default=[1, 4], help="optimizer updates (mini-batches) per batch")
+    p.add_argument("--presets", nargs="+", default=None, help="loss presets (default: every hydra_configs/loss/*.yaml)")
+    p.add_argument("--seeds", type=int, default=20, help="seeds per cell (initial table and target)")
+    p.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
+    p.add_argument("--groups", type=int, default=3, help="prompts (GRPO groups) per batch")
+    p.add_argument("--group-size", type=int, default=8, help="responses per group")
+    p.add_argument("--lr", type=float, default=0.2, help="Adam learning rate")
+    p.add_argument("--gain", type=float, default=0.2, help="steps to target: step 0's reward + GAIN")
+    p.add_argument("--last", type=int, default=5, help="final reward = mean of the last K steps")
+    p.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's seed (same for every preset)")
+    p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
+    p.add_argument("--report", action="store_true", help="only rebuild the README, tables and plots from --out's CSVs")
+
+
+def jobs_of(args, presets: list[Preset]) -> list[Job]:
+    for m in args.mismatch:
+        parse_mismatch(m)
+    for u in args.updates:
+        if u < 1 or (args.groups * args.group_size) % u:
+            raise SystemExit(f"--updates {u}: must divide the batch ({args.groups} x {args.group_size})")
+    if min(args.lengths) < 3:
+        raise SystemExit("--lengths: at least 3 tokens")
+    # longest first: the pool's last jobs are short
+    return [
+        Job(task, length, m, u, p)
+        for length in sorted(args.lengths, reverse=True)
+        for task in args.tasks
+        for u in sorted(args.updates, reverse=True)
+        for m in args.mismatch
+        for p in presets
+    ]
+
+
+def _work(item):
+    job, args = item
+    t0 = time.time()
+    out = run_job(job, args)
+    out["seconds"] = time.time() - t0
+    out["job"] = job
+    return out
+
+
+def machine_load() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    from maspo_verl.lab import common
+
+    out = Path(args.out)
+    if args.report:  # the tables and README again from the CSVs in --out
+        return _report(out, args)
+    common.prepare_out(out, argv)
+    t0 = time.time()
+    load = [machine_load()]
+    presets = discover_presets(args.presets)
+    skipped, runnable = [], {}
+    for task in args.tasks:
+        for p in presets:
+            why = probe(p, task)
+            if why:
+                skipped.append({"task": task, "loss": p.name, "reason": why})
+                common.log(f"regimes: skipped {p.name} on {task}: {why}")
+            else:
+                runnable.setdefault(task, []).append(p)
+    common.write_csv(out / "regimes_skipped.csv", skipped or [{"task": "", "loss": "", "reason": ""}])
+    jobs = [j for j in jobs_of(args, presets) if j.preset in runnable.get(j.task, [])]
+    common.log(f"regimes: {len(jobs)} jobs x {args.seeds} seeds on {args.workers} processes")
+    records, steps = [], []
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
+    ctx = mp.get_context("fork")
+    with ctx.Pool(args.workers) if args.workers > 1 else _Serial() as pool:
+        for i, res in enumerate(pool.imap_unordered(_work, [(j, plain) for j in jobs])):
+            records += res["records"]
+            steps += res["steps"]
+            j = res["job"]
+            fin = np.mean([r["final_reward"] for r in res["records"]])
+            common.log(
+                f"regimes [{i + 1}/{len(jobs)}] {j.task} {j.cell} {j.preset.name}: final {fin:.3f} "
+                f"({res['seconds']:.1f}s; {time.time() - t0:.0f}s in all)"
+            )
+            if i % 20 == 0:
+                load.append(machine_load())
+            # every finished job on disk at once
+            common.write_csv(out / "regimes_runs.csv", records)
+            common.write_csv(out / "regimes_curves.csv", steps)
+    load.append(machine_load())
+    seconds = time.time() - t0
+    with open(out / "COMMAND.txt", "a") as f:
+        f.write(f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs\n")
+        f.write("machine load during the run (uptime, sampled every 20 jobs):\n")
+        f.writelines(f"  {line}\n" for line in load)
+    _report(out, args)
+
+
+def _report(out: Path, args) -> None:
+    from maspo_verl.lab import regimes_report
+
+    regimes_report.write(out, args)
+    print((out / "README.md").read_text())
+
+
+class _Serial:
+    """A one-process stand-in for the pool."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap_unordered(self, fn, items):
+        return map(fn, items)
+
+
+def loads(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
