@@ -1,8 +1,8 @@
-"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``docs/configuration.md`` and
-``README.md`` made from the declared settings (``maspo_verl.config.SETTINGS``), the segment rules
-(``maspo_verl.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and ``docs/choosing.md`` from the committed result tables
-(``maspo_verl.lab.choosing``). ``python -m maspo_verl generate`` rewrites them; ``--check`` (and
-``tests/test_reference.py``) fails when a file is out of date.
+"""The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``maspo_verl/config_fields.py``,
+``docs/configuration.md`` and ``README.md`` made from the declared settings (``maspo_verl.config.SETTINGS``), the
+segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and
+``docs/choosing.md`` from the committed result tables (``maspo_verl.lab.choosing``). ``python -m maspo_verl generate``
+rewrites them; ``--check`` (and ``tests/test_reference.py``) fails when a file is out of date.
 
 Each generated part stands between two marker lines and is replaced whole; the rest of each file is written by hand.
 """
