@@ -1,7 +1,7 @@
 """The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``maspo_verl/config_fields.py``,
 ``docs/configuration.md`` and ``README.md`` made from the declared settings (``maspo_verl.config.SETTINGS``), the
 segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and
-``docs/choosing.md`` from the committed result tables (``maspo_verl.lab.choosing``). ``python -m maspo_verl generate``
+``docs/choosing.md`` from the committed result tables (``maspo_verl.choosing``). ``python -m maspo_verl generate``
 rewrites them; ``--check`` (and ``tests/test_reference.py``) fails when a file is out of date.
 
 Each generated part stands between two marker lines and is replaced whole; the rest of each file is written by hand.
@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from maspo_verl.config import SETTINGS
-from maspo_verl.lab import choosing
+from maspo_verl import choosing
 from maspo_verl.segments import SEGMENT_RULES, compute
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS

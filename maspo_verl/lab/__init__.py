@@ -5,7 +5,7 @@
 - ``race``: a CPU-sized GRPO race of verl's and our policy losses (:mod:`maspo_verl.lab.race`).
 - ``regimes``: the race's engine grown into a grid: every loss preset as shipped x response length (up to 384
   tokens) x a real rollout mismatch (bf16, stale) x updates per batch, seeds as a batch dimension
-  (:mod:`maspo_verl.lab.regimes`); the source of ``docs/choosing.md`` (:mod:`maspo_verl.lab.choosing`).
+  (:mod:`maspo_verl.lab.regimes`); the source of ``docs/choosing.md`` (:mod:`maspo_verl.choosing`).
 - ``credit``: span credit (``maspo_span_grpo``) vs GRPO advantages on per-span-error tasks: gradient
   variance against the exact gradient, and the race (:mod:`maspo_verl.lab.credit`).
 - ``bench``: time, peak memory and host syncs of each loss against verl's ``vanilla`` and ``gspo``

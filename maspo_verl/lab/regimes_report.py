@@ -1,7 +1,7 @@
 """Tables, paired comparisons, plots and README of ``python -m maspo_verl.lab regimes`` from its per-seed CSVs.
 
 ``regimes_compare.csv`` (paired differences vs grpo) is what ``docs/choosing.md`` is generated from
-(``maspo_verl.lab.choosing``).
+(``maspo_verl.choosing``).
 """
 
 from __future__ import annotations
