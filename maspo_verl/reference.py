@@ -17,8 +17,8 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from maspo_verl.config import SETTINGS
 from maspo_verl import choosing
+from maspo_verl.config import SETTINGS
 from maspo_verl.segments import SEGMENT_RULES, compute
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS
