@@ -67,6 +67,17 @@ def normalised_local(local: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     return torch.where(scale > 0, local / scale.clamp_min(torch.finfo(local.dtype).tiny), 0.0)
 
 
+def grpo_advantage(token_level_rewards, response_mask, index, epsilon, config) -> torch.Tensor:
+    """verl's own ``grpo`` advantage with the algorithm config's ``norm_adv_by_std_in_grpo``."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    norm = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
+    advantages, _ = compute_grpo_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm
+    )
+    return advantages
+
+
 def compute_span_grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -77,15 +88,10 @@ def compute_span_grpo_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl advantage estimator ``maspo_span_grpo`` (see the module docstring); returns (A, A)."""
     # imported here: ``import verl`` loads the plugin, which imports this module
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
     from maspo_verl.config import SpanCreditConfig
 
     span = SpanCreditConfig.from_algorithm(config)
-    norm = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
-    utterance, _ = compute_grpo_outcome_advantage(
-        token_level_rewards, response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm
-    )
+    utterance = grpo_advantage(token_level_rewards, response_mask, index, epsilon, config)
     if span.lam == 0:
         return utterance, utterance
     with torch.no_grad():
@@ -175,15 +181,10 @@ def compute_turn_grpo_advantage(
     """verl advantage estimator ``maspo_turn_grpo`` (turn credit, docs/algorithms.md): GRPO's episode advantage
     plus lam * e_{i,k(t)} / max_{j in group(i), k} |e_jk|. ``turn_scores``: per sample, verl's per-turn scores
     (default: those the plugin's hook put in scope). No per-turn signal: verl's ``grpo`` exactly."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
     from maspo_verl.config import TurnCreditConfig
 
     credit = TurnCreditConfig.from_algorithm(config)
-    norm = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
-    episode, _ = compute_grpo_outcome_advantage(
-        token_level_rewards, response_mask, index, epsilon=epsilon, norm_adv_by_std_in_grpo=norm
-    )
+    episode = grpo_advantage(token_level_rewards, response_mask, index, epsilon, config)
     if credit.lam == 0:
         return episode, episode
     scores = current_turn_scores() if turn_scores is None else turn_scores
