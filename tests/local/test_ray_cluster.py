@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from omegaconf import OmegaConf
@@ -55,7 +56,7 @@ def test_private_cluster_without_an_address(env, tmp_path):
         assert os.path.isdir(ray_init._temp_dir) and os.path.basename(ray_init._temp_dir).startswith("maspo_ray_")
         assert (ray_init.num_cpus, ray_init.num_gpus) == (16, 1)
     finally:
-        os.rmdir(ray_init._temp_dir)
+        shutil.rmtree(ray_init._temp_dir)  # the private token is written there
 
 
 @pytest.mark.parametrize("via", ["RAY_ADDRESS", "override"])
