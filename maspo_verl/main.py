@@ -112,11 +112,11 @@ def run(config: DictConfig) -> None:
         from maspo_verl import local
 
         local.prepare_task(config)  # the task's lengths and data (task=turns), before the batch checks
-    preflight(config, local=bool(maspo.get("local")))  # paths and GPUs on this machine (the dry run too)
-    check_batch_sizes(config)
+    check_batch_sizes(config)  # the config's own errors first, then what it names on this machine
     check_policy_loss(config)
     if not maspo.get("local"):
         run_startup_checks(config)
+        preflight(config, local=False)  # paths and GPUs (the dry run too)
         if maspo.get("dry_run"):
             dry_run(config)
         else:
@@ -124,6 +124,7 @@ def run(config: DictConfig) -> None:
         return
     from maspo_verl import local
 
+    preflight(config, local=True)  # the paths given; those left unset are local.prepare's to fill
     if maspo.get("dry_run"):
         local.prepare(config)
         run_startup_checks(config)

@@ -13,6 +13,7 @@ from tests.math.conftest import compose
 PRESETS = preset_names()
 VALID = [
     "actor_rollout_ref.model.path=/nonexistent/model",  # validate_config opens nothing
+    "maspo.preflight=off",  # the config, not this machine (no GPUs, no data)
     "actor_rollout_ref.rollout.name=vllm",
     "actor_rollout_ref.actor.use_dynamic_bsz=True",
     "data.train_batch_size=16",

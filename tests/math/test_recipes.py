@@ -169,7 +169,7 @@ def test_every_knob_reaches_the_config(capsys):
     out = run_script(script, PRINT_CMD="1", **env)
     assert out.returncode == 0, out.stderr
     name, overrides = dry_run_command("command: " + out.stdout.strip())
-    cfg = compose(name, overrides + ["maspo.dry_run=true"])
+    cfg = compose(name, overrides + ["maspo.dry_run=true", "maspo.preflight=warn"])  # as DRY_RUN=1
     run(cfg)
     section = loss_section(capsys.readouterr().out)
     assert section["policy_loss"]["loss_mode"] == "maspo"
