@@ -186,7 +186,16 @@ _FORCED_FULL_ERROR = "_MASPO_VERL_FORCED_HYDRA_FULL_ERROR"
 
 def unknown_key_message(exc: BaseException, overrides: list[str]) -> str | None:
     """For Hydra's "Could not override 'a.b.c'" (a key verl's config does not have): the section's closest
-    keys, as our own fields get them, and the ``+`` form for a key meant to be new; None for other errors."""
+    keys, as our own fields get them, and the ``+`` form for a key meant to be new; for "Could not find
+    'loss/x'" (an option a config group does not have, e.g. ``loss=maspo_fixd``): the closest options;
+    None for other errors."""
+    from hydra.errors import MissingConfigException
+
+    missing = exc if isinstance(exc, MissingConfigException) else exc.__cause__
+    if isinstance(missing, MissingConfigException) and missing.options and missing.missing_cfg_file:
+        group, _, name = str(missing.missing_cfg_file).rpartition("/")
+        if group:
+            return unknown_message(f"config group {group!r}", [name], sorted(missing.options), f"{group} options")
     cause = exc.__cause__
     key, full_key, parent = (getattr(cause, a, None) for a in ("key", "full_key", "parent_node"))
     if not (isinstance(key, str) and isinstance(full_key, str) and hasattr(parent, "keys")):

@@ -41,6 +41,27 @@ def random_batch(B=6, T=20, scale=0.3, seed=0, dtype=torch.float64, lengths=None
     return old, new, adv, mask
 
 
+def random_mask(B: int, T: int, layout: str, generator: torch.Generator) -> torch.Tensor:
+    """A [B, T] response mask: ``right`` or ``left`` padded (random lengths 0..T) or with ``holes`` (about 70 %
+    of the positions kept; the lengths are drawn all the same, so a seed gives the same later draws)."""
+    lengths = torch.randint(0, T + 1, (B,), generator=generator)
+    pos = torch.arange(T)[None, :]
+    if layout == "right":
+        return pos < lengths[:, None]
+    if layout == "left":
+        return pos >= (T - lengths)[:, None]
+    return torch.rand(B, T, generator=generator) < 0.7
+
+
+def preset_fields(preset: str) -> tuple[dict, dict]:
+    """(actor clip arguments, policy-loss fields without ``_target_``) of a shipped preset."""
+    from omegaconf import OmegaConf
+
+    actor = compose_config(f"loss={preset}").actor_rollout_ref.actor
+    policy_loss = {k: v for k, v in OmegaConf.to_container(actor.policy_loss).items() if k != "_target_"}
+    return dict(clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high, clip_c=actor.clip_ratio_c), policy_loss
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a recipe script: this interpreter as python3, nothing inherited that steers it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASPO_", "DRY_RUN", "PRINT_", "LOSS"))}

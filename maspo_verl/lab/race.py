@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     write_tables(out, curves, rows, summary)
     plot(curves, tasks, CONTENDERS, args, out / "race_reward.png")
     write_report(out, summary, args, time.time() - t0)
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 def race(tasks: list[Task], contenders: list[Contender], args, t0: float):

@@ -565,10 +565,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def _report(out: Path, args) -> None:
-    from maspo_verl.lab import regimes_report
+    from maspo_verl.lab import common, regimes_report
 
     regimes_report.write(out, args)
-    print((out / "README.md").read_text())
+    common.report_written(out)
 
 
 class _Serial:

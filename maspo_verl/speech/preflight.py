@@ -15,9 +15,10 @@ Every model and package the configured reward will load must be resolvable here:
   CTranslate2 must be able to use CUDA where the ASR will run on it.
 
 Each problem names ``reward.custom_reward_function.reward_kwargs.<field>`` (or the ``MASPO_SPEECH_*``
-variable it came from) and what to do. A dry run (``maspo.dry_run=true``) reports them as warnings: it
-checks a config, possibly on another machine than the run's. What only a worker can know (a folder that
-is there but broken, a node without the cache) fails when the worker loads it
+variable it came from) and what to do. A dry run (``maspo.dry_run=true``) and ``maspo.preflight=warn``
+report them as warnings (a config checked on another machine than the run's); ``maspo.preflight=off``
+skips these checks, as it skips the driver's (``maspo_verl.plugin.preflight``). What only a worker can
+know (a folder that is there but broken, a node without the cache) fails when the worker loads it
 (``maspo_verl.speech.scorer.SpeechRewardFailure``).
 """
 
@@ -30,6 +31,7 @@ import os
 import re
 from typing import Any
 
+from maspo_verl.plugin.preflight import mode as preflight_mode
 from maspo_verl.speech.settings import CODECS, SpeechRewardConfig, field_path
 from maspo_verl.util import warn_once
 from maspo_verl.validation import FieldError
@@ -91,11 +93,16 @@ def check_components(
 
 def run_checks(speech: SpeechRewardConfig, overrides: dict[str, Any] | None, config: Any) -> list[str]:
     """The start-up check: warnings issued (notes); raises ``FieldError`` naming the first problem's field,
-    its message listing every problem. A dry run warns instead."""
+    its message listing every problem. ``maspo.preflight=warn`` and a dry run warn instead; ``off`` skips it."""
+    maspo = (config.get("maspo", {}) or {}) if config is not None else {}
+    how = preflight_mode(config) if config is not None else "refuse"
+    if how == "off":
+        return []
     trainer = (config.get("trainer", {}) or {}) if config is not None else {}
     problems, notes = check_components(speech, overrides, str(trainer.get("device", "cuda")))
-    if problems and ((config.get("maspo", {}) or {}).get("dry_run") if config is not None else False):
-        notes += [f"{message} (dry run: a real run stops here)" for _, message in problems]
+    if problems and (how == "warn" or maspo.get("dry_run")):
+        why = "maspo.preflight=warn" if how == "warn" else "dry run"
+        notes += [f"{message} ({why}: a real run stops here)" for _, message in problems]
         problems = []
     for note in notes:
         warn_once(note, logger=logger, python_warning=False)  # one console line each

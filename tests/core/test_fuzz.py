@@ -23,7 +23,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
@@ -31,7 +30,7 @@ from maspo_verl.config import actor_config
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
-from tests.helpers import BYTE_VOCABULARY, compose_config
+from tests.helpers import BYTE_VOCABULARY, compose_config, preset_fields, random_mask
 
 
 def our_presets() -> list[str]:
@@ -48,23 +47,16 @@ EXAMPLES_PER_PRESET = int(os.environ.get("MASPO_FUZZ_EXAMPLES", 10_500 // len(PR
 
 
 def preset_config(preset: str, agg: str, surrogate: str):
-    actor = compose_config(f"loss={preset}").actor_rollout_ref.actor
-    policy_loss = {k: v for k, v in OmegaConf.to_container(actor.policy_loss).items() if k != "_target_"}
+    clips, policy_loss = preset_fields(preset)
     policy_loss["surrogate"] = surrogate
     schedules = SURROGATES[surrogate].clip_schedules
     if schedules is not None and policy_loss["clip_schedule"] not in schedules:
         policy_loss["clip_schedule"] = schedules[0]
     if agg == "seg-mean-token-mean":
         policy_loss["agg_mode"] = agg
-    config = actor_config(actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, **policy_loss)
     if any(rule.reads_codec for rule in segment_rules(policy_loss)):  # codes 0..255: random ids often in range
-        config = actor_config(
-            actor.clip_ratio_low,
-            actor.clip_ratio_high,
-            actor.clip_ratio_c,
-            **{**policy_loss, "codec_offset": 0, "codec_size": 256, "fsq_levels": [4, 4, 4, 4]},
-        )
-    return config
+        policy_loss.update(codec_offset=0, codec_size=256, fsq_levels=[4, 4, 4, 4])
+    return actor_config(**clips, **policy_loss)
 
 
 CONFIGS = {}
@@ -78,14 +70,7 @@ def config_for(preset, agg, surrogate):
 
 def make_case(seed, B, T, layout, dtype, drift, weighted, bad_frac):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, T + 1, (B,), generator=g)
-    pos = torch.arange(T)[None, :]
-    if layout == "right":
-        mask = pos < lengths[:, None]
-    elif layout == "left":
-        mask = pos >= (T - lengths)[:, None]
-    else:
-        mask = torch.rand(B, T, generator=g) < 0.7
+    mask = random_mask(B, T, layout, g)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 5
     new = old + drift * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64) * torch.rand(1, generator=g).item() * 1e3

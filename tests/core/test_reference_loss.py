@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
@@ -19,27 +18,20 @@ from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
-from tests.helpers import BYTE_VOCABULARY, compose_config
+from tests.helpers import BYTE_VOCABULARY, preset_fields, random_mask
 
 VERL_AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
 SCHEDULES = ("ratio", "log_adaptive")
-
-
-def preset_settings(preset: str) -> tuple[dict, dict]:
-    """(actor clip arguments, policy-loss fields) of a shipped preset."""
-    actor = compose_config(f"loss={preset}").actor_rollout_ref.actor
-    policy_loss = {k: v for k, v in OmegaConf.to_container(actor.policy_loss).items() if k != "_target_"}
-    return dict(clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high, clip_c=actor.clip_ratio_c), policy_loss
 
 
 def cases() -> dict[str, tuple[dict, dict]]:
     """Every preset of one of our losses, and every rule on ``maspo_fixed``'s other settings."""
     out = {}
     for preset in preset_names():
-        clips, policy_loss = preset_settings(preset)
+        clips, policy_loss = preset_fields(preset)
         if policy_loss["loss_mode"] in TOKEN_SETS:
             out[preset] = (clips, policy_loss)
-    clips, base = preset_settings("maspo_fixed")
+    clips, base = preset_fields("maspo_fixed")
     for rule in SEGMENT_RULES:
         out[f"rule={rule}"] = (clips, {**base, "segment_rule": rule, "min_segment_len": 2})
     return out
@@ -82,17 +74,11 @@ def test_production_equals_reference(case, seed, B, T, layout, drift, weighted, 
 
     g = torch.Generator().manual_seed(seed)
     f64 = dict(generator=g, dtype=torch.float64)
-    lengths = torch.randint(0, T + 1, (B,), generator=g)
-    pos = torch.arange(T)[None, :]
-    if layout == "right":
-        mask = pos < lengths[:, None]
-    elif layout == "left":
-        mask = pos >= (T - lengths)[:, None]
-    else:
-        mask = torch.rand(B, T, generator=g) < 0.7
+    mask = random_mask(B, T, layout, g)
     old = -torch.rand(B, T, **f64) * 5
     new = old + drift * torch.randn(B, T, **f64)
     if bad:  # non-finite log-probs at some valid tokens: dropped by both
+        pos = torch.arange(T)[None, :]
         hit = mask & (torch.rand(B, T, generator=g) < 0.15)
         new = torch.where(hit & (pos % 2 == 0), float("nan"), new)
         old = torch.where(hit & (pos % 2 == 1), -float("inf"), old)

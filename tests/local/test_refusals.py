@@ -168,3 +168,14 @@ def test_a_misspelt_verl_key_names_the_closest_keys(tmp_path):
         assert "To append to your config use" not in out.stderr and "Traceback" not in out.stderr
         assert lines[-1] == "(a key verl's config does not have is added with +trainer.total_trainig_steps=3)"
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_config_group_option_names_the_closest_options(tmp_path):
+    out = _main(tmp_path, "local=cpu", "loss=maspo_fixd")
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == (
+        "maspo_verl: config group 'loss' has unknown loss options ['maspo_fixd']: did you mean `maspo_fixed`?"
+    ), out.stderr[-3000:]
+    assert "maspo_turns" in out.stderr and "Traceback" not in out.stderr  # the allowed options follow
+    assert list(tmp_path.iterdir()) == []

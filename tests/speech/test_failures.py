@@ -139,6 +139,13 @@ def test_a_dry_run_warns_instead():
     assert any("no such folder" in m and "(dry run: a real run stops here)" in m for m in issued), issued
 
 
+def test_preflight_warn_lists_and_off_skips_the_speech_checks():
+    issued = run_startup_checks(speech_config("maspo.preflight=warn", asr_model="/nonexistent/whisper"))
+    assert any("no such folder" in m and "(maspo.preflight=warn: a real run stops here)" in m for m in issued)
+    issued = run_startup_checks(speech_config("maspo.preflight=off", asr_model="/nonexistent/whisper"))
+    assert not any("no such folder" in m for m in issued), issued
+
+
 # ---- in the reward worker ------------------------------------------------------------------------------
 def broken_whisper(tmp_path) -> str:
     """The bundled tiny.en with its weights cut short: a folder start-up cannot tell from a good one."""
