@@ -2,8 +2,9 @@
 
 Every number on the page comes from a CSV under ``docs/results/``: the regime grid's paired comparisons
 (``regimes/regimes_compare.csv``), the trainer studies' (``learn_compare.csv`` of ``learn_mismatch/``,
-``learn_turns/`` and ``regimes_trainer/``). ``python -m maspo_verl generate`` rewrites the page and ``--check``
-(``tests/test_reference.py``) fails when it is out of date with them. Standard library only.
+``learn_turns/``, ``regimes_trainer/`` and ``regimes_trainer_gspo/``). ``python -m maspo_verl generate``
+rewrites the page and ``--check`` (``tests/test_reference.py``) fails when it is out of date with them.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ GRID_COLUMNS = (
     ("384 tokens, stale rollout + 4 updates", "L384/stale2/U4"),
     ("384 tokens, log-prob noise σ 0.2, 1 update", "L384/noise0.2/U1"),
 )
-CONFIRMATION = "regimes_trainer"  # the grid's cells re-run in verl's trainer
+# the grid's cells re-run in verl's trainer, one folder per command (lab learn)
+CONFIRMATIONS = ("regimes_trainer", "regimes_trainer_gspo")
 # trainer studies (lab learn): folder -> column header; every (task, cell) in their learn_compare.csv
 TRAINER = (
     ("learn_mismatch", "trainer: speech-like, 12 tokens"),
     ("learn_turns", "trainer: multi-turn agent, 4-token turns"),
-    (CONFIRMATION, "trainer: the grid's cells confirmed"),
+    *((folder, "trainer: the grid's cells confirmed") for folder in CONFIRMATIONS),
 )
 TASK_LETTER = {"speech": "S", "text": "T"}
 
@@ -201,7 +203,7 @@ def render(root: Path) -> str:
             *(f"| `{n}` | {trainer_cell(rows, n)} |" for n in run),
             "",
         ]
-        if folder == CONFIRMATION:
+        if folder in CONFIRMATIONS:
             trainer_tables += ["Does the trainer agree with the grid?", "", *agreement(grid, rows), ""]
     summary = []
     total_up = total_down = 0
