@@ -6,13 +6,28 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=os.environ.get("MASPO_RUN_SLOW") == "1",
+        help="also run the tests marked slow (more trainer runs; CI and .ci/test leave them out)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--run-slow"):
+        os.environ["MASPO_RUN_SLOW"] = "1"  # read at import (the fuzz test's number of cases)
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = pytest.mark.skip(reason="slow: pytest --run-slow runs it")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(gpu)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(slow)
 
 
 @pytest.fixture(autouse=True)

@@ -109,6 +109,7 @@ def test_the_discovered_tests_cover_it(checkout):
     assert len(passed) >= 5, out.stdout[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_it_trains_in_the_local_mode(checkout):
     run_dir = checkout / "outputs" / "example_run"

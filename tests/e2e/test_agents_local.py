@@ -64,6 +64,7 @@ def test_segment_correction_command_two_steps(local_run):
         assert math.isfinite(m["actor/pg_loss"])
 
 
+@pytest.mark.slow
 def test_turn_credit_command_two_steps(local_run):
     run = local_run(["task=turns", "loss=maspo_turns", "credit=turns"])
     context = f"\n--- trainer log tail ---\n{run.tail()}"

@@ -13,6 +13,7 @@ from maspo_verl.lab.__main__ import main
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_learn_command_two_steps(tmp_path, local_cache_dir, monkeypatch):
     monkeypatch.setenv("MASPO_VERL_CACHE", local_cache_dir)
     out = tmp_path / "learn"

@@ -153,6 +153,7 @@ def test_maspo_tokenval_bypass_v1(local_run, tmp_path):
         assert (metrics["actor/ratio/min"], metrics["actor/ratio/max"]) != (1.0, 1.0), context
 
 
+@pytest.mark.slow
 def test_ctpo_legacy_trainer(local_run):
     """CTPO (prefix ratios, no segments) on the legacy trainer (trainer.use_v1=False), whose TaskRunner
     prints the resolved config when asked (maspo.print_config=true)."""
@@ -166,6 +167,7 @@ def test_ctpo_legacy_trainer(local_run):
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
 
 
+@pytest.mark.slow  # (the speech e2e test runs span credit on per-token scores)
 @pytest.mark.parametrize("lam", [0.0, 0.4])
 def test_per_token_scores_reach_the_span_credit_estimator(lam, local_run):
     """A reward manager returning per-token scores (equal utterance scores, so GRPO gives 0): the agent

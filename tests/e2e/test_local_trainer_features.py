@@ -43,6 +43,7 @@ def _check_trained(run, steps: list[int]) -> str:
     return context
 
 
+@pytest.mark.slow
 def test_two_data_parallel_workers(local_run):
     """``local=cpu trainer.n_gpus_per_node=2`` with the preset's batch settings: two FSDP ranks (the private
     Ray cluster gets two logical GPUs) each take half of every mini-batch; MASPO with seg-mean-token-mean."""

@@ -294,6 +294,7 @@ def test_ray_submit_recipe_local_mode(head, tmp_path):
             assert history[step][key] == pytest.approx(value, rel=1e-3, abs=1e-6), (step, key)
 
 
+@pytest.mark.slow
 def test_plain_submit_local_mode_no_overrides(head, tmp_path):
     """The README's command as is: no working dir, no Ray overrides; the venv's wheel runs it."""
     job_id = f"maspo-plain-{secrets.token_hex(3)}"

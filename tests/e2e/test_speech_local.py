@@ -69,6 +69,7 @@ def test_word_segments_full_setting(speech_assets, local_run):
     assert "SpeechRewardManager" in run.config_text or "tiny.en" in run.config_text, context
 
 
+@pytest.mark.slow
 def test_a_codec_failing_on_every_batch_stops_the_run(speech_assets, local_run, monkeypatch):
     """A codec that loads and then raises on every batch (``tests/speech/failing_codecs.py``, plugged in
     as ``codec=module:function``): only a worker can know. The reward raises (more than max_failed_frac

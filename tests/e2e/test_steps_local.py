@@ -19,6 +19,7 @@ def hydra_list(strings: list[str]) -> str:
     return "[" + ",".join('"' + s + '"' for s in strings) + "]"
 
 
+@pytest.mark.slow
 def test_segments_per_sequence_are_the_delimiters_in_the_batch(local_run):
     """2 mini-batches of 8 full-length (32-token) responses: verl's mean over micro-batches is the batch
     mean, so the loss's segments per sequence equal the mean expected count the reward logged."""

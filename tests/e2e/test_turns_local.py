@@ -19,6 +19,7 @@ TURNS, TURN_TOKENS = 2, 4  # hydra_configs/task/turns.yaml
 LOSS = "loss=maspo_turns"
 
 
+@pytest.mark.slow
 def test_multi_turn_command_two_steps(local_run, tmp_path):
     inspect = tmp_path / "inspect"
     run = local_run(

@@ -19,6 +19,7 @@ from tests.e2e.conftest import manager_overrides
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_word_ids_reach_the_loss_aligned_with_the_tokens(local_run, tmp_path):
     """Known word ids (depending on each response's tokens) and, as the score, the segment count they
     give: the loss's segments per sequence equal the mean score (2 mini-batches of 8 responses, so

@@ -135,8 +135,8 @@ def _preflight_case(root: Path, case: str) -> tuple[list[str], str, str]:
         paths["data.prompt_key"], fix = "messages", "has no column data.prompt_key='messages'"
     elif case == "reward":
         paths["reward.custom_reward_function.name"], fix = "score", "defines no function 'score'"
-    else:  # the GPU command (no local=cpu) asking for more GPUs than any node here has
-        local, fix = ["loss=grpo", "trainer.n_gpus_per_node=1000"], "add local=cpu"
+    else:  # the GPU command (no local=cpu) asking for more GPUs than any node here has (64: batch sizes it divides)
+        local, fix = ["loss=grpo", "trainer.n_gpus_per_node=64"], "add local=cpu"
     field = {"model": "actor_rollout_ref.model.path", "data": "data.train_files", "prompt_key": "data.train_files",
              "reward": "reward.custom_reward_function.name", "gpus": "trainer.n_gpus_per_node"}[case]  # fmt: skip
     return [*local, *(f"{k}={v}" for k, v in paths.items())], field, fix

@@ -20,7 +20,8 @@ from maspo_verl.lab.runs import run_local
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("loss", ["ctpo"])  # CTPO-LA; gspo passes too (one run keeps CI short)
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["ctpo"])  # CTPO-LA; gspo passes too (one run: a slow test)
 def test_math_recipe_two_local_steps(loss, prepared_dir, tmp_path, tmp_path_factory):
     d = prepared_dir
     overrides = [
