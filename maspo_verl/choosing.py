@@ -18,6 +18,7 @@ RESULTS = Path("docs", "results")
 GRID = "regimes"
 GRID_CSV = RESULTS / GRID / "regimes_compare.csv"
 GRID_SUMMARY = RESULTS / GRID / "regimes_summary.csv"
+GRID_RUNS = RESULTS / GRID / "regimes_runs.csv"
 # the grid's regimes: (column header, cell); both tasks are shown in each (S: speech-like, correlated tokens;
 # T: text-like, independent tokens)
 GRID_COLUMNS = (
@@ -87,6 +88,30 @@ def grid_cell_of(trainer_cell: str) -> str:
     except ValueError:
         pass
     return f"{length}/{mismatch}/{updates}"
+
+
+def baseline_progress(root: Path, folder: str) -> list[str]:
+    """How far ``grpo`` itself got, step 1 -> final reward (means over seeds), in the trainer and in the grid's
+    cell: a difference between presets means little where the baseline did not learn."""
+    grid_runs = _read(root / GRID_RUNS)
+    lines = []
+    trainer_runs = [r for r in _read(root / RESULTS / folder / "learn_runs.csv") if r["loss"] == BASELINE]
+    for task, cell in sorted({(r["task"], r["cell"]) for r in trainer_runs}):
+        mine = [r for r in trainer_runs if (r["task"], r["cell"]) == (task, cell) and _yes(r["ok"])]
+        grid = [r for r in grid_runs if (r["task"], r["cell"], r["loss"]) == (task, grid_cell_of(cell), BASELINE)]
+        if not mine or not grid:
+            continue
+
+        def progress(rows: list[dict]) -> str:
+            first = sum(float(r["first_reward"]) for r in rows) / len(rows)
+            final = sum(float(r["final_reward"]) for r in rows) / len(rows)
+            return f"{first:.3f} -> {final:.3f}"
+
+        lines.append(
+            f"- `{BASELINE}` itself, {task} {cell}, reward at step 1 -> final (mean over seeds): trainer "
+            f"{progress(mine)} ({len(mine)} seeds); grid {progress(grid)} ({len(grid)} seeds)."
+        )
+    return lines
 
 
 def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
@@ -204,7 +229,8 @@ def render(root: Path) -> str:
             "",
         ]
         if folder in CONFIRMATIONS:
-            trainer_tables += ["Does the trainer agree with the grid?", "", *agreement(grid, rows), ""]
+            trainer_tables += ["Does the trainer agree with the grid?", "", *agreement(grid, rows)]
+            trainer_tables += [*baseline_progress(root, folder), ""]
     summary = []
     total_up = total_down = 0
     for loss in names[1:]:
