@@ -102,6 +102,7 @@ def test_a_bad_value_of_its_field_is_refused_at_start_up(checkout):
     assert f"policy_loss.{FIELD}='abc' is invalid: allowed a finite number" in out.stdout + out.stderr
 
 
+@pytest.mark.slow  # (the discovered tests run on every shipped rule in the suite itself)
 def test_the_discovered_tests_cover_it(checkout):
     out = run(checkout, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NAME, "-rA", *DISCOVERED)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
