@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 # ``segment_rule=delimiters`` (``maspo_verl.batch.micro_batch_scope``) where the ids are bytes
 BYTE_VOCABULARY = [chr(b) for b in range(256)]
 
+# verl's loss aggregation modes (``agg_loss``)
+VERL_AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
+
 # batch sizes small enough for verl's micro-batch checks in a dry run
 SMALL = [
     "data.train_batch_size=8",

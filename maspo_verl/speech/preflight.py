@@ -94,13 +94,13 @@ def check_components(
 def run_checks(speech: SpeechRewardConfig, overrides: dict[str, Any] | None, config: Any) -> list[str]:
     """The start-up check: warnings issued (notes); raises ``FieldError`` naming the first problem's field,
     its message listing every problem. ``maspo.preflight=warn`` and a dry run warn instead; ``off`` skips it."""
-    maspo = (config.get("maspo", {}) or {}) if config is not None else {}
-    how = preflight_mode(config) if config is not None else "refuse"
+    config = {} if config is None else config
+    how = preflight_mode(config)
     if how == "off":
         return []
-    trainer = (config.get("trainer", {}) or {}) if config is not None else {}
+    trainer = config.get("trainer", {}) or {}
     problems, notes = check_components(speech, overrides, str(trainer.get("device", "cuda")))
-    if problems and (how == "warn" or maspo.get("dry_run")):
+    if problems and (how == "warn" or (config.get("maspo", {}) or {}).get("dry_run")):
         why = "maspo.preflight=warn" if how == "warn" else "dry run"
         notes += [f"{message} ({why}: a real run stops here)" for _, message in problems]
         problems = []

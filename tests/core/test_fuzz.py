@@ -30,7 +30,7 @@ from maspo_verl.config import actor_config
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
-from tests.helpers import BYTE_VOCABULARY, compose_config, preset_fields, random_mask
+from tests.helpers import BYTE_VOCABULARY, VERL_AGG, compose_config, preset_fields, random_mask
 
 
 def our_presets() -> list[str]:
@@ -40,7 +40,6 @@ def our_presets() -> list[str]:
 
 
 PRESETS = our_presets()
-VERL_AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 # cases in all, shared by the presets (``tests/conftest.py`` sets MASPO_RUN_SLOW for --run-slow)
 CASES = 10_500 if os.environ.get("MASPO_RUN_SLOW") == "1" else 3_000

@@ -18,9 +18,8 @@ from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.surrogates import SURROGATES
 from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
-from tests.helpers import BYTE_VOCABULARY, preset_fields, random_mask
+from tests.helpers import BYTE_VOCABULARY, VERL_AGG, preset_fields, random_mask
 
-VERL_AGG = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
 SCHEDULES = ("ratio", "log_adaptive")
 
 
