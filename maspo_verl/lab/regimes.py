@@ -96,6 +96,8 @@ class Preset:
     loss_mode: str
     actor: dict  # clip_ratio_low/high/c, loss_agg_mode
     policy_loss: dict  # the composed policy_loss section without _target_
+    band: str = "shipped"  # the clip band: as shipped, or scaled (``regimes_tuned.widen``)
+    control: str = ""  # "shuffled": the words rule fed runs of the same lengths in a random order
 
 
 def discover_presets(names: list[str] | None = None) -> list[Preset]:
@@ -161,20 +163,21 @@ class Task:
         S, N, T = y.shape
         units = int(self.n_units.max())
         idx = self.unit_id[:, None, :].expand(S, N, T)
-        hits = torch.zeros(S, N, units).scatter_add_(2, idx, right)
-        size = torch.zeros(S, 1, units).scatter_add_(2, self.unit_id[:, None, :], torch.ones(S, 1, T))
+        hits = torch.zeros(S, N, units, device=y.device).scatter_add_(2, idx, right)
+        size = torch.zeros(S, 1, units, device=y.device)
+        size = size.scatter_add_(2, self.unit_id[:, None, :], torch.ones(S, 1, T, device=y.device))
         ok = (hits > size / 2) & (size > 0)
         return ok.sum(-1).float() / self.n_units[:, None].float()
 
     def token_ids(self, y: torch.Tensor) -> torch.Tensor:
         if self.name == "speech":
-            return CODEC_OFFSET + torch.tensor(CODES)[y]
+            return CODEC_OFFSET + torch.tensor(CODES, device=y.device)[y]
         return y
 
     def word_ids(self, y: torch.Tensor) -> torch.Tensor:
         """Per token the index of its recognised "word": a run of one symbol (speech), each token (text)."""
         if self.name == "text":
-            return torch.arange(y.shape[-1]).expand(y.shape).clone()
+            return torch.arange(y.shape[-1], device=y.device).expand(y.shape).clone()
         change = torch.ones_like(y)
         change[..., 1:] = (y[..., 1:] != y[..., :-1]).long()
         return change.cumsum(-1) - 1
@@ -242,9 +245,9 @@ def log_prob_table(theta: torch.Tensor, precision: str = "fp32") -> torch.Tensor
 def gather(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Log-probs [S, N, T] of responses ``y`` [S, N, T] under ``table`` [S, T, V+1, V] (one flat gather)."""
     S, N, T = y.shape
-    prev = torch.cat([torch.full((S, N, 1), VOCAB), y[..., :-1]], -1)
-    s = torch.arange(S)[:, None, None]
-    t = torch.arange(T)[None, None, :]
+    prev = torch.cat([torch.full((S, N, 1), VOCAB, device=y.device), y[..., :-1]], -1)
+    s = torch.arange(S, device=y.device)[:, None, None]
+    t = torch.arange(T, device=y.device)[None, None, :]
     flat = ((s * T + t) * (VOCAB + 1) + prev) * VOCAB + y
     return table.reshape(-1)[flat]
 
@@ -253,13 +256,13 @@ def gather(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def sample(table: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` responses per seed from ``table`` (inverse CDF, exact): symbols [S, n, T] and their log-probs."""
     S, T = table.shape[0], table.shape[1]
-    u = torch.rand(T, S * n, 1, generator=gen)
+    u = torch.rand(T, S * n, 1, generator=gen).to(table.device)  # the CPU generator: the same draws on any device
     cdf = table.exp().cumsum(-1)
     cdf[..., -1] = 2.0  # rounding never leaves u above the last bin
     by_t = cdf.transpose(0, 1).reshape(T, S * (VOCAB + 1), VOCAB)  # [T, S*(V+1), V]
-    base = torch.arange(S).repeat_interleave(n) * (VOCAB + 1)
-    prev = torch.full((S * n,), VOCAB)
-    ys = torch.empty(T, S * n, dtype=torch.long)
+    base = torch.arange(S, device=table.device).repeat_interleave(n) * (VOCAB + 1)
+    prev = torch.full((S * n,), VOCAB, device=table.device)
+    ys = torch.empty(T, S * n, dtype=torch.long, device=table.device)
     for t in range(T):
         prev = (by_t[t].index_select(0, base + prev) <= u[t]).sum(-1)
         ys[t] = prev
@@ -293,10 +296,11 @@ class Job:
     mismatch: str
     updates: int
     preset: Preset
+    lr: float | None = None  # None: --lr
 
     @property
     def cell(self) -> str:
-        return f"L{self.length}/{self.mismatch}/U{self.updates}"
+        return f"L{self.length}/{self.mismatch}/U{self.updates}" + (f"/lr{self.lr:g}" if self.lr is not None else "")
 
 
 def loss_call(fn, cfg, old, lp, adv, ids, words):
@@ -306,6 +310,51 @@ def loss_call(fn, cfg, old, lp, adv, ids, words):
     mask = torch.ones_like(lp, dtype=torch.bool)
     with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, vocabulary()):
         return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
+
+
+def shuffled_runs(words: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The control of the ``words`` rule: each row's runs (its word ids' segments) in a random order, so the
+    segments have the row's own lengths but do not line up with its units."""
+    flat = words.reshape(-1, words.shape[-1]).cpu().numpy()
+    rng = np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen)))
+    out = np.empty_like(flat)
+    for i, row in enumerate(flat):  # [rows, T]: a few hundred short rows per update
+        lengths = np.bincount(row - row[0])
+        out[i] = np.repeat(np.arange(len(lengths)), rng.permutation(lengths[lengths > 0]))
+    return torch.from_numpy(out).reshape(words.shape).to(words.device)
+
+
+def drift_sums(delta: torch.Tensor, units: torch.Tensor) -> dict:
+    """Correlation sums (``maspo_verl.core.correlation``) of log-ratios ``delta`` [S, N, T]; ``units``: the runs
+    of one symbol (the segments of VIF(units))."""
+    from maspo_verl.core.correlation import correlation_sums
+
+    rows = delta.shape[0] * delta.shape[1]
+    d, u = delta.reshape(rows, -1).double(), units.reshape(rows, -1)
+    return {k: v.cpu() for k, v in correlation_sums(d, torch.ones_like(d, dtype=torch.bool), u).items()}
+
+
+def drift_metrics(sums: dict | None, prefix: str = "drift_") -> dict:
+    """lag-1, VIF(5/15/50) and VIF over the units of ``drift_sums`` pooled (NaN where not defined)."""
+    from maspo_verl.core.correlation import correlation_metrics
+
+    m = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="") if sums else {}
+    names = {"corr_lag1": "lag1", "vif5": "vif5", "vif15": "vif15", "vif50": "vif50", "vif_segments": "vif_units"}
+    return {prefix + new: m.get(old, float("nan")) for old, new in names.items()}
+
+
+def null_correlation(length: int, rows: int = 4096, seed: int = 0) -> dict:
+    """The same metrics of independent log-ratios in rows of ``length`` tokens: the reference a measured value is
+    read against (centring each row pulls VIF(n) below 1, to about 1 - n / length)."""
+    from maspo_verl.core.correlation import correlation_sums
+
+    d = torch.randn(rows, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sums = correlation_sums(d, torch.ones_like(d, dtype=torch.bool))
+    return {k: v for k, v in drift_metrics(sums, "null_").items() if k != "null_vif_units"}
+
+
+def _add(total: dict | None, sums: dict) -> dict:
+    return sums if total is None else {k: total[k] + v for k, v in sums.items()}
 
 
 def backward(theta, fn, cfg, y, old, adv, ids, words):
@@ -327,18 +376,21 @@ def run_job(job: Job, args) -> dict:
     import maspo_verl.plugin  # noqa: F401  (registers our losses)
 
     torch.set_num_threads(1)
+    device = torch.device(getattr(args, "device", "cpu"))
     seeds = list(range(args.seeds))
     S, G, n, U = len(seeds), args.groups, args.group_size, job.updates
     N = G * n
     task = make_task(job.task, job.length, seeds)
-    theta = init_tables(task, job.length, seeds).requires_grad_()
-    opt = torch.optim.Adam([theta], lr=args.lr)
+    task.target, task.unit_id, task.n_units = (x.to(device) for x in (task.target, task.unit_id, task.n_units))
+    theta = init_tables(task, job.length, seeds).to(device).requires_grad_()
+    opt = torch.optim.Adam([theta], lr=job.lr if job.lr is not None else args.lr)
     fn, cfg = get_policy_loss_fn(job.preset.loss_mode), preset_config(job.preset)
     kind, value = parse_mismatch(job.mismatch)
     gen = torch.Generator().manual_seed(args.sample_seed)
     history = [theta.detach().clone()]  # the table after each update (stale rollouts)
     index = np.repeat(np.arange(S * G), n)
-    rewards, grads, clipfracs, kls, spreads, finite = [], [], [], [], [], torch.ones(S, dtype=torch.bool)
+    rewards, grads, clipfracs, kls, spreads, finite = [], [], [], [], [], torch.ones(S, dtype=torch.bool, device=device)
+    drift = seen = None  # correlation sums: after each batch's updates; in each loss call
     for _ in range(args.steps):
         if kind == "stale":
             rollout = history[max(0, len(history) - 1 - int(value))]
@@ -346,13 +398,14 @@ def run_job(job: Job, args) -> dict:
             rollout = theta.detach()
         y, old = sample(log_prob_table(rollout, kind if kind in ("bf16", "fp16") else "fp32"), N, gen)
         if kind == "noise":
-            old = old + value * torch.randn(old.shape, generator=gen)
+            old = old + value * torch.randn(old.shape, generator=gen).to(device)
         r = task.reward(y)  # [S, N]
-        rewards.append(r.mean(-1))
-        adv = compute_grpo_outcome_advantage(r.reshape(-1, 1), torch.ones(S * N, 1), index)[0].reshape(S, N, 1)
-        adv = adv.expand(S, N, job.length)
-        ids, words = task.token_ids(y), task.word_ids(y)
-        perm = torch.randperm(N, generator=gen)
+        rewards.append(r.mean(-1).cpu())
+        adv = compute_grpo_outcome_advantage(r.reshape(-1, 1).cpu(), torch.ones(S * N, 1), index)[0]
+        adv = adv.to(device).reshape(S, N, 1).expand(S, N, job.length)
+        ids, units = task.token_ids(y), task.word_ids(y)
+        words = shuffled_runs(units, gen) if job.preset.control == "shuffled" else units
+        perm = torch.randperm(N, generator=gen).to(device)
         step_grad, step_clip, step_kl = [], [], []
         for k in range(U):
             rows = perm[k * N // U : (k + 1) * N // U]
@@ -360,6 +413,7 @@ def run_job(job: Job, args) -> dict:
             loss, metrics, lp = backward(theta, fn, cfg, *(x[:, rows] for x in (y, old, adv, ids, words)))
             if k == 0:
                 spreads.append((lp - old[:, rows]).reshape(S, -1).std(-1))
+            seen = _add(seen, drift_sums(lp - old[:, rows], units[:, rows]))
             g = theta.grad.reshape(S, -1).norm(dim=-1)
             finite &= torch.isfinite(g) & bool(torch.isfinite(loss))
             step_grad.append(g)
@@ -367,12 +421,17 @@ def run_job(job: Job, args) -> dict:
             history = (history + [theta.detach().clone()])[-(int(value) + 1 if kind == "stale" else 1) :]
             step_clip.append(float(metrics.get("actor/pg_clipfrac", float("nan"))))
             step_kl.append(float(metrics.get("actor/ppo_kl", float("nan"))))
+        with torch.no_grad():  # the drift after the batch's updates, on all its responses
+            drift = _add(drift, drift_sums(gather(torch.log_softmax(theta, -1), y) - old, units))
         grads.append(torch.stack(step_grad).mean(0))
         clipfracs.append(float(np.mean(step_clip)))
         kls.append(float(np.mean(step_kl)))
     curve = torch.stack(rewards, 1).numpy()  # [S, steps]
-    grad = torch.stack(grads, 1).numpy()
-    spread = torch.stack(spreads, 1).numpy()
+    grad = torch.stack(grads, 1).cpu().numpy()
+    spread = torch.stack(spreads, 1).cpu().numpy()
+    # pooled over the job's seeds and steps
+    correlation = drift_metrics(drift) | drift_metrics(seen, "seen_")
+    finite = finite.cpu()
     records = []
     for i, s in enumerate(seeds):
         records.append(
@@ -383,12 +442,15 @@ def run_job(job: Job, args) -> dict:
                 "mismatch": job.mismatch,
                 "updates": job.updates,
                 "loss": job.preset.name,
+                "band": job.preset.band,
+                "lr": job.lr if job.lr is not None else args.lr,
                 "seed": s,
                 **summarise_run(curve[i], args, bool(finite[i])),
                 "grad_norm": float(grad[i].mean()),
                 "logratio_sd": float(spread[i].mean()),
                 "clipfrac": float(np.mean(clipfracs)),
                 "ppo_kl": float(np.mean(kls)),
+                **correlation,
             }
         )
     steps = [
@@ -396,6 +458,7 @@ def run_job(job: Job, args) -> dict:
             "task": job.task,
             "cell": job.cell,
             "loss": job.preset.name,
+            "band": job.preset.band,
             "step": t,
             "reward": float(curve[:, t].mean()),
             "clipfrac": clipfracs[t],

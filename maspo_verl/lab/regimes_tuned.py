@@ -1,0 +1,340 @@
+"""The regime grid with a fair protocol: every preset's clip band tuned with the same budget, judged on held-out seeds.
+
+The engine is the regime grid's (``maspo_verl.lab.regimes``: a tabular policy, verl's GRPO advantage, each
+preset's loss from verl's registry as the trainer composes it). What this study adds:
+
+- **the same tuning budget for every preset**: its shipped clip band scaled by each of ``--widths`` (default
+  0.25, 1, 4, 16 and ``inf``, no clip at all), the ratio-space ``clip_ratio_low/high`` or the log-space
+  ``log_clip_low/high`` alike (``widen``); the dual clip stays as shipped, and is off with ``inf``;
+- **tuning and held-out seeds**: seeds ``0 .. T-1`` (``--tune-seeds``) choose each preset's width per cell and
+  task (best mean final reward); seeds ``T .. T+H-1`` (``--held-seeds``: other initial tables, targets and
+  samples) judge it, paired by seed against ``grpo`` at its own chosen width;
+- **matched KL**: a second choice, the width whose mean KL per update (verl's ``actor/ppo_kl``) on the tuning
+  seeds is nearest grpo's at its chosen width, judged the same way;
+- **no clip**: every preset with ``inf`` against grpo with ``inf``; a cell *needs a trust region* where grpo at its
+  chosen finite width beats unclipped grpo on held-out seeds (95 % interval);
+- **alignment vs averaging**: ``maspo_words~shuffled``, the ``words`` rule fed each response's own runs (its
+  units) in a random order (the same length histogram, not aligned), against ``maspo_words``;
+- **the measured correlation per cell**: lag-1 and VIF(5/15/50) of the drift log-ratios (log pi after a batch's
+  updates minus the old log-probs, ``maspo_verl.core.correlation``) and VIF over the units, of grpo at its
+  chosen width, pooled over its seeds and steps.
+
+Cells (``--cells``): ``L<tokens>/<mismatch>/U<updates per batch>[/lr<Adam lr>]`` (mismatch as in ``regimes``).
+Writes ``outputs/lab/regimes_tuned/`` (``--update-docs``: ``docs/results/regimes_tuned/``): ``tuned_runs.csv``
+(per seed and width), ``tuned_choice.csv`` (each preset's chosen widths), ``tuned_compare.csv`` (held-out
+paired differences), ``tuned_cells.csv`` (per cell: the correlation, grpo's gain, whether a trust region is
+needed), README, plot, ``COMMAND.txt``. ``docs/choosing.md`` is generated from them (``maspo_verl.choosing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from maspo_verl.lab import regimes
+
+OUT = "regimes_tuned"
+BASELINE = regimes.BASELINE
+WIDTHS = ("0.25", "1", "4", "16", "inf")
+UNCLIPPED = "inf"
+LOG_UNCLIPPED = 30.0  # a log-space bound no log-ratio reaches (verl clamps them to +-20)
+RATIO_UNCLIPPED = 1e9
+CONTROL = "maspo_words~shuffled"  # maspo_words with its runs shuffled: the alignment control
+CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
+LEVELS = (0.95, 0.999)
+
+
+def widen(p: regimes.Preset, width: str) -> regimes.Preset:
+    """``p`` with its clip band scaled by ``width`` (``inf``: no clip, the dual clip off too)."""
+    actor, policy_loss = dict(p.actor), dict(p.policy_loss)
+    if width == UNCLIPPED:
+        if "log_clip_low" in policy_loss:
+            policy_loss |= {k: LOG_UNCLIPPED for k in ("log_clip_low", "log_clip_high", "log_clip_dual")}
+        # the ratio-space band too (some log-space losses read the dual clip from the actor)
+        actor |= {"clip_ratio_low": 1.0, "clip_ratio_high": RATIO_UNCLIPPED, "clip_ratio_c": RATIO_UNCLIPPED}
+    else:
+        k = float(width)
+        if "log_clip_low" in policy_loss:
+            policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
+        else:  # ratio-space: 1 - eps_low stays above 0
+            actor |= {"clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999), "clip_ratio_high": actor["clip_ratio_high"] * k}
+    return replace(p, actor=actor, policy_loss=policy_loss, band=width)
+
+
+def parse_cell(text: str) -> tuple[int, str, int, float | None]:
+    m = re.fullmatch(r"L(\d+)/([^/]+)/U(\d+)(?:/lr([0-9.e-]+))?", text)
+    if not m:
+        raise SystemExit(f"--cells {text!r}: L<tokens>/<mismatch>/U<updates>[/lr<lr>], e.g. L96/stale2/U4/lr1")
+    regimes.parse_mismatch(m.group(2))
+    return int(m.group(1)), m.group(2), int(m.group(3)), float(m.group(4)) if m.group(4) else None
+
+
+def presets_of(names: list[str]) -> list[regimes.Preset]:
+    """The presets as shipped (grpo first), and the shuffled-runs control where maspo_words is in."""
+    shipped = regimes.discover_presets([n for n in names if n != CONTROL])
+    out = list(shipped)
+    if CONTROL in names:
+        words = next((p for p in regimes.discover_presets(["maspo_words"])), None)
+        out.append(replace(words, name=CONTROL, control="shuffled"))
+    return out
+
+
+def jobs_of(args) -> list[regimes.Job]:
+    if args.groups * args.group_size % max(parse_cell(c)[2] for c in args.cells):
+        raise SystemExit("--cells: each U must divide the batch (--groups x --group-size)")
+    from maspo_verl.util import preset_names
+
+    presets = presets_of(args.presets or [*preset_names(), CONTROL])
+    jobs = []
+    for cell in args.cells:
+        length, mismatch, updates, lr = parse_cell(cell)
+        for task in args.tasks:
+            for p in presets:
+                for w in args.widths:
+                    jobs.append(regimes.Job(task, length, mismatch, updates, widen(p, w), lr))
+    return sorted(jobs, key=lambda j: -j.length)
+
+
+# ------------------------------------------------------------------ analysis
+
+
+def _f(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _interval(diffs: np.ndarray, level: float, reps: int = 10000, seed: int = 0) -> tuple[float, float]:
+    means = np.random.default_rng(seed).choice(diffs, size=(reps, diffs.size), replace=True).mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def choose(runs: list[dict], tune: int) -> list[dict]:
+    """Per (task, cell, loss): the width with the best mean final reward on the tuning seeds (ties: the
+    narrower), and the width whose mean KL per update is nearest grpo's at its chosen width (log scale)."""
+    stats: dict[tuple, dict] = {}
+    for r in runs:
+        if int(r["seed"]) < tune:
+            s = stats.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
+            s["final"].append(_f(r["final_reward"]))
+            s["kl"].append(_f(r["ppo_kl"]))
+    order = {w: i for i, w in enumerate(WIDTHS)}
+    groups: dict[tuple, list] = {}
+    for (task, cell, loss, band), s in stats.items():
+        groups.setdefault((task, cell, loss), []).append((band, float(np.mean(s["final"])), float(np.nanmean(s["kl"]))))
+    out = []
+    for (task, cell, loss), options in sorted(groups.items()):
+        best = max(options, key=lambda o: (o[1], -order.get(o[0], 99)))
+        out.append({"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]})
+    base = {(c["task"], c["cell"]): c for c in out if c["loss"] == BASELINE}
+    for c in out:
+        target = base.get((c["task"], c["cell"]))
+        options = groups[(c["task"], c["cell"], c["loss"])]
+        finite = [o for o in options if o[2] > 0 and math.isfinite(o[2])]
+        if target is None or not finite or not target["tune_kl"] > 0:
+            c["kl_band"], c["kl_band_kl"] = "", float("nan")
+            continue
+        near = min(finite, key=lambda o: abs(math.log(o[2] / target["tune_kl"])))
+        c["kl_band"], c["kl_band_kl"] = near[0], near[2]
+    return out
+
+
+def _held(runs: list[dict], tune: int) -> dict[tuple, dict]:
+    return {(r["task"], r["cell"], r["loss"], r["band"], int(r["seed"])): r for r in runs if int(r["seed"]) >= tune}
+
+
+def paired(held: dict, task: str, cell: str, a: tuple[str, str], b: tuple[str, str], metric="final_reward") -> dict:
+    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed."""
+    seeds = sorted(s for (t, c, lo, ba, s) in held if (t, c, lo, ba) == (task, cell, *a))
+    pairs = [(held[(task, cell, *a, s)], held.get((task, cell, *b, s))) for s in seeds]
+    diffs = np.array([_f(x[metric]) - _f(y[metric]) for x, y in pairs if y is not None])
+    if diffs.size == 0:
+        return {}
+    row = {"seeds": int(diffs.size), "diff": float(diffs.mean())}
+    for level in LEVELS:
+        lo, hi = _interval(diffs, level)
+        tag = "" if level == LEVELS[0] else "_999"
+        row |= {f"low{tag}": lo, f"high{tag}": hi, f"supported{tag}": bool(lo > 0 or hi < 0)}
+    return row
+
+
+def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
+    """Held-out paired differences: each loss vs grpo at their chosen widths (``tuned``), at matched KL
+    (``matched_kl``), unclipped (``unclipped``), as shipped (``shipped``, width 1); the control vs maspo_words."""
+    held = _held(runs, tune)
+    pick = {(c["task"], c["cell"], c["loss"]): c for c in choices}
+    gain = grpo_gain(runs, choices, tune)
+    rows = []
+    for c in choices:
+        task, cell, loss = c["task"], c["cell"], c["loss"]
+        base = pick.get((task, cell, BASELINE))
+        if base is None:
+            continue
+        comparisons = [
+            ("tuned", (loss, c["best_band"]), (BASELINE, base["best_band"])),
+            ("matched_kl", (loss, c["kl_band"]), (BASELINE, base["best_band"])),
+            ("unclipped", (loss, UNCLIPPED), (BASELINE, UNCLIPPED)),
+            ("shipped", (loss, "1"), (BASELINE, "1")),
+        ]
+        if loss == CONTROL and (task, cell, "maspo_words") in pick:
+            comparisons.append(("shuffled_vs_aligned", (loss, c["best_band"]), ("maspo_words", pick[(task, cell, "maspo_words")]["best_band"])))
+        for name, a, b in comparisons:
+            if loss == BASELINE and name != "shuffled_vs_aligned":
+                continue
+            row = paired(held, task, cell, a, b)
+            if not row:
+                continue
+            g = gain.get((task, cell), float("nan"))
+            rows.append(
+                {
+                    "task": task, "cell": cell, "loss": loss, "comparison": name, "band": a[1], "baseline": b[0],
+                    "baseline_band": b[1], **row, "grpo_gain": g, "diff_over_gain": row["diff"] / g if g > 0 else float("nan"),
+                }
+            )  # fmt: skip
+    return rows
+
+
+def grpo_gain(runs: list[dict], choices: list[dict], tune: int) -> dict[tuple, float]:
+    """grpo's held-out gain (final minus first reward, mean over seeds) at its chosen width, per (task, cell)."""
+    out = {}
+    for c in choices:
+        if c["loss"] != BASELINE:
+            continue
+        mine = [
+            _f(r["final_reward"]) - _f(r["first_reward"])
+            for r in runs
+            if (r["task"], r["cell"], r["loss"], r["band"]) == (c["task"], c["cell"], BASELINE, c["best_band"])
+            and int(r["seed"]) >= tune
+        ]
+        out[(c["task"], c["cell"])] = float(np.mean(mine)) if mine else float("nan")
+    return out
+
+
+def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
+    """Per (task, cell): grpo's chosen width, its held-out gain, its drift correlation; whether a trust region is
+    needed (grpo at its best finite width minus unclipped grpo, held out)."""
+    held = _held(runs, tune)
+    gain = grpo_gain(runs, choices, tune)
+    rows = []
+    for c in choices:
+        if c["loss"] != BASELINE:
+            continue
+        task, cell = c["task"], c["cell"]
+        mine = [
+            r
+            for r in runs
+            if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, c["best_band"])
+        ]
+        finite = [
+            (np.mean([_f(r["final_reward"]) for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, w) and int(r["seed"]) < tune]), w)
+            for w in WIDTHS
+            if w != UNCLIPPED
+        ]  # fmt: skip
+        finite = [f for f in finite if math.isfinite(f[0])]
+        trust = paired(held, task, cell, (BASELINE, max(finite)[1]), (BASELINE, UNCLIPPED)) if finite else {}
+        unclipped = [r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, UNCLIPPED)]
+        rows.append(
+            {
+                "task": task,
+                "cell": cell,
+                "grpo_band": c["best_band"],
+                "grpo_gain": gain.get((task, cell), float("nan")),
+                "grpo_final": float(np.mean([_f(r["final_reward"]) for r in mine if int(r["seed"]) >= tune])),
+                **{k: _f(mine[0][k]) if mine else float("nan") for k in regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")},
+                **regimes.null_correlation(int(mine[0]["length"]) if mine else 1),
+                "clip_minus_noclip": trust.get("diff", float("nan")),
+                "clip_minus_noclip_low": trust.get("low", float("nan")),
+                "clip_minus_noclip_high": trust.get("high", float("nan")),
+                "trust_region_needed": bool(trust.get("supported") and trust["diff"] > 0),
+                "unclipped_collapses": sum(str(r["collapse"]) == "True" for r in unclipped),
+                "runs": len(unclipped),
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------ the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "The regime grid with a fair protocol: each preset's clip band scaled by the same --widths (inf: no clip), "
+        "chosen per cell on --tune-seeds, judged on --held-seeds against grpo at its own chosen width; matched-KL "
+        "and unclipped comparisons; a shuffled-runs control of maspo_words; the drift log-ratios' lag-1 and VIF."
+    )
+    p.add_argument("--tasks", nargs="+", default=list(regimes.TASKS), choices=regimes.TASKS)
+    p.add_argument("--cells", nargs="+", default=list(CELLS), help="L<tokens>/<mismatch>/U<updates>[/lr<lr>]")
+    p.add_argument("--presets", nargs="+", default=None, help=f"loss presets (and {CONTROL}; default: every preset and it)")
+    p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS), help="band scales (inf: no clip)")
+    p.add_argument("--tune-seeds", type=int, default=20, help="seeds 0..N-1 choose the widths")
+    p.add_argument("--held-seeds", type=int, default=20, help="the next N seeds judge them")
+    p.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
+    p.add_argument("--groups", type=int, default=3, help="prompts (GRPO groups) per batch")
+    p.add_argument("--group-size", type=int, default=8, help="responses per group")
+    p.add_argument("--lr", type=float, default=0.2, help="Adam learning rate (a cell's /lr<x> replaces it)")
+    p.add_argument("--gain", type=float, default=0.2, help="steps to target: step 0's reward + GAIN")
+    p.add_argument("--last", type=int, default=5, help="final reward = mean of the last K steps")
+    p.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's seed")
+    p.add_argument("--device", default="cpu", help="torch device of the tables (cpu, cuda)")
+    p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
+    p.add_argument("--report", action="store_true", help="only rebuild the README and tables from --out's runs")
+
+
+def _work(item):
+    job, args = item
+    t0 = time.time()
+    out = regimes.run_job(job, args)
+    return out["records"], job, time.time() - t0
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    from maspo_verl.lab import common
+
+    out = Path(args.out)
+    if args.report:
+        return report(out, args)
+    if "inf" not in args.widths or "1" not in args.widths:
+        raise SystemExit("--widths: include 1 (as shipped) and inf (no clip), the comparisons need both")
+    common.prepare_out(out, argv)
+    jobs = jobs_of(args)
+    args.seeds = args.tune_seeds + args.held_seeds
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
+    common.log(f"regimes_tuned: {len(jobs)} jobs x {args.seeds} seeds on {args.workers} processes ({args.device})")
+    t0, runs, load = time.time(), [], [regimes.machine_load()]
+    pool = mp.get_context("spawn" if args.device != "cpu" else "fork").Pool(args.workers) if args.workers > 1 else None
+    results = pool.imap_unordered(_work, [(j, plain) for j in jobs]) if pool else map(_work, [(j, plain) for j in jobs])
+    for i, (records, job, seconds) in enumerate(results):
+        runs += records
+        common.log(
+            f"regimes_tuned [{i + 1}/{len(jobs)}] {job.task} {job.cell} {job.preset.name} x{job.preset.band}: final "
+            f"{np.mean([r['final_reward'] for r in records]):.3f} ({seconds:.1f}s; {time.time() - t0:.0f}s in all)"
+        )
+        if i % 40 == 0:
+            load.append(regimes.machine_load())
+        common.write_csv(out / "tuned_runs.csv", runs)
+    if pool:
+        pool.close()
+    load.append(regimes.machine_load())
+    seconds = time.time() - t0
+    with open(out / "COMMAND.txt", "a") as f:
+        f.write(f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, device {args.device}\n")
+        f.write("machine load during the run (uptime, sampled every 40 jobs):\n")
+        f.writelines(f"  {line}\n" for line in load)
+    report(out, args)
+
+
+def report(out: Path, args) -> None:
+    from maspo_verl.lab import common, regimes_tuned_report
+
+    regimes_tuned_report.write(out, args)
+    common.report_written(out)
