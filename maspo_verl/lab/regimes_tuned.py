@@ -235,12 +235,11 @@ def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
             for r in runs
             if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, c["best_band"])
         ]
-        finite = [
-            (np.mean([_f(r["final_reward"]) for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, w) and int(r["seed"]) < tune]), w)
-            for w in WIDTHS
-            if w != UNCLIPPED
-        ]  # fmt: skip
-        finite = [f for f in finite if math.isfinite(f[0])]
+        tuning: dict[str, list[float]] = {}  # grpo's finite widths in this cell: final rewards on the tuning seeds
+        for r in runs:
+            if (r["task"], r["cell"], r["loss"]) == (task, cell, BASELINE) and r["band"] != UNCLIPPED and int(r["seed"]) < tune:
+                tuning.setdefault(r["band"], []).append(_f(r["final_reward"]))
+        finite = [(float(np.mean(v)), w) for w, v in tuning.items()]
         trust = paired(held, task, cell, (BASELINE, max(finite)[1]), (BASELINE, UNCLIPPED)) if finite else {}
         unclipped = [r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, UNCLIPPED)]
         rows.append(
