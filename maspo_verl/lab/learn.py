@@ -7,7 +7,9 @@ data order, batch, learning rate, rollout). A *cell* is one point of the axes:
 
 - response length (``--lengths``, tokens; the sentence grows with it);
 - training-inference mismatch (``--mismatch``): ``none``, ``bf16`` (the rollout server's model in
-  bf16), ``SIGMA`` (Gaussian noise of that sigma on each returned log-prob) or ``bf16+SIGMA``; the
+  bf16), ``SIGMA`` (Gaussian noise of that sigma on each returned log-prob), ``stale<K>`` (the server
+  applies each weight sync K syncs late: it samples from the policy of K updates ago, a real policy
+  mismatch as in asynchronous RL), or several joined by ``+`` (``bf16+0.05``, ``stale1+0.2``); the
   local mode's test instrument ``maspo.local_mismatch``. It needs ``--bypass`` (verl's
   ``bypass_mode``: the server's log-probs are the old log-probs; otherwise verl recomputes them);
 - off-policy pressure (``--updates``): optimizer updates per batch, as that many mini-batches;
@@ -87,7 +89,7 @@ def add_arguments(p) -> None:
         "--mismatch",
         nargs="+",
         default=None,
-        help="none | bf16 | SIGMA | bf16+SIGMA: the rollout's log-probs vs the trainer's (needs --bypass)",
+        help="none | bf16 | SIGMA | stale<K> | joined by +: the rollout vs the trainer (needs --bypass)",
     )
     p.add_argument("--updates", nargs="+", type=int, default=None, help="optimizer updates per batch (default 2)")
     p.add_argument("--cells", nargs="+", default=None, help="LENGTH/MISMATCH/UPDATES ... instead of the product")
@@ -107,9 +109,30 @@ def add_arguments(p) -> None:
 # -- cells --------------------------------------------------------------------------------------
 
 
+STALE = "stale"  # stale<K>: the rollout's weights K syncs behind (maspo.local_mismatch.stale_syncs)
+
+
+def split_stale(text: str) -> tuple[str, int]:
+    """``MISMATCH`` -> (the mismatch without its ``stale<K>`` term, K; 0 without one)."""
+    parts = text.split("+")
+    stale = [p for p in parts if p.startswith(STALE)]
+    if not stale:
+        return text, 0
+    k = stale[0].removeprefix(STALE)
+    if len(stale) > 1 or not k.isdigit() or int(k) < 1:
+        raise SystemExit(f"--mismatch {text!r}: one {STALE}<K> term, K >= 1 updates behind (e.g. {STALE}2)")
+    rest = "+".join(p for p in parts if not p.startswith(STALE))
+    return rest or NO_MISMATCH, int(k)
+
+
 def parse_mismatch(text: str) -> tuple[str, float]:
-    """``none`` | ``bf16`` | ``SIGMA`` | ``bf16+SIGMA`` -> (log-prob dtype, noise sigma)."""
-    allowed = f"{NO_MISMATCH}, {MISMATCH_DTYPE}, a sigma >= 0 (e.g. 0.2) or {MISMATCH_DTYPE}+SIGMA"
+    """``none`` | ``bf16`` | ``SIGMA`` | ``bf16+SIGMA`` (each optionally ``+stale<K>``, read by ``split_stale``)
+    -> (log-prob dtype, noise sigma)."""
+    allowed = (
+        f"{NO_MISMATCH}, {MISMATCH_DTYPE}, a sigma >= 0 (e.g. 0.2), {MISMATCH_DTYPE}+SIGMA, {STALE}<K>, or one of "
+        f"these +{STALE}<K>"
+    )
+    text = split_stale(text)[0]
     if text == NO_MISMATCH:
         return "fp32", 0.0
     dtype, plus, rest = text.partition("+")
@@ -143,6 +166,10 @@ class Cell:
     @property
     def dtype(self) -> str:
         return parse_mismatch(self.mismatch)[0]
+
+    @property
+    def stale(self) -> int:
+        return split_stale(self.mismatch)[1]
 
     def reference(self) -> Cell:
         """The same length and updates without mismatch."""
@@ -223,6 +250,7 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         extra.append(f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={FP32}")
     if cell.mismatch != NO_MISMATCH:
         extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
+        extra.append(f"maspo.local_mismatch.stale_syncs={cell.stale}")
     # a task with its own data, lengths and reward (learn_tasks.write_dataset: turns<N>), else ours
     task_data = data.get("overrides") or [
         f"data.train_files={data['train']}",
@@ -628,7 +656,7 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
             color = None
             for dtype, marker, fill in (("fp32", "o", True), (MISMATCH_DTYPE, "s", False)):
                 pts = []
-                for cell in sorted((c for c in group if c.dtype == dtype), key=lambda c: c.sigma):
+                for cell in sorted((c for c in group if c.dtype == dtype and not c.stale), key=lambda c: c.sigma):
                     finals = [
                         r["final_reward"]
                         for r in runs

@@ -35,6 +35,30 @@ def test_mismatch_forms():
             learn.parse_mismatch(bad)
 
 
+def test_stale_rollouts_are_a_mismatch_term_the_local_mode_reads():
+    import yaml
+
+    from maspo_verl.local.mismatch import LogProbMismatch
+
+    assert learn.split_stale("stale2") == ("none", 2) and learn.parse_mismatch("stale2") == ("fp32", 0.0)
+    assert learn.split_stale("bf16+stale1+0.2") == ("bf16+0.2", 1)
+    assert learn.parse_mismatch("stale3+0.2") == ("fp32", 0.2) and learn.split_stale("0.2") == ("0.2", 0)
+    for bad in ("stale0", "stale1+stale2", "stalex", "stale"):
+        with pytest.raises(SystemExit, match="--mismatch"):
+            learn.split_stale(bad)
+    args = _args("--bypass", "--batch", "8", "--n", "4")
+    data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
+    cell = learn.cells_of(_args("--cells", "96/stale2/4", "--bypass"))[0]
+    assert cell.stale == 2 and cell.label == "L96/stale2/U4"
+    ov = learn.overrides_for(args, "speech", "grpo", 3, data, cell)
+    section = dict(o.removeprefix("maspo.local_mismatch.").split("=") for o in ov if "local_mismatch" in o)
+    mismatch = LogProbMismatch.from_mapping({k: yaml.safe_load(v) for k, v in section.items()})  # Hydra's scalars
+    assert mismatch.stale_syncs == 2 and mismatch.noise_std == 0.0 and mismatch.logprob_dtype == "fp32"
+    assert mismatch.active
+    with pytest.raises(SystemExit, match="add --bypass"):
+        learn.cells_of(_args("--cells", "96/stale2/4"))
+
+
 def test_cells_product_explicit_and_checked():
     cells = learn.cells_of(
         _args("--lengths", "12", "96", "--mismatch", "none", "0.2", "--updates", "1", "4", "--bypass")
