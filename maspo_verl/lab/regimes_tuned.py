@@ -54,14 +54,17 @@ LEVELS = (0.95, 0.999)
 def widen(p: regimes.Preset, width: str) -> regimes.Preset:
     """``p`` with its clip band scaled by ``width`` (``inf``: no clip, the dual clip off too)."""
     actor, policy_loss = dict(p.actor), dict(p.policy_loss)
+    # the band the loss reads: log-space fields with clip_schedule=log_adaptive, else the actor's ratio-space ones
+    # (every preset's composed section carries the log_clip_* defaults, read or not)
+    log_space = policy_loss.get("clip_schedule") == "log_adaptive"
     if width == UNCLIPPED:
-        if "log_clip_low" in policy_loss:
+        if log_space:
             policy_loss |= {k: LOG_UNCLIPPED for k in ("log_clip_low", "log_clip_high", "log_clip_dual")}
         # the ratio-space band too (some log-space losses read the dual clip from the actor)
         actor |= {"clip_ratio_low": 1.0, "clip_ratio_high": RATIO_UNCLIPPED, "clip_ratio_c": RATIO_UNCLIPPED}
     else:
         k = float(width)
-        if "log_clip_low" in policy_loss:
+        if log_space:
             policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
         else:  # ratio-space: 1 - eps_low stays above 0
             actor |= {"clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999), "clip_ratio_high": actor["clip_ratio_high"] * k}
@@ -287,6 +290,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device of the tables (cpu, cuda)")
     p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
     p.add_argument("--report", action="store_true", help="only rebuild the README and tables from --out's runs")
+    p.add_argument(
+        "--redo",
+        nargs="+",
+        default=None,
+        help="re-run only these presets' jobs and replace their rows in --out's tuned_runs.csv (same seeds and cells; "
+        "recorded in COMMAND.txt)",
+    )
 
 
 def _work(item):
@@ -304,12 +314,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         return report(out, args)
     if "inf" not in args.widths or "1" not in args.widths:
         raise SystemExit("--widths: include 1 (as shipped) and inf (no clip), the comparisons need both")
-    common.prepare_out(out, argv)
-    jobs = jobs_of(args)
+    kept = []
+    if args.redo:  # the other presets' runs stay; the command that re-made these is recorded under the first
+        kept = [r for r in _read_runs(out) if r["loss"] not in args.redo]
+        with open(out / "COMMAND.txt", "a") as f:
+            f.write("\nre-ran (--redo): python -m maspo_verl.lab " + " ".join(argv) + "\n")
+    else:
+        common.prepare_out(out, argv)
+    jobs = [j for j in jobs_of(args) if not args.redo or j.preset.name in args.redo]
     args.seeds = args.tune_seeds + args.held_seeds
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
     common.log(f"regimes_tuned: {len(jobs)} jobs x {args.seeds} seeds on {args.workers} processes ({args.device})")
-    t0, runs, load = time.time(), [], [regimes.machine_load()]
+    t0, runs, load = time.time(), list(kept), [regimes.machine_load()]
     pool = mp.get_context("spawn" if args.device != "cpu" else "fork").Pool(args.workers) if args.workers > 1 else None
     results = pool.imap_unordered(_work, [(j, plain) for j in jobs]) if pool else map(_work, [(j, plain) for j in jobs])
     for i, (records, job, seconds) in enumerate(results):
@@ -330,6 +346,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         f.write("machine load during the run (uptime, sampled every 40 jobs):\n")
         f.writelines(f"  {line}\n" for line in load)
     report(out, args)
+
+
+def _read_runs(out: Path) -> list[dict]:
+    import csv
+
+    with open(out / "tuned_runs.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def report(out: Path, args) -> None:

@@ -15,34 +15,37 @@ from maspo_verl.lab.__main__ import main
 
 
 def _loss_grad(preset, ratio: float, adv: float) -> float:
-    """d loss / d log pi of one token whose ratio to the old policy is ``ratio`` (advantage ``adv``)."""
+    """d loss / d log pi of a one-token response whose ratio to the old policy is ``ratio`` (advantage ``adv``)."""
     fn, cfg = get_policy_loss_fn(preset.loss_mode), regimes.preset_config(preset)
-    lp = torch.full((1, 4), -1.0, requires_grad=True)
+    lp = torch.full((1, 1), -1.0, requires_grad=True)
     old = lp.detach() - math.log(ratio)
-    ids = torch.full((1, 4), regimes.CODEC_OFFSET)
-    words = torch.zeros(1, 4, dtype=torch.long)
-    loss, _ = regimes.loss_call(fn, cfg, old, lp, torch.full((1, 4), adv), ids, words)
+    ids = torch.full((1, 1), regimes.CODEC_OFFSET)
+    words = torch.zeros(1, 1, dtype=torch.long)
+    loss, _ = regimes.loss_call(fn, cfg, old, lp, torch.full((1, 1), adv), ids, words)
     loss.backward()
     return float(lp.grad.abs().sum())
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "maspo_fixed", "ctpo"])
-def test_widths_scale_the_shipped_band_and_inf_removes_the_clip(name):
+def _upper_log_bound(p) -> float:
+    """The shipped upper bound of a one-token ratio, in log space (n = 1 for every schedule)."""
+    if p.policy_loss.get("clip_schedule") == "log_adaptive":
+        return p.policy_loss["log_clip_high"]
+    return math.log(1 + p.actor["clip_ratio_high"])
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "maspo_fixed", "ctpo", "pgspo"])
+def test_widths_scale_the_band_the_loss_reads_and_inf_removes_the_clip(name):
+    """A ratio at twice the shipped upper bound (log space) is clipped as shipped (no gradient for a positive
+    advantage), inside the band at width 4 and with no clip; at width 0.25 a ratio at half the bound is clipped."""
     (p,) = regimes.discover_presets([name])
-    wide = rt.widen(p, "4")
-    if "log_clip_low" in p.policy_loss:
-        for key in ("log_clip_low", "log_clip_high"):
-            assert wide.policy_loss[key] == pytest.approx(4 * p.policy_loss[key])
-        assert wide.policy_loss["log_clip_dual"] == p.policy_loss["log_clip_dual"]
-    else:
-        for key in ("clip_ratio_low", "clip_ratio_high"):
-            assert wide.actor[key] == pytest.approx(4 * p.actor[key])
-        assert wide.actor["clip_ratio_c"] == p.actor["clip_ratio_c"]
+    b = _upper_log_bound(p)
+    assert _loss_grad(p, math.exp(2 * b), 1.0) == 0.0
+    assert _loss_grad(rt.widen(p, "4"), math.exp(2 * b), 1.0) > 0.1
+    assert _loss_grad(rt.widen(p, "inf"), math.exp(2 * b), 1.0) > 0.1
+    assert _loss_grad(p, math.exp(0.5 * b), 1.0) > 0.1
+    assert _loss_grad(rt.widen(p, "0.25"), math.exp(0.5 * b), 1.0) == 0.0
     assert rt.widen(p, "1").actor == p.actor and rt.widen(p, "1").policy_loss == p.policy_loss
-    # a ratio of 1.5 with a positive advantage is outside every shipped band (no gradient), not outside "inf"
-    assert _loss_grad(p, 1.5, 1.0) == 0.0
-    assert _loss_grad(rt.widen(p, "inf"), 1.5, 1.0) > 0.1
-    # and a dual clip that would stop a negative advantage at ratio 50 is off too
+    # a dual clip that would stop a negative advantage at ratio 50 is off with no clip
     assert _loss_grad(rt.widen(p, "inf"), 50.0, -1.0) > 0.1
 
 
