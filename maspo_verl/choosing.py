@@ -23,6 +23,7 @@ GRID_CSV = RESULTS / TUNED / "tuned_compare.csv"  # the guide's main table (masp
 TUNED_CELLS = RESULTS / TUNED / "tuned_cells.csv"
 DRIFT = "drift_cuda"
 DRIFT_CSV = RESULTS / DRIFT / "drift.csv"
+DRIFT_REFERENCE = RESULTS / DRIFT / "drift_reference.csv"  # the same measure of independent log-ratios
 # the shipped-band grid: only what the trainer confirmations are read against
 SHIPPED = "regimes"
 SHIPPED_CSV = RESULTS / SHIPPED / "regimes_compare.csv"
@@ -177,6 +178,7 @@ def drift_section(root: Path) -> list[str]:
         "prompt": "prompt tokens",
     }
     base = next((r for r in rows if r["name"] == "base"), rows[0])
+    ref = (_read(root / DRIFT_REFERENCE) or [{}])[0]
     table = [
         "| condition | changed from `base` | move (sd of δ) | lag-1 | VIF(15) | VIF(50) | VIF(units) |",
         "|---|---|---|---|---|---|---|",
@@ -205,8 +207,9 @@ def drift_section(root: Path) -> list[str]:
         "(the grid's speech-like units, the same with jittered codes, real speech from espeak-ng through the "
         "project's feature codec, or iid ids), then one REINFORCE update with random ±1 advantages; δ over "
         f"{base['batch']} x {base['repeats']} sampled responses of {base['tokens']} tokens. The measure centres each "
-        "row, so independent log-ratios give about 0.95 at VIF(15) and 0.82 at VIF(50) here (the study's README "
-        "gives the reference), not 1. VIF(units): over runs of one id.",
+        f"row, so independent log-ratios in these rows give lag-1 {_f(ref.get('null_lag1')):+.3f}, VIF(15) "
+        f"{_f(ref.get('null_vif15')):.2f} and VIF(50) {_f(ref.get('null_vif50')):.2f}, not 1: read each value "
+        "against these. VIF(units): over runs of one id (about 1 for independent ones).",
         "",
         *table,
         "",
@@ -238,7 +241,7 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
                     (r for r in rows if (r["task"], r["cell"], r["loss"], r["comparison"]) == (t, c, loss, comparison)),
                     None,
                 )
-                entries.append(f"{_interval(r)} (x{r['band']})" if r else "not run")
+                entries.append(f"{_interval(r)} (x{r['band']})" if r else "—")
             out.append(f"| `{loss}` | " + " | ".join(entries) + " |")
         return out
 
@@ -290,7 +293,7 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
         *table("unclipped", losses),
         "",
         "At matched KL per update (the preset at the width whose KL per update on the tuning seeds is nearest "
-        "grpo's):",
+        "grpo's; —: grpo's mean KL per update there is not positive, nothing to match):",
         "",
         *table("matched_kl", losses),
         "",

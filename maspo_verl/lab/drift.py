@@ -340,6 +340,8 @@ def write_report(out: Path, rows: list[dict], args) -> None:
     plt = common.pyplot()
     tokens, repeats, size = int(rows[0]["tokens"]), int(rows[0]["repeats"]), int(rows[0]["batch"])
     null = null_correlation(tokens)
+    # the reference beside the table (docs/choosing.md reads it: it imports no torch)
+    common.write_csv(out / "drift_reference.csv", [{"tokens": tokens, **null}])
     fig, ax = plt.subplots(figsize=(9, 3.8))
     names = [r["name"] for r in rows]
     for k, key in enumerate(("vif5", "vif15", "vif50")):
