@@ -96,8 +96,10 @@ def readme(args, runs, choices, rows, cells, command) -> str:
         "samples), paired by seed against grpo at its own chosen width. Intervals: 95 % percentile bootstrap over "
         "held-out seeds; **bold** excludes 0, ‡ the 99.9 % interval too.",
         "",
-        "The policy is a per-position logit table (no shared parameters), so its drift log-ratios are close to "
-        "independent: read the VIF columns before reading any gap as a granularity effect.",
+        "The policy is a per-position logit table (no shared parameters); its log-ratios still move together "
+        "where the same responses pull neighbouring entries (runs of one symbol share their advantage): read the "
+        "VIF columns against `null_*`, the same measure of independent log-ratios, before reading any gap as a "
+        "granularity effect.",
         "",
         "```",
         command.strip(),
