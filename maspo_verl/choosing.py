@@ -315,6 +315,11 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
     return lines
 
 
+def tuned_lengths(root: Path) -> str:
+    lengths = sorted({int(r["cell"].split("/")[0][1:]) for r in _read(root / GRID_CSV)})
+    return ", ".join(str(n) for n in lengths) or "no"
+
+
 def render(root: Path) -> str:
     names = presets(root) + [n for n in sorted({r["loss"] for r in _read(root / GRID_CSV)}) if n not in presets(root)]
     trainer_tables = []
@@ -362,11 +367,11 @@ def render(root: Path) -> str:
         *tuned_section(root, names),
         "## What this evidence does not show",
         "",
-        "- Model size and pretraining: the grid's policy is a table; the drift study trains nothing with the "
-        "presets and its largest model is SmolLM2-135M's shape without its pretraining. No study here trains a "
-        "policy whose δ is measured correlated and compares the presets on it.",
-        "- Lengths and steps: the tuned grid's cells are the responses and steps its README lists (today 96 "
-        "tokens, 20 steps); the shipped-band grid's 16-384 tokens were not re-run with tuned bands.",
+        "- Model size and pretraining: no study here compares the presets on a neural policy. The grid's policy is "
+        "a table (its δ's correlation per cell is above); the drift study trains nothing with the presets, and its "
+        "largest model is SmolLM2-135M's shape without its pretraining.",
+        f"- Lengths: the tuned grid's responses are {tuned_lengths(root)} tokens long; the shipped-band grid's other "
+        "lengths were not re-run with tuned bands.",
         "- The trainer studies below ran every preset as shipped with 5 seeds and, in the grid's cells, grpo "
         "itself barely learned (its progress is listed): their differences are not evidence for or against "
         "granularity.",
