@@ -136,7 +136,8 @@ def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
             verdict = "agrees: no difference supported in either"
         few = " (under 5 seeds: the percentile interval is too narrow, a lead only)" if int(r["seeds"]) < 5 else ""
         lines.append(
-            f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; shipped-band grid {cell} {there}: {verdict}{few}."
+            f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; shipped-band grid {cell} {there}: "
+            f"{verdict}{few}."
         )
     return lines
 
@@ -144,8 +145,6 @@ def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
 def presets(root: Path) -> list[str]:
     names = sorted(p.stem for p in (root / "hydra_configs" / "loss").glob("*.yaml"))
     return sorted(names, key=lambda n: (n != BASELINE, n))
-
-
 
 
 def _f(v) -> float:
@@ -202,7 +201,8 @@ def drift_section(root: Path) -> list[str]:
         return [f"`{r['name']}`" for r in rs]
 
     lines = [
-        f"[`{DRIFT}/`](results/{DRIFT}/README.md): a Qwen2-shaped LM (from the local mode's tiny shape to SmolLM2-135M's "
+        f"[`{DRIFT}/`](results/{DRIFT}/README.md): a Qwen2-shaped LM (from the local mode's tiny shape to "
+        "SmolLM2-135M's "
         "shape, trained from scratch here: no pretrained weights), warm-started by supervised steps on code sequences "
         "(the grid's speech-like units, the same with jittered codes, real speech from espeak-ng through the "
         "project's feature codec, or iid ids), then one REINFORCE update with random ±1 advantages; δ over "
@@ -253,10 +253,11 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
         m = by_cell.get((t, c))
         if not m:
             continue
+        needed = "a trust region is needed" if _yes(m["trust_region_needed"]) else "no clip does as well"
         trust = (
             f"grpo clipped minus unclipped {_f(m['clip_minus_noclip']):+.3f} [{_f(m['clip_minus_noclip_low']):+.3f}, "
-            f"{_f(m['clip_minus_noclip_high']):+.3f}]: " + ("a trust region is needed" if _yes(m["trust_region_needed"]) else "no clip does as well")
-        )  # fmt: skip
+            f"{_f(m['clip_minus_noclip_high']):+.3f}]: {needed}"
+        )
         meta.append(
             f"- {h}: grpo gains {_f(m['grpo_gain']):.3f} (held out, at its chosen width x{m['grpo_band']}); drift δ "
             f"lag-1 {_f(m['drift_lag1']):+.3f}, VIF(15) {_f(m['drift_vif15']):.2f} (independent: "

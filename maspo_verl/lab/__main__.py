@@ -28,7 +28,7 @@ COMMANDS = [
     ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
     ("regimes", "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo"),
     ("drift", "warm-started small LM: do its drift log-ratios move together (lag-1, VIF)? one factor at a time"),
-    ("regimes_tuned", "the regime grid, fair: each preset's clip band tuned (same budget) and judged on held-out seeds"),
+    ("regimes_tuned", "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
     ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),

@@ -38,12 +38,15 @@ from pathlib import Path
 import torch
 
 VOCAB = 264  # the local mode's vocabulary: 256 byte ids (codes) + specials, a multiple of 8
-SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-    "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
-    # SmolLM2-135M's shape (its config.json), trained from scratch here: size without pretraining
-    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3),
+SIZES = {  # hidden, intermediate, layers, attention heads, key-value heads
+    name: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads"), shape, strict=True))
+    for name, shape in (
+        ("tiny", (64, 128, 2, 4, 2)),  # the local mode's embedded model
+        ("small", (256, 512, 4, 4, 2)),
+        ("medium", (512, 1536, 8, 8, 4)),
+        ("smol", (576, 1536, 30, 9, 3)),  # SmolLM2-135M's shape (its config.json), trained from scratch here
+    )
 }  # fmt: skip
 DATA = ("runs", "jitter", "espeak", "iid")
 UNIT_ID = 32  # byte id of unit symbol k: 32 k
@@ -105,7 +108,9 @@ def _runs(n: int, length: int, seed: int, jitter: float = 0.0) -> torch.Tensor:
         digit = torch.randint(4, target.shape, generator=g)
         step = 4**digit
         value = (target // step) % 4
-        sign = torch.where(value == 3, -1, torch.where(value == 0, 1, 1 - 2 * torch.randint(2, target.shape, generator=g)))
+        sign = torch.where(
+            value == 3, -1, torch.where(value == 0, 1, 1 - 2 * torch.randint(2, target.shape, generator=g))
+        )
         target = torch.where(move, target + sign * step, target)
     return target
 

@@ -85,6 +85,8 @@ COLLAPSE_DROP = 0.1
 MISMATCHES = ("none", "bf16", "stale2", "noise0.2")
 TASKS = ("speech", "text")
 NO_WORD = -1
+# the alignment control of the words rule (``shuffled_runs``): maspo_words fed its runs in a random order
+CONTROL = "maspo_words~shuffled"
 
 
 # ------------------------------------------------------------------ presets as a user configures them

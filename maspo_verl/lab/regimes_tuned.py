@@ -46,7 +46,7 @@ WIDTHS = ("0.25", "1", "4", "16", "inf")
 UNCLIPPED = "inf"
 LOG_UNCLIPPED = 30.0  # a log-space bound no log-ratio reaches (verl clamps them to +-20)
 RATIO_UNCLIPPED = 1e9
-CONTROL = "maspo_words~shuffled"  # maspo_words with its runs shuffled: the alignment control
+CONTROL = regimes.CONTROL
 CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
 LEVELS = (0.95, 0.999)
 
@@ -67,7 +67,10 @@ def widen(p: regimes.Preset, width: str) -> regimes.Preset:
         if log_space:
             policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
         else:  # ratio-space: 1 - eps_low stays above 0
-            actor |= {"clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999), "clip_ratio_high": actor["clip_ratio_high"] * k}
+            actor |= {
+                "clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999),
+                "clip_ratio_high": actor["clip_ratio_high"] * k,
+            }
     return replace(p, actor=actor, policy_loss=policy_loss, band=width)
 
 
@@ -138,7 +141,9 @@ def choose(runs: list[dict], tune: int) -> list[dict]:
     out = []
     for (task, cell, loss), options in sorted(groups.items()):
         best = max(options, key=lambda o: (o[1], -order.get(o[0], 99)))
-        out.append({"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]})
+        out.append(
+            {"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]}
+        )
     base = {(c["task"], c["cell"]): c for c in out if c["loss"] == BASELINE}
     for c in out:
         target = base.get((c["task"], c["cell"]))
@@ -190,7 +195,13 @@ def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
             ("shipped", (loss, "1"), (BASELINE, "1")),
         ]
         if loss == CONTROL and (task, cell, "maspo_words") in pick:
-            comparisons.append(("shuffled_vs_aligned", (loss, c["best_band"]), ("maspo_words", pick[(task, cell, "maspo_words")]["best_band"])))
+            comparisons.append(
+                (
+                    "shuffled_vs_aligned",
+                    (loss, c["best_band"]),
+                    ("maspo_words", pick[(task, cell, "maspo_words")]["best_band"]),
+                )
+            )
         for name, a, b in comparisons:
             if loss == BASELINE and name != "shuffled_vs_aligned":
                 continue
@@ -201,7 +212,8 @@ def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
             rows.append(
                 {
                     "task": task, "cell": cell, "loss": loss, "comparison": name, "band": a[1], "baseline": b[0],
-                    "baseline_band": b[1], **row, "grpo_gain": g, "diff_over_gain": row["diff"] / g if g > 0 else float("nan"),
+                    "baseline_band": b[1], **row, "grpo_gain": g,
+                    "diff_over_gain": row["diff"] / g if g > 0 else float("nan"),
                 }
             )  # fmt: skip
     return rows
@@ -234,17 +246,21 @@ def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
             continue
         task, cell = c["task"], c["cell"]
         mine = [
-            r
-            for r in runs
-            if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, c["best_band"])
+            r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, c["best_band"])
         ]
         tuning: dict[str, list[float]] = {}  # grpo's finite widths in this cell: final rewards on the tuning seeds
         for r in runs:
-            if (r["task"], r["cell"], r["loss"]) == (task, cell, BASELINE) and r["band"] != UNCLIPPED and int(r["seed"]) < tune:
+            if (
+                (r["task"], r["cell"], r["loss"]) == (task, cell, BASELINE)
+                and r["band"] != UNCLIPPED
+                and int(r["seed"]) < tune
+            ):
                 tuning.setdefault(r["band"], []).append(_f(r["final_reward"]))
         finite = [(float(np.mean(v)), w) for w, v in tuning.items()]
         trust = paired(held, task, cell, (BASELINE, max(finite)[1]), (BASELINE, UNCLIPPED)) if finite else {}
-        unclipped = [r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, UNCLIPPED)]
+        unclipped = [
+            r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, UNCLIPPED)
+        ]
         rows.append(
             {
                 "task": task,
@@ -252,7 +268,10 @@ def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
                 "grpo_band": c["best_band"],
                 "grpo_gain": gain.get((task, cell), float("nan")),
                 "grpo_final": float(np.mean([_f(r["final_reward"]) for r in mine if int(r["seed"]) >= tune])),
-                **{k: _f(mine[0][k]) if mine else float("nan") for k in regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")},
+                **{
+                    k: _f(mine[0][k]) if mine else float("nan")
+                    for k in regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")
+                },
                 **regimes.null_correlation(int(mine[0]["length"]) if mine else 1),
                 "clip_minus_noclip": trust.get("diff", float("nan")),
                 "clip_minus_noclip_low": trust.get("low", float("nan")),
@@ -276,7 +295,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tasks", nargs="+", default=list(regimes.TASKS), choices=regimes.TASKS)
     p.add_argument("--cells", nargs="+", default=list(CELLS), help="L<tokens>/<mismatch>/U<updates>[/lr<lr>]")
-    p.add_argument("--presets", nargs="+", default=None, help=f"loss presets (and {CONTROL}; default: every preset and it)")
+    p.add_argument(
+        "--presets", nargs="+", default=None, help=f"loss presets (and {CONTROL}; default: every preset and it)"
+    )
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS), help="band scales (inf: no clip)")
     p.add_argument("--tune-seeds", type=int, default=20, help="seeds 0..N-1 choose the widths")
     p.add_argument("--held-seeds", type=int, default=20, help="the next N seeds judge them")
@@ -342,7 +363,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     load.append(regimes.machine_load())
     seconds = time.time() - t0
     with open(out / "COMMAND.txt", "a") as f:
-        f.write(f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, device {args.device}\n")
+        f.write(
+            f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, "
+            f"device {args.device}\n"
+        )
         f.write("machine load during the run (uptime, sampled every 40 jobs):\n")
         f.writelines(f"  {line}\n" for line in load)
     report(out, args)
@@ -358,5 +382,8 @@ def _read_runs(out: Path) -> list[dict]:
 def report(out: Path, args) -> None:
     from maspo_verl.lab import common, regimes_tuned_report
 
-    regimes_tuned_report.write(out, args)
+    runs = _read_runs(out)
+    choices = choose(runs, args.tune_seeds)
+    rows, cells = compare(runs, choices, args.tune_seeds), cells_table(runs, choices, args.tune_seeds)
+    regimes_tuned_report.write(out, args, runs, choices, rows, cells)
     common.report_written(out)

@@ -6,13 +6,10 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
-import numpy as np
-
 from maspo_verl.lab.common import markdown_table, pyplot, write_csv
-from maspo_verl.lab.regimes_tuned import BASELINE, CONTROL, cells_table, choose, compare
+from maspo_verl.lab.regimes import CONTROL
 
 COMPARISONS = (
     ("tuned", "each at its width chosen on the tuning seeds"),
@@ -21,13 +18,6 @@ COMPARISONS = (
     ("shipped", "both as shipped (width 1)"),
     ("shuffled_vs_aligned", f"`{CONTROL}` (runs shuffled) minus `maspo_words` (runs), each at its chosen width"),
 )
-
-
-def read(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _mark(r: dict) -> str:
@@ -67,12 +57,8 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write(out: Path, args) -> None:
-    runs = read(out / "tuned_runs.csv")
-    tune = args.tune_seeds
-    choices = choose(runs, tune)
-    rows = compare(runs, choices, tune)
-    cells = cells_table(runs, choices, tune)
+def write(out: Path, args, runs: list[dict], choices: list[dict], rows: list[dict], cells: list[dict]) -> None:
+    """The tables, plot and README from the runs and ``regimes_tuned``'s choice, comparisons and cells."""
     write_csv(out / "tuned_choice.csv", choices)
     write_csv(out / "tuned_compare.csv", rows)
     write_csv(out / "tuned_cells.csv", cells)
@@ -138,7 +124,10 @@ def readme(args, runs, choices, rows, cells, command) -> str:
     lines += [
         "## The widths chosen on the tuning seeds",
         "",
-        *(f"- `{loss}`: " + ", ".join(f"x{w} {b.count(w)}" for w in sorted(set(b), key=float)) for loss, b in sorted(chosen.items())),
+        *(
+            f"- `{loss}`: " + ", ".join(f"x{w} {b.count(w)}" for w in sorted(set(b), key=float))
+            for loss, b in sorted(chosen.items())
+        ),
         "",
         "Per cell and width: `tuned_choice.csv`; every run: `tuned_runs.csv`.",
         "",
@@ -149,8 +138,3 @@ def readme(args, runs, choices, rows, cells, command) -> str:
     n_all = sum(r["comparison"] == "tuned" for r in rows)
     lines.insert(4, f"Tuned comparisons whose 95 % held-out interval excludes 0: {n_sup} of {n_all}.\n")
     return "\n".join(lines)
-
-
-def mean(values) -> float:
-    v = [x for x in values if x == x]
-    return float(np.mean(v)) if v else float("nan")

@@ -131,11 +131,18 @@ def test_drift_metrics_read_correlated_log_ratios_above_the_independent_referenc
 
 def test_the_command_writes_its_tables(tmp_path):
     main(
-        ["regimes_tuned", "--out", str(tmp_path), "--tasks", "speech", "--cells", "L12/stale1/U2/lr0.5", "--presets", "grpo", "maspo_words",
-         rt.CONTROL, "--widths", "1", "inf", "--tune-seeds", "2", "--held-seeds", "2", "--steps", "3", "--workers", "1",
-         "--groups", "2", "--group-size", "2"]
+        ["regimes_tuned", "--out", str(tmp_path), "--tasks", "speech", "--cells", "L12/stale1/U2/lr0.5",
+         "--presets", "grpo", "maspo_words", rt.CONTROL, "--widths", "1", "inf", "--tune-seeds", "2",
+         "--held-seeds", "2", "--steps", "3", "--workers", "1", "--groups", "2", "--group-size", "2"]
     )  # fmt: skip
-    for name in ("README.md", "COMMAND.txt", "tuned_runs.csv", "tuned_choice.csv", "tuned_compare.csv", "tuned_cells.csv"):
+    for name in (
+        "README.md",
+        "COMMAND.txt",
+        "tuned_runs.csv",
+        "tuned_choice.csv",
+        "tuned_compare.csv",
+        "tuned_cells.csv",
+    ):
         assert (tmp_path / name).is_file(), name
     with open(tmp_path / "tuned_runs.csv") as f:
         runs = list(csv.DictReader(f))
