@@ -193,7 +193,9 @@ def drift_section(root: Path) -> list[str]:
 
     def span(rs: list[dict], key: str) -> str:
         v = [_f(r[key]) for r in rs if math.isfinite(_f(r[key]))]
-        return f"{min(v):.2f}-{max(v):.2f}" if v else "n/a"
+        if not v:
+            return "n/a"
+        return f"{min(v):+.3f} to {max(v):+.3f}" if key == "lag1" else f"{min(v):.2f}-{max(v):.2f}"
 
     top = max(rows, key=lambda r: _f(r["vif15"]))
 
