@@ -88,6 +88,26 @@ def patch_problem(name: str) -> str | None:
     return PATCHES.get(name, f"hook {name!r} was never installed")
 
 
+ABSENT: dict[str, str] = {}
+"""Hook name -> the module, not verl's, whose absence keeps verl's hooked module from importing here (verl
+does not require every module its trainer imports: a plain ``pip install verl`` lacks ``cachetools`` and
+``uvicorn``). Such a hook is skipped, not refused: verl cannot run that module here either."""
+
+
+def unavailable(name: str, module: str, exc: ImportError) -> str:
+    """Record that the verl module ``module`` a hook wraps does not import here; returns the problem."""
+    missing = getattr(exc, "name", None) or ""
+    if isinstance(exc, ModuleNotFoundError) and missing and missing.split(".")[0] != "verl":
+        ABSENT[name] = missing
+        PATCHES[name] = (
+            f"{module} cannot be imported here: no module {missing!r} (verl imports it there but does not require "
+            f"it): pip install {missing.split('.')[0]}, or maspo-verl's `local` extra"
+        )
+    else:
+        PATCHES[name] = f"{module} is unavailable ({exc})"
+    return PATCHES[name]
+
+
 def _ppo_loss_signature(original) -> str | None:
     params = tuple(inspect.signature(original).parameters)
     if params != PPO_LOSS_PARAMS:
@@ -152,8 +172,7 @@ def install_token_scores_hook() -> str | None:
     try:
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
     except ImportError as exc:
-        PATCHES["token_scores"] = f"verl.experimental.agent_loop is unavailable ({exc})"
-        return PATCHES["token_scores"]
+        return unavailable("token_scores", "verl.experimental.agent_loop", exc)
     return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
 
 
@@ -368,8 +387,7 @@ def install_update_step_hook() -> str | None:
     try:
         from verl.workers.engine_workers import TrainingWorker
     except ImportError as exc:
-        PATCHES["update_step"] = f"verl.workers.engine_workers is unavailable ({exc})"
-        return PATCHES["update_step"]
+        return unavailable("update_step", "verl.workers.engine_workers", exc)
     return patch("update_step", TrainingWorker, "train_mini_batch", _with_update_scope)
 
 

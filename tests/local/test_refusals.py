@@ -144,17 +144,53 @@ def _preflight_case(root: Path, case: str) -> tuple[list[str], str, str]:
 
 @pytest.mark.parametrize("case", ["model", "data", "prompt_key", "reward", "gpus"])
 def test_the_preflight_refuses_before_ray_and_the_dry_run_the_same(tmp_path, case):
+    """Every problem refused the same by a run and a dry run, but the GPUs: a dry run checks the config, not
+    the node it runs on (a login node has none), so there it is one note."""
     overrides, field, fix = _preflight_case(tmp_path, case)
     ray_dir = tmp_path / "ray"  # where Ray would start its cluster (no `ray start` cluster to join there)
     cwd = tmp_path / "run"
     cwd.mkdir()
     for extra in ([], ["maspo.dry_run=true"]):
         out = _main(cwd, *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_dir}", *extra)
+        if case == "gpus" and extra:
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            notes = [line for line in out.stdout.splitlines() if "n_gpus_per_node" in line]
+            assert notes == ["maspo_verl preflight: trainer.n_gpus_per_node=64: this machine has no CUDA GPUs; not "
+                             "checked in a dry run (the run needs them on its node, or a Ray cluster to join)"], notes
+            assert "config valid; loss section:" in out.stdout
+            assert list(cwd.iterdir()) == [] and not ray_dir.exists()
+            continue
         assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
         first = out.stderr.strip().splitlines()[0]
         assert first.startswith(f"maspo_verl: {field}=") and fix in first, (extra, out.stderr[-3000:])
         assert "Traceback" not in out.stderr and "config valid" not in out.stdout
         assert list(cwd.iterdir()) == [] and not ray_dir.exists()  # no run folder, no Ray
+
+
+def test_the_readme_gpu_dry_run_on_a_laptop_names_the_first_missing_path(tmp_path):
+    """The README's GPU quickstart with maspo.dry_run=true on a machine without GPUs (nor, here, the Hub):
+    refused at the first path it cannot use, every other listed, the GPUs not among them; no folder left."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quickstart on GPU nodes", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if "maspo_verl.main " in line]
+    assert "maspo.dry_run=true" in command
+    args = command.split("#")[0].split()
+    start = args.index("maspo_verl.main") + 1
+    home = tmp_path / "home"
+    home.mkdir()
+    given = [a.replace("$HOME", str(home)) for a in args[start:]]
+    env = {**os.environ, "HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "no_cache")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "maspo_verl.main", *given], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("maspo_verl: actor_rollout_ref.model.path=Qwen/"), lines
+    assert lines[1] == "2 more:" and lines[2].startswith(f"- data.train_files={home}/data/maspo_math/"), lines
+    assert "n_gpus_per_node" not in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
 
 
 def test_a_misspelt_verl_key_names_the_closest_keys(tmp_path):
