@@ -49,7 +49,9 @@ def check() -> int:
         report["verl"] = verl.__version__
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report.update(ok=False, import_verl=_failure(exc))
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2), flush=True)
+        print(f"maspo_verl check FAILED: verl does not import here ({report['import_verl']['exception']}): "
+              "install verl into this environment (pip install verl)", file=sys.stderr)  # fmt: skip
         return 1
     eps = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.value.startswith("maspo_verl")]
     report["entry_points"] = [f"{ep.name} = {ep.value}" for ep in eps] or None
@@ -100,8 +102,10 @@ def _fix(report: dict, refused: list[str]) -> str:
         return (f"a fresh `import verl` registers {report.get('autoload_registers')}, not our losses and estimator: "
                 f"verl does not load the entry point (VERL_USE_EXTERNAL_PLUGINS={report['plugins_policy']}: list "
                 "maspo_verl, or unset it; else reinstall maspo-verl into this environment)")  # fmt: skip
-    return (f"hooks {', '.join(refused)} refused: this verl lacks what they wrap (their reasons above; "
-            "docs/install.md, verl versions)")
+    return (
+        f"hooks {', '.join(refused)} refused: this verl lacks what they wrap (their reasons above; "
+        "docs/install.md, verl versions)"
+    )
 
 
 def generate(check_only: bool) -> int:

@@ -106,7 +106,8 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     from urllib.parse import urlsplit
 
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
-    proxy = next((os.environ[k] for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy") if os.environ.get(k)), "")
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    proxy = next((os.environ[k] for k in proxies if os.environ.get(k)), "")
     target = urlsplit(proxy if "://" in proxy else f"http://{proxy}") if proxy else urlsplit(endpoint)
     host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
     key = f"{host}:{port}"

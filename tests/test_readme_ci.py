@@ -135,3 +135,29 @@ def test_readme_says_where_cpu_torch_comes_from():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "https://download.pytorch.org/whl/cpu" in readme
     assert "not reachable" in readme and "CUDA build" in readme
+
+
+def test_setup_builds_only_what_the_first_command_needs_and_the_test_command_the_rest():
+    """The README's first command builds `.venv` alone; the venvs only the tests use (other verl versions, a
+    plain verl environment) are built by the test command, before its verl passes."""
+    setup = (REPO / ".ci" / "setup").read_text()
+    assert ".venv-" not in setup and "test_venvs" in setup  # (its header says where they are built)
+    test = (REPO / ".ci" / "test").read_text()
+    venvs = (REPO / ".ci" / "test_venvs").read_text()
+    assert all(f"{v}" in venvs for v in (".venv-verl090", ".venv-verlmain", ".venv-plainverl"))
+    assert test.index("bash .ci/test_venvs") < test.index('for venv in "${VENVS[@]}"')
+
+
+def test_ci_test_help_prints_usage_and_runs_nothing(tmp_path):
+    """`bash .ci/test --help` in a checkout without any venv: the usage, exit 0, no venv built, no test run
+    (without --help the same copy fails at once: nothing is set up there)."""
+    import shutil
+    import subprocess
+
+    shutil.copytree(REPO / ".ci", tmp_path / ".ci")
+    out = subprocess.run(["bash", ".ci/test", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out
+    assert out.stdout.startswith("usage: bash .ci/test [PYTEST_ARGS...]\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ci"]
+    bare = subprocess.run(["bash", ".ci/test"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0

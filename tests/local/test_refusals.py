@@ -155,8 +155,10 @@ def test_the_preflight_refuses_before_ray_and_the_dry_run_the_same(tmp_path, cas
         if case == "gpus" and extra:
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
             notes = [line for line in out.stdout.splitlines() if "n_gpus_per_node" in line]
-            assert notes == ["maspo_verl preflight: trainer.n_gpus_per_node=64: this machine has no CUDA GPUs; not "
-                             "checked in a dry run (the run needs them on its node, or a Ray cluster to join)"], notes
+            assert notes == [
+                "maspo_verl preflight: trainer.n_gpus_per_node=64: this machine has no CUDA GPUs; not "
+                "checked in a dry run (the run needs them on its node, or a Ray cluster to join)"
+            ], notes
             assert "config valid; loss section:" in out.stdout
             assert list(cwd.iterdir()) == [] and not ray_dir.exists()
             continue
