@@ -342,7 +342,7 @@ def prepare(config) -> dict:
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
-        f"{folder}",
+        f"{folder}\nmaspo_verl local: {ray_cluster.machine_line(ray_init)}",
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}

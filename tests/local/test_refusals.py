@@ -98,6 +98,7 @@ def test_a_dry_run_writes_nothing(tmp_path):
     out = _main(tmp_path, "local=cpu", "maspo.dry_run=true")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "config valid; loss section:" in out.stdout
+    assert "maspo_verl local: this machine: " in out.stdout and "logical GPU" in out.stdout
     assert list(tmp_path.iterdir()) == []
 
 
