@@ -161,3 +161,28 @@ def test_ci_test_help_prints_usage_and_runs_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ci"]
     bare = subprocess.run(["bash", ".ci/test"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert bare.returncode != 0
+
+
+def readme_learning_command() -> str:
+    (command,) = [c for c in re.findall(r"```bash\n(.*?)\n```", (REPO / "README.md").read_text(), flags=re.S)
+                  if c.startswith("python -m maspo_verl.lab learn ")]  # fmt: skip
+    return command
+
+
+def test_readme_says_the_first_run_is_a_plumbing_check_with_measured_times_and_points_to_one_that_learns():
+    """The first command's 2 steps learn nothing: the README says so, gives measured times (no estimate), and
+    shows a CPU run that learns, whose arguments the lab accepts (tests/e2e/test_learning_demo.py runs it)."""
+    import argparse
+
+    from maspo_verl.lab import learn, learn_tasks
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    first = text.split("The first sets up `.venv`", 1)[1].split("source .venv/bin/activate", 1)[0]
+    assert "a plumbing check" in first and "2 steps learn nothing" in first
+    assert re.search(r"Measured .*: \d+ min \d+ s set-up, \d+ min \d+ s the run", first), first
+    parser = argparse.ArgumentParser()
+    learn.add_arguments(parser)
+    args = parser.parse_args(readme_learning_command().split()[4:])
+    learn.check_losses(args.losses)
+    assert all(learn_tasks.known(t) for t in args.tasks) and args.seeds == 1 and args.steps >= 10
+    assert "`reward.png` beside its `metrics.jsonl`" in text

@@ -170,29 +170,50 @@ def test_the_preflight_refuses_before_ray_and_the_dry_run_the_same(tmp_path, cas
         assert list(cwd.iterdir()) == [] and not ray_dir.exists()  # no run folder, no Ray
 
 
-def test_the_readme_gpu_dry_run_on_a_laptop_names_the_first_missing_path(tmp_path):
-    """The README's GPU quickstart with maspo.dry_run=true on a machine without GPUs (nor, here, the Hub):
-    refused at the first path it cannot use, every other listed, the GPUs not among them; no folder left."""
+def test_the_readme_gpu_command_dry_run_on_a_laptop(tmp_path):
+    """The README's GPU quickstart command with maspo.dry_run=true, on a machine without GPUs whose Hub answers
+    (a listening port stands in for it): before the data is prepared it is refused at the first missing
+    path (the GPUs not among the problems), after it passes with one note on the GPUs; no folder left."""
     import re
+    import socket
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     readme = (REPO / "README.md").read_text()
     block = readme.split("## Quickstart on GPU nodes", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     (command,) = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if "maspo_verl.main " in line]
-    assert "maspo.dry_run=true" in command
     args = command.split("#")[0].split()
-    start = args.index("maspo_verl.main") + 1
     home = tmp_path / "home"
     home.mkdir()
-    given = [a.replace("$HOME", str(home)) for a in args[start:]]
-    env = {**os.environ, "HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "no_cache")}
+    given = [a.replace("$HOME", str(home)) for a in args[args.index("maspo_verl.main") + 1 :]]
+    hub = socket.create_server(("127.0.0.1", 0))
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and k != "HF_HUB_OFFLINE"}
+    env.update(HOME=str(home), HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "maspo_verl.main", *given], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
-    lines = out.stderr.strip().splitlines()
-    assert lines[0].startswith("maspo_verl: actor_rollout_ref.model.path=Qwen/"), lines
-    assert lines[1] == "2 more:" and lines[2].startswith(f"- data.train_files={home}/data/maspo_math/"), lines
-    assert "n_gpus_per_node" not in out.stderr and "Traceback" not in out.stderr
+
+    def dry_run():
+        return subprocess.run([sys.executable, "-m", "maspo_verl.main", *given, "maspo.dry_run=true"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    with hub:
+        out = dry_run()
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        fix = "no such file: set it to a data file (.parquet, e.g. python -m maspo_verl.math.prepare)"
+        data = home / "data" / "maspo_math"
+        assert lines[0] == f"maspo_verl: data.train_files={data}/math_train.parquet: {fix}", lines
+        assert lines[1:3] == ["1 more:", f"- data.val_files={data}/math500_test.parquet: {fix}"], lines
+        assert "n_gpus_per_node" not in out.stderr and "Traceback" not in out.stderr
+        for name in ("math_train", "math500_test"):  # what math.prepare writes (its columns)
+            (home / "data" / "maspo_math").mkdir(parents=True, exist_ok=True)
+            pq.write_table(
+                pa.table({"prompt": ["x"], "data_source": ["math"]}), home / "data" / "maspo_math" / f"{name}.parquet"
+            )
+        out = dry_run()
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "maspo_verl preflight: trainer.n_gpus_per_node=8: this machine has no CUDA GPUs; not checked" in out.stdout
+    assert "config valid; loss section:" in out.stdout and "loss_mode: maspo" in out.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
 
 
