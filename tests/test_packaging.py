@@ -167,6 +167,7 @@ def test_the_tests_build_the_wheel_in_one_place_and_share_one_manager_base():
 PLAIN_VENV = REPO / ".venv-plainverl"
 
 
+@pytest.mark.slow  # the test takes ~30 s, building its venv 4-8 min (bash .ci/test --run-slow builds it)
 def test_check_passes_in_a_plain_verl_env(built_wheel, tmp_path):
     """A user's verl environment (torch, verl 0.9.1 from the index; none of the modules verl's trainer imports
     but does not require, as cachetools and uvicorn) with the wheel and its `math` extra: `check` exits 0,
@@ -174,8 +175,8 @@ def test_check_passes_in_a_plain_verl_env(built_wheel, tmp_path):
     python = PLAIN_VENV / "bin" / "python"
     if not python.exists():
         if os.environ.get("CI"):
-            pytest.fail(f"{PLAIN_VENV.name} is missing: bash .ci/test builds it (.ci/test_venvs)")
-        pytest.skip(f"{PLAIN_VENV.name} not set up: bash .ci/test_venvs")
+            pytest.fail(f"{PLAIN_VENV.name} is missing: bash .ci/test --run-slow builds it (.ci/test_venvs --plain)")
+        pytest.skip(f"{PLAIN_VENV.name} not set up: bash .ci/test_venvs --plain")
     probe = "import importlib.util as u, verl; print(verl.__version__, [m for m in ('cachetools', 'uvicorn') if u.find_spec(m)])"  # noqa: E501
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     plain = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)

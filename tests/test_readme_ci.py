@@ -146,6 +146,7 @@ def test_setup_builds_only_what_the_first_command_needs_and_the_test_command_the
     venvs = (REPO / ".ci" / "test_venvs").read_text()
     assert all(f"{v}" in venvs for v in (".venv-verl090", ".venv-verlmain", ".venv-plainverl"))
     assert test.index("bash .ci/test_venvs") < test.index('for venv in "${VENVS[@]}"')
+    assert venvs.index('[ "${1:-}" = "--plain" ] || exit 0') < venvs.index("PLAIN=.venv-plainverl")
 
 
 def test_ci_test_help_prints_usage_and_runs_nothing(tmp_path):
