@@ -367,6 +367,7 @@ def reward_curve(metrics_file: Path | None) -> str | None:
         return None
     (first_step, first), (last_step, last) = curve[0], curve[-1]
     said = f"{REWARD_KEY} {_number(first)} at step {first_step}, {_number(last)} at step {last_step}"
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # not its font-cache note in an empty HOME
     try:
         import matplotlib
 
