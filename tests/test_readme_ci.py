@@ -187,3 +187,13 @@ def test_readme_says_the_first_run_is_a_plumbing_check_with_measured_times_and_p
     learn.check_losses(args.losses)
     assert all(learn_tasks.known(t) for t in args.tasks) and args.seeds == 1 and args.steps >= 10
     assert "`reward.png` beside its `metrics.jsonl`" in text
+
+
+def test_readme_says_what_ran_on_a_gpu_and_what_only_by_dry_run():
+    """The recipes' READMEs say their GPU paths were checked by dry run only; the top-level README says it too."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = text.split("What ran where: ", 1)[1].split(". ", 1)[0]
+    assert "CUDA tests ran once on an H100" in sentence and "checked by dry run only" in sentence
+    assert all(path in sentence for path in ("vLLM", "FSDP2 on NCCL", "Megatron", "Docker", "SLURM"))
+    for recipe in ("math", "speech"):
+        assert "dry run" in (REPO / "recipes" / recipe / "README.md").read_text()

@@ -101,10 +101,16 @@ def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
 
 
 def test_check_command_fails_when_autoload_is_disabled():
+    """The FAILED line follows the report it refers to (one pipe for both streams, as a terminal shows them)
+    and names the cause and the fix."""
     env = {**subprocess_env(), "VERL_USE_EXTERNAL_PLUGINS": "none"}
-    out = subprocess.run([sys.executable, "-m", "maspo_verl", "check"], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, "-m", "maspo_verl", "check"]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert out.returncode == 1
-    assert "FAILED" in out.stderr
+    *report, failed = out.stdout.strip().splitlines()
+    assert json.loads("\n".join(report))["ok"] is False
+    assert failed.startswith("maspo_verl check FAILED: a fresh `import verl` registers [], not our losses"), failed
+    assert "VERL_USE_EXTERNAL_PLUGINS=none: list maspo_verl, or unset it" in failed
 
 
 def v1_micro_batch(codes, prompt_lens, seed=0):
