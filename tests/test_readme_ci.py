@@ -180,7 +180,7 @@ def test_readme_says_the_first_run_is_a_plumbing_check_with_measured_times_and_p
     text = " ".join((REPO / "README.md").read_text().split())
     first = text.split("The first sets up `.venv`", 1)[1].split("source .venv/bin/activate", 1)[0]
     assert "a plumbing check" in first and "2 steps learn nothing" in first
-    assert re.search(r"Measured .*: \d+ min \d+ s set-up, \d+ min \d+ s the run", first), first
+    assert re.search(r"Measured .*: set-up [\d.]+-[\d.]+ min, the run [\d.]+-[\d.]+ min", first), first
     parser = argparse.ArgumentParser()
     learn.add_arguments(parser)
     args = parser.parse_args(readme_learning_command().split()[4:])

@@ -82,6 +82,7 @@ PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"^step:(\d+) - ")
 RAY_PREFIX = re.compile(r"^\([^()]*pid=[^()]*\) ?")
+RAY_REPEATED = re.compile(r" \[repeated \d+x across cluster\].*$")
 
 
 def is_trainer_config(obj) -> bool:
@@ -197,8 +198,9 @@ class _Console:
         if echo_of is not None and echo_of[0] == head and body.startswith("  "):  # the warning's source line
             self.hidden[echo_of[1]] += 1
             return
+        said = RAY_REPEATED.sub("", body)  # a line Ray's log de-duplication counted is still that line
         for reason, pattern in self.noise:
-            if pattern.search(body):
+            if pattern.search(said):
                 self.hidden[reason] = self.hidden.get(reason, 0) + 1
                 if PYTHON_WARNING.match(body):
                     self._echo_of = (head, reason)

@@ -31,6 +31,9 @@ NOISE = [
     "VERL_PLATFORM: cpu",
     *ENGINE_WARNING,
     "(pid=5951) INFO:2026-11-24 02:58:35,881:Platform override from VERL_PLATFORM: cpu",
+    "(pid=24508) INFO:2026-11-26 11:51:54,002:Platform override from VERL_PLATFORM: cpu [repeated 2x across "
+    "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication, or see "
+    "https://docs.ray.io/en/master/ray-observability/user-guides/configure-logging.html#log-deduplication)",
     *[f"(pid=5951) {line}" for line in ENGINE_WARNING],
     f"(TaskRunnerV1 pid=5951) {SITE}/torchdata/stateful_dataloader/stateful_dataloader.py:379: UserWarning: "
     "'set_vital' is deprecated, please do not call",
