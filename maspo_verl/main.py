@@ -237,6 +237,7 @@ def main(config: DictConfig) -> None:
         refused = isinstance(cause, FieldError) or (cause is not exc and isinstance(cause, TypeError | ValueError))
         if refused:
             if not began:  # (a local run's closing block has already said it)
+                sys.stdout.flush()  # the notes printed before it (start-up checks), before it on a shared console
                 print(f"maspo_verl: {cause}", file=sys.stderr, flush=True)
             sys.exit(1)
         raise
