@@ -23,7 +23,7 @@ def test_the_readme_learning_run_learns_and_draws_its_curve(tmp_path, local_cach
     main([*readme_learning_command().split()[4:], "--out", str(out)])
     rewards = [float(r["critic/score/mean"]) for r in csv.DictReader(open(out / "learn_steps.csv"))]
     assert len(rewards) == 15
-    # measured: 0.36 at step 1, 0.48 over the last 3 steps (a step's mean of 32 responses is noisy)
+    # measured twice: 0.36 at step 1, 0.46-0.48 over the last 3 steps (a step's mean of 32 responses is noisy)
     assert statistics.fmean(rewards[-3:]) > rewards[0] + 0.05, rewards
     (plot,) = tmp_path.glob("maspo_learn_logs_*/*/reward.png")
     assert (plot.parent / "metrics.jsonl").is_file() and plot.read_bytes()[:4] == b"\x89PNG"
