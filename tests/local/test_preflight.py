@@ -120,7 +120,8 @@ def test_a_hub_id_the_hub_cannot_serve_is_refused_in_seconds_naming_the_fix(good
     assert "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir DIR) and give that folder" in line
     monkeypatch.setattr(preflight_module, "_hub_cached", lambda repo_id: True)
     ((name, message),) = collect(good, local=True).problems
-    assert message.startswith("Qwen/Qwen2.5-0.5B: is a Hub id in the local cache, but http://127.0.0.1:9 is not")
+    assert name == "actor_rollout_ref.model.path"
+    assert message.startswith(f"{name}=Qwen/Qwen2.5-0.5B: is a Hub id in the local cache, but http://127.0.0.1:9 is")
     assert message.endswith("(ConnectionRefusedError: [Errno 111] Connection refused): set HF_HUB_OFFLINE=1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline with the model cached: nothing to say
     assert collect(good, local=True).problems == []
@@ -231,3 +232,25 @@ def test_every_problem_is_listed_after_the_first(good, tmp_path):
         preflight(good, local=True)
     lines = str(caught.value).splitlines()
     assert lines[1] == "2 more:" and lines[2].startswith("- data.train_files=") and lines[3].startswith("- data.val")
+
+
+def test_a_dry_run_says_the_problems_warn_let_through(good, tmp_path, capsys):
+    """With maspo.preflight=warn a dry run does not say "config valid" alone while paths are missing."""
+    from maspo_verl.main import dry_run
+    from maspo_verl.plugin.preflight import unrefused
+
+    with open_dict(good):
+        good.data.train_files = str(tmp_path / "nope.parquet")
+        good.data.val_files = str(tmp_path / "nope2.parquet")
+        good.maspo.preflight = "warn"
+    lines = preflight(good, local=True)
+    assert unrefused(lines) == 2
+    capsys.readouterr()
+    dry_run(good, unrefused(lines))
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("maspo_verl dry run:")]
+    assert said == (
+        "maspo_verl dry run: config valid, but 2 problems on this machine (above; a run here stops at the first); "
+        "loss section:"
+    )
+    dry_run(good)
+    assert "maspo_verl dry run: config valid; loss section:" in capsys.readouterr().out.splitlines()
