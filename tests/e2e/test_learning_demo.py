@@ -20,7 +20,7 @@ def test_the_readme_learning_run_learns_and_draws_its_curve(tmp_path, local_cach
     monkeypatch.setenv("MASPO_VERL_CACHE", local_cache_dir)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the lab's run folders, here
     out = tmp_path / "learn"
-    main([*readme_learning_command().split()[4:], "--out", str(out)])
+    main([*readme_learning_command().split()[3:], "--out", str(out)])  # from `learn` on
     rewards = [float(r["critic/score/mean"]) for r in csv.DictReader(open(out / "learn_steps.csv"))]
     assert len(rewards) == 15
     # measured twice: 0.36 at step 1, 0.46-0.48 over the last 3 steps (a step's mean of 32 responses is noisy)
