@@ -10,8 +10,8 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-from maspo_verl.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
-from maspo_verl.token_sets import inputs_needed
+from maspo_verl.core.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
+from maspo_verl.core.token_sets import inputs_needed
 from tests.helpers import actor_config, random_batch
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
@@ -313,7 +313,7 @@ def test_aggregation_is_data_parallel_invariant(agg_mode, loss_agg):
     assert_close(full_grad, split_grad)
 
 
-# ---- surrogates (maspo_verl.surrogates): CISPO and SAPO on any token set ----
+# ---- surrogates (maspo_verl.core.surrogates): CISPO and SAPO on any token set ----
 
 
 def verl_agg_mode(name: str, agg: str) -> str:

@@ -1,4 +1,4 @@
-"""The granular policy loss written plainly, top to bottom: the tests' oracle for ``maspo_verl.losses``
+"""The granular policy loss written plainly, top to bottom: the tests' oracle for ``maspo_verl.core.losses``
 (docs/algorithms.md has the maths).
 
     1. which tokens are in the loss      valid tokens whose log-probs are finite
@@ -13,7 +13,7 @@
 
 No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, autograd through the
 formulas instead of closed-form gradients, no in-place ops. Slow and memory-hungry; for tests and readers.
-The segment ids come from the rule (``maspo_verl.segments.compute_segment_ids``); what each rule does is pinned
+The segment ids come from the rule (``maspo_verl.core.segments.compute_segment_ids``); what each rule does is pinned
 by its worked examples (``SegmentRule.examples``).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from maspo_verl.segments import compute_segment_ids
+from maspo_verl.core.segments import compute_segment_ids
 
 LOG_RATIO_CLAMP = 20.0  # verl's bound on a token's log-ratio (compute_policy_loss_vanilla)
 

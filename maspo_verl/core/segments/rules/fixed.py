@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.segments.rule import Candidates, Example, SegmentRule, Sweep
+from maspo_verl.core.segments.rule import Candidates, Example, SegmentRule, Sweep
 from maspo_verl.validation import Int, Setting
 
 # the longest window a calibration sweep tries

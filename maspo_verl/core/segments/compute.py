@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from maspo_verl.segments.lengths import split_long, suppress_close
-from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.registry import SEGMENT_RULES, configured_rule
-from maspo_verl.segments.rule import RuleInputs
+from maspo_verl.core.segments.lengths import split_long, suppress_close
+from maspo_verl.core.segments.packing import Packed
+from maspo_verl.core.segments.registry import SEGMENT_RULES, configured_rule
+from maspo_verl.core.segments.rule import RuleInputs
 from maspo_verl.validation import Choice, Int, Setting, fail
 
 SETTINGS = (

@@ -1,6 +1,6 @@
 """What the objective does with the shared ratio (``policy_loss.surrogate``; docs/algorithms.md §2).
 
-Who shares a ratio (``maspo_verl.token_sets``) and what the objective does with it are separate
+Who shares a ratio (``maspo_verl.core.token_sets``) and what the objective does with it are separate
 choices: each class of ``SURROGATES`` applies to whatever ratio the token set gives. r_t is the shared
 ratio's value exp(l_t); in the stop-gradient form its gradient is r_t grad log pi_t (``ratios``).
 
@@ -10,7 +10,7 @@ ratio's value exp(l_t); in the stop-gradient form its gradient is r_t grad log p
 | `cispo` | -sg[clip(r, lo, hi)] A log pi_t                            | weight clipped below / above; none    |
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none |
 
-``ppo`` and ``cispo`` take their bounds from the clip schedule (``maspo_verl.clipping.ClipBounds``); ``sapo``
+``ppo`` and ``cispo`` take their bounds from the clip schedule (``maspo_verl.core.clipping.ClipBounds``); ``sapo``
 reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each returns its loss
 values, the masks and g_t = d loss_t / d log pi_t in closed form; ``apply`` gives the loss that gradient in
 one stop-gradient form, the same eager and under ``torch.compile``. Each declares worked examples
@@ -25,8 +25,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from maspo_verl import clipping
-from maspo_verl.clipping import ClipBounds
+from maspo_verl.core import clipping
+from maspo_verl.core.clipping import ClipBounds
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting, check_choice, check_float, fail
 
@@ -249,7 +249,7 @@ class SAPO(Surrogate[SapoTemperatures]):
 def check_config(policy_loss: Any) -> None:
     """``policy_loss.surrogate``: one of ``SURROGATES``, only with our token sets (verl's own losses ignore
     it), and what the surrogate refuses (``Surrogate.check``)."""
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     check_choice("surrogate", policy_loss.surrogate, tuple(SURROGATES))
     if policy_loss.surrogate != DEFAULT and policy_loss.loss_mode not in TOKEN_SETS:

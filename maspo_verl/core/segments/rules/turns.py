@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.segments.packing import previous
-from maspo_verl.segments.rule import Candidates, Example, SegmentRule
+from maspo_verl.core.segments.packing import previous
+from maspo_verl.core.segments.rule import Candidates, Example, SegmentRule
 from maspo_verl.validation import Int, Setting
 
 

@@ -1,6 +1,6 @@
 """What a segment rule is: the declarations a rule module makes and the one function it implements.
 
-A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule`` and declares:
+A rule (one module in ``maspo_verl/core/segments/rules/``) subclasses ``SegmentRule`` and declares:
 
 - ``name``: the value of ``policy_loss.segment_rule`` that selects it; its docstring's first paragraph says
   what it does (the README's rules table shows it);
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl.batch import current_response_ids, current_tokenizer, current_word_ids
-from maspo_verl.segments.packing import Packed
+from maspo_verl.core.segments.packing import Packed
 from maspo_verl.validation import Setting
 
 # What a rule reads besides the mask. The old log-probs come with every loss call; the response ids, word ids
@@ -131,7 +131,7 @@ class RuleInputs:
 
 
 class SegmentRule:
-    """A segmentation rule: its declarations (module docstring of ``maspo_verl.segments.rule``) and
+    """A segmentation rule: its declarations (module docstring of ``maspo_verl.core.segments.rule``) and
     ``candidates`` on the packed rows."""
 
     name: ClassVar[str]

@@ -1,5 +1,5 @@
 """Clip schedules (``policy_loss.clip_schedule``) and the closed forms of the clipped surrogates
-(docs/algorithms.md §2); ``maspo_verl.surrogates`` applies them.
+(docs/algorithms.md §2); ``maspo_verl.core.surrogates`` applies them.
 
 - ratio-space (verl-compatible): lo = 1 - eps_low, hi = 1 + eps_high, c = clip_ratio_c.
 - log-space, length-adaptive (CTPO-LA of "Rethinking Importance Sampling in LLM Policy
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from maspo_verl.ratios import float_mask
+from maspo_verl.core.ratios import float_mask
 
 
 @dataclass

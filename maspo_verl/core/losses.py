@@ -1,10 +1,10 @@
 """One policy loss body for every token set: token set x normalisation x clip schedule x surrogate
 (docs/algorithms.md).
 
-``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.token_sets``) with
+``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.core.token_sets``) with
 verl's ``PolicyLossFn`` signature, called per micro-batch by verl's ``ppo_loss``; the plugin
 registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive) and any
-surrogate (``surrogate``: ``maspo_verl.surrogates``).
+surrogate (``surrogate``: ``maspo_verl.core.surrogates``).
 
 verl and ``maspo_verl.config`` (which imports verl) are imported inside the functions: ``import verl``
 loads the plugin, which imports this module, so importing this module must not import verl.
@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from maspo_verl import inspection, ratios, surrogates
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl import inspection
+from maspo_verl.core import ratios, surrogates
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ def loss_body(
     loss_mode: str,
 ) -> LossStep:
     """Token set -> shared log-ratio -> clip schedule -> surrogate -> verl's aggregation, and the metric sums:
-    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.reference_loss`` is the same
+    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.core.reference_loss`` is the same
     written plainly)."""
     response = response_mask.bool()
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
