@@ -25,6 +25,7 @@ PRESET = f"maspo_{NAME}"
 # the discovered tests that take every rule or preset (they select by the rule's or preset's name)
 DISCOVERED = [
     "tests/core/test_worked_examples.py",
+    "tests/core/test_rule_references.py",
     "tests/core/test_reference_loss.py",
     "tests/core/test_limits.py",
     "tests/core/test_config.py",

@@ -11,6 +11,8 @@ does exactly this in a copy of the repository, under a name the code has never s
 
 from __future__ import annotations
 
+import math
+
 from maspo_verl.core.ratios import float_mask
 from maspo_verl.core.segments.packing import previous
 from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
@@ -54,3 +56,10 @@ class EntropyRule(SegmentRule):
         boundaries = packed.has_previous & (after > config.entropy_threshold)
         # the strength of a boundary, for min_segment_len: the surprisal that made it
         return Candidates(boundaries, after, None)
+
+    # required: the same rule as a plain loop over one row's valid tokens (the tests hold candidates equal to it)
+    def reference(self, config, row):
+        lp = [0.0 if math.isnan(x) else max(x, -MAX_SURPRISAL) for x in row.old_log_prob]
+        surprisal = [max(-MAX_SURPRISAL, min(MAX_SURPRISAL, -x)) for x in lp]
+        # a boundary (of that strength) on the token after a surprising one
+        return [None] + [s if s > config.entropy_threshold else None for s in surprisal[:-1]]

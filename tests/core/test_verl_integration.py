@@ -89,7 +89,7 @@ def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
 
     shadow = tmp_path / "maspo_verl"
     shutil.copytree(Path(maspo_verl.__file__).parent, shadow, ignore=shutil.ignore_patterns("__pycache__"))
-    (shadow / "ratios.py").write_text("def broken(:\n")
+    (shadow / "core" / "ratios.py").write_text("def broken(:\n")
     env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "maspo_verl", "check"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)

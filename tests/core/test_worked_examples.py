@@ -11,6 +11,7 @@ from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.core import surrogates
 from maspo_verl.core.segments import OLD_LOG_PROB, RESPONSE_IDS, SEGMENT_RULES, TOKENIZER, WORD_IDS, compute_segment_ids
+from maspo_verl.core.segments.reference import reference_segment_ids
 from maspo_verl.core.surrogates import SURROGATES
 
 RULE_EXAMPLES = [
@@ -66,7 +67,9 @@ def test_rule_example(name, index, dtype):
     tokenizer = list(inputs[TOKENIZER]) if TOKENIZER in inputs else None
     with micro_batch_scope(data, tokenizer):
         ids = compute_segment_ids(mask, config, old_log_prob=old)
+        plain = reference_segment_ids(mask, config, old_log_prob=old)
     assert segment_lengths(ids, mask) == [tuple(row) for row in example.lengths], example.why
+    assert segment_lengths(plain, mask) == [tuple(row) for row in example.lengths], f"reference: {example.why}"
     assert (ids[~mask] == 0).all()
 
 

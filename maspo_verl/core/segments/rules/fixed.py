@@ -37,6 +37,9 @@ class FixedRule(SegmentRule):
         boundaries = packed.valid & (packed.columns % config.segment_window == 0)
         return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device))
 
+    def reference(self, config, row):
+        return [1.0 if p % config.segment_window == 0 else None for p in range(len(row.positions))]
+
     def sweeps(self, config, packed, inputs):
         longest = int(packed.lengths.max()) if packed.lengths.numel() else 1
         return [

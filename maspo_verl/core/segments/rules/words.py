@@ -58,6 +58,15 @@ class WordsRule(SegmentRule):
     def token_level(self, config):
         return False  # rows with word ids are never token level
 
+    def reference(self, config, row):
+        words = row.word_ids
+        if all(w == NO_WORD for w in words):
+            return SEGMENT_RULES[config.words_fallback_rule].reference(config, row)
+        # a word start outranks a gap start
+        return [None] + [
+            (2.0 if words[p] != NO_WORD else 1.0) if words[p] != words[p - 1] else None for p in range(1, len(words))
+        ]
+
     def candidates(self, config, packed, inputs):
         # the fallback first, so that its temporaries are freed before ours exist (peak memory)
         rule = SEGMENT_RULES[config.words_fallback_rule]
