@@ -9,6 +9,7 @@ in float32, so both sides compare the same numbers and ties happen.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from maspo_verl.core.segments.reference import reference_segment_ids
 from maspo_verl.validation import Bool, Choice, Float, Int, Ints, Strings
 from tests.helpers import random_mask
 
-SEEDS = range(40)
+SEEDS = range(100)
 # a small vocabulary (id -> text) for the rules that read text; ids len(TEXTS) and beyond are unknown to it
 TEXTS = ["a", "b", " ", ".", "\n", "Step", ". ", "\n\n", "ab", "b.", " S", "tep", "?", "! "]
 STRINGS = ["\n", ". ", "Step", "ab", "b.", "a"]  # each occurs in TEXTS, inside a token or across two
@@ -40,7 +41,7 @@ def draw(setting, g: random.Random):
         top = allowed.minimum + 6 if allowed.maximum is None else min(allowed.maximum, allowed.minimum + 6)
         return g.randint(allowed.minimum, top)
     if isinstance(allowed, Float):
-        lo, hi = max(allowed.lo, -4.0), min(allowed.hi, 6.0)
+        lo, hi = max(allowed.lo, -2.0), min(allowed.hi, 4.0)
         value = round((lo + (hi - lo) * g.random()) * 16) / 16
         return min(max(value, lo + (allowed.lo_open and value <= lo) / 16), hi)
     if isinstance(allowed, Strings):
@@ -55,8 +56,10 @@ def random_config(name: str, g: random.Random):
     they pass validation (checks across fields)."""
     for _ in range(200):
         fields = {s.name: draw(s, g) for rule in SEGMENT_RULES.values() for s in rule.settings}
-        low = g.choice([0, 0, 2, 3, 4])
-        fields.update(min_segment_len=low, max_segment_len=g.choice([0, 0, max(low, 1), max(low, 1) + g.randint(0, 4)]))
+        if "fsq_levels" in fields and g.random() < 0.5:  # a codebook of those levels (tokenval's FSQ distances)
+            fields["codec_size"] = math.prod(fields["fsq_levels"])
+        low = g.choice([0, 0, 0, 2, 3])
+        fields.update(min_segment_len=low, max_segment_len=g.choice([0, 0, 0, max(low, 2) + g.randint(0, 4)]))
         try:
             return actor_config(loss_mode="maspo", segment_rule=name, **fields).policy_loss
         except ValueError:
