@@ -2,7 +2,7 @@
 
 Three layers, each importing only the ones below it (docs/contributing.md, "Layout"):
 
-- core (``core``: the loss pipeline, token sets -> ratios -> clipping -> surrogates -> losses, the segment
+- core (``core``: the loss pipeline and the ratio correlation metrics, token sets -> ratios -> clipping -> surrogates -> losses, the segment
   rules and the plain reference loss; beside it ``advantages``, ``batch``, ``batch_sizes``, ``config``,
   ``config_fields``, ``fsq``, ``inspection``, ``rollout_correction``, ``util``, ``validation``, ``vocab``): the
   maths and the config checks; importing it registers and patches nothing;
