@@ -47,7 +47,9 @@ def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tenso
 
     ``delta`` must be zero on padding (``token_log_ratios`` is).
     """
-    return segment_sums(delta, seg_ids), segment_sums(float_mask(mask, delta.dtype), seg_ids)
+    total = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta)
+    sizes = float_mask(mask, delta.dtype)
+    return total, torch.zeros_like(sizes).scatter_add_(-1, seg_ids, sizes)
 
 
 def segment_sums(values: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:

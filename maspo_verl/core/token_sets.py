@@ -41,7 +41,7 @@ class SharedSums:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.segment_ids is None else ratios.per_token(values, self.segment_ids)
+        return values if self.segment_ids is None else torch.gather(values, -1, self.segment_ids)
 
 
 class TokenSet:
