@@ -135,7 +135,8 @@ SETTINGS = (
 
 @register_surrogate
 class PPOClip(Surrogate[ClipBounds]):
-    """PPO's pessimistic clip with dual clip, on the schedule's bounds (``clipping.pessimistic_values``)."""
+    """PPO's pessimistic clip with dual clip, on the schedule's bounds: max(-A r, -A clip(r, lo, hi)), at most -A c
+    where A < 0."""
 
     name = "ppo"
     # verl's default ratio-space bounds: lo 0.8, hi 1.2, dual clip c 3
