@@ -23,7 +23,7 @@ import traceback
 PROBE = (
     "import verl, json\n"
     "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, ADV_ESTIMATOR_REGISTRY as A\n"
-    "from maspo_verl.token_sets import TOKEN_SETS\n"
+    "from maspo_verl.core.token_sets import TOKEN_SETS\n"
     "from maspo_verl.advantages import ESTIMATOR_NAMES\n"
     "print(json.dumps([n for n in TOKEN_SETS if n in R] + [n for n in ESTIMATOR_NAMES if n in A]))\n"
 )

@@ -56,8 +56,8 @@ def unread_fields(policy_loss: dict) -> list[str]:
     import re
 
     from maspo_verl.config import SETTINGS
-    from maspo_verl.segments import SEGMENT_RULES, compute
-    from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+    from maspo_verl.core.segments import SEGMENT_RULES, compute
+    from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 
     loss_mode = policy_loss.get("loss_mode")
     if loss_mode not in TOKEN_SETS:

@@ -371,8 +371,8 @@ def _private_temp_dir() -> str:
 
 def _fit_tokenval_to_embedded(policy_loss) -> None:
     """The embedded tokenizer's ids 0..255 are bytes: use them as 4-digit FSQ "codes" ([4]*4 = 256)."""
+    from maspo_verl.core.token_sets import segment_rules
     from maspo_verl.local.assets import MODEL_VOCAB
-    from maspo_verl.token_sets import segment_rules
 
     if not any(rule.reads_codec for rule in segment_rules(policy_loss)):
         return

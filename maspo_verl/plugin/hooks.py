@@ -20,7 +20,7 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   (the v1 trainer's samples do, as ``global_steps``), else the count of updates in this worker; both,
   and the rank, are read only when the loss asks (on inspected runs).
 - ``verl_losses``: verl's own policy losses (``vanilla``, ``gspo``, ...) in its registry are wrapped so
-  that with ``inspect_dir`` set they write samples too (``maspo_verl.losses.inspect_verl_loss``); with
+  that with ``inspect_dir`` set they write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
   it unset the wrapper only tests the setting.
 - ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
   every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
@@ -395,7 +395,7 @@ def inspected_verl_loss(name: str, fn: Callable) -> Callable:
     """verl's policy loss ``fn``, which also writes samples on inspected steps (``inspect_dir`` set)."""
     if getattr(fn, "__maspo_original__", None) is not None:
         return fn
-    from maspo_verl.losses import inspect_verl_loss
+    from maspo_verl.core.losses import inspect_verl_loss
 
     @functools.wraps(fn)
     def loss(*args, **kwargs):
@@ -419,7 +419,7 @@ def install_verl_loss_hook() -> str | None:
     """Wrap verl's own registered policy losses (``inspected_verl_loss``); None, or why not."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     expected = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config")
     refused = []

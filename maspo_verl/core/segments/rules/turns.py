@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.segments.packing import previous
-from maspo_verl.segments.rule import Candidates, Example, SegmentRule
+from maspo_verl.core.segments.packing import previous
+from maspo_verl.core.segments.rule import FORCED, Candidates, Example, SegmentRule
 from maspo_verl.validation import Int, Setting
 
 
@@ -36,6 +36,15 @@ class TurnsRule(SegmentRule):
         ),
         Example("min_segment_len never merges turns", ((1, 0, 1, 1, 1),), ((1, 3),), {"min_segment_len": 3}),
     )
+
+    def reference(self, config, row):
+        out, since = [], 0
+        for p, position in enumerate(row.positions):
+            turn_start = p > 0 and position - row.positions[p - 1] > 1  # masked tokens in between
+            since = 0 if p == 0 or turn_start else since + 1
+            window_start = config.turn_window > 0 and since % config.turn_window == 0
+            out.append(FORCED if turn_start else 1.0 if window_start else None)
+        return out
 
     def candidates(self, config, packed, inputs):
         B, T = packed.valid.shape

@@ -1,6 +1,6 @@
 """What a segment rule is: the declarations a rule module makes and the one function it implements.
 
-A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule`` and declares:
+A rule (one module in ``maspo_verl/core/segments/rules/``) subclasses ``SegmentRule`` and declares:
 
 - ``name``: the value of ``policy_loss.segment_rule`` that selects it; its docstring's first paragraph says
   what it does (the README's rules table shows it);
@@ -14,6 +14,8 @@ A rule (one module in ``maspo_verl/segments/rules/``) subclasses ``SegmentRule``
   -> the expected segment lengths of each row), worked out by hand from the rule's definition. The discovered
   tests run every example of every registered rule, so a rule that segments wrongly fails them even when it
   keeps its limits;
+- ``reference`` (required): the rule written as a plain loop over one row's valid tokens (``Row``), which the
+  discovered test holds ``candidates`` equal to on random rows and settings (the oracle; loops are fine there);
 - optionally ``fallback_field`` (the field naming the rule for rows it cannot segment) and ``fallback_metric``,
   ``reads_codec`` (it reads codec codes), ``validate`` (checks across fields), ``startup`` (work on the
   composed trainer config before Ray) and ``sweeps`` (how the calibration lab varies its threshold on a corpus).
@@ -24,13 +26,14 @@ strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule uncha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from maspo_verl.batch import current_response_ids, current_tokenizer, current_word_ids
-from maspo_verl.segments.packing import Packed
+from maspo_verl.core.segments.packing import Packed
 from maspo_verl.validation import Setting
 
 # What a rule reads besides the mask. The old log-probs come with every loss call; the response ids, word ids
@@ -55,6 +58,24 @@ class Candidates:
     scores: torch.Tensor
     forced: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# a boundary that stays whatever min_segment_len says (``Row`` references; ``Candidates.forced``)
+FORCED = math.inf
+
+
+@dataclass
+class Row:
+    """One row's valid tokens in order, as Python values: what a rule's ``reference`` reads. ``positions``: each
+    token's column in the [B, T] row (a gap between two is a hole); ``old_log_prob`` as float32 values (the
+    precision the rules compute in); ``response_ids``, ``word_ids``; ``texts``: the text of each vocabulary id (the
+    tokenizer's). An input the rule does not read is None."""
+
+    positions: list[int]
+    old_log_prob: list[float] | None = None
+    response_ids: list[int] | None = None
+    word_ids: list[int] | None = None
+    texts: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +152,7 @@ class RuleInputs:
 
 
 class SegmentRule:
-    """A segmentation rule: its declarations (module docstring of ``maspo_verl.segments.rule``) and
+    """A segmentation rule: its declarations (module docstring of ``maspo_verl.core.segments.rule``) and
     ``candidates`` on the packed rows."""
 
     name: ClassVar[str]
@@ -150,6 +171,12 @@ class SegmentRule:
 
     def candidates(self, config: Any, packed: Packed, inputs: RuleInputs) -> Candidates:
         raise NotImplementedError
+
+    def reference(self, config: Any, row: Row) -> list[float | None]:
+        """``candidates`` written plainly for one row: per valid token, None (no boundary) or the strength of the
+        boundary it starts (``FORCED``: one that must stay). The first token's entry is ignored (it always
+        starts a segment)."""
+        raise NotImplementedError(f"segment rule {self.name!r} declares no reference (SegmentRule.reference)")
 
     def token_level(self, config: Any) -> bool:
         """True when the settings give every token its own segment: they equal the declared ``"token"`` limit."""

@@ -3,8 +3,8 @@
 Three token sets cover every method: segments (MASPO; a single segment per row is GSPO / P-GSPO,
 one token per segment is GRPO) and prefixes {1..t} (CTPO). The ratio has the stop-gradient form
 r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, from "Group Sequence Policy Optimization",
-Zheng et al. 2025): value exp(l_t), gradient r_t * grad log pi_t, applied in closed form by
-``surrogates.apply``. Sums run in float32 or wider, whatever the input dtype.
+Zheng et al. 2025): value exp(l_t), gradient r_t * grad log pi_t, built by ``surrogates.apply``. Sums run in
+float32 or wider, whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def segment_totals(delta: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tenso
 
     ``delta`` must be zero on padding (``token_log_ratios`` is).
     """
-    return segment_sums(delta, seg_ids), segment_sums(float_mask(mask, delta.dtype), seg_ids)
+    total = torch.zeros_like(delta).scatter_add_(-1, seg_ids, delta)
+    sizes = float_mask(mask, delta.dtype)
+    return total, torch.zeros_like(sizes).scatter_add_(-1, seg_ids, sizes)
 
 
 def segment_sums(values: torch.Tensor, seg_ids: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from maspo_verl import vocab
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.rule import RESPONSE_IDS, TOKENIZER, Candidates, Example, SegmentRule
-from maspo_verl.segments.text_tables import device_tables, driver_tokenizer, text_tables
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import Packed, previous
+from maspo_verl.core.segments.rule import RESPONSE_IDS, TOKENIZER, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.text_tables import device_tables, driver_tokenizer, text_tables
 from maspo_verl.util import warn_once
 from maspo_verl.validation import Setting, Strings, fail
 
@@ -80,6 +80,27 @@ class DelimitersRule(SegmentRule):
     def candidates(self, config, packed, inputs):
         tables = device_tables(inputs.get(TOKENIZER), config.delimiters, config.step_markers, packed.valid.device)
         return Candidates(*text_boundaries(inputs.get(RESPONSE_IDS), packed, tables))
+
+    def reference(self, config, row):
+        texts = [row.texts[i] if 0 <= i < len(row.texts) else None for i in row.response_ids]  # None: unknown id
+
+        def occurs(strings, p):  # inside token p, or across it and the next valid token
+            here = texts[p]
+            after = texts[p + 1] if p + 1 < len(texts) else None
+            if here is None:
+                return False
+            if any(s in here for s in strings):
+                return True
+            return after is not None and any(
+                here.endswith(s[:k]) and after.startswith(s[k:]) for s in strings for k in range(1, len(s))
+            )
+
+        out = []
+        for p in range(len(texts)):
+            marker = occurs(config.step_markers, p)
+            after_delimiter = p > 0 and occurs(config.delimiters, p - 1)
+            out.append(MARKER_SCORE if marker else DELIMITER_SCORE if after_delimiter else None)
+        return out
 
     def validate(self, config):
         if config.segment_rule == self.name and not (config.delimiters or config.step_markers):

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from maspo_verl import fsq
-from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.rule import RESPONSE_IDS, Candidates, Example, SegmentRule, Sweep, quantile_grid
+from maspo_verl.core.segments.packing import Packed, previous
+from maspo_verl.core.segments.rule import FORCED, RESPONSE_IDS, Candidates, Example, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Choice, Float, Int, Ints, Setting, fail
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")
@@ -109,6 +109,35 @@ class TokenvalRule(SegmentRule):
         )
         scores = dist.float()
         return Candidates(packed.valid & (scores > config.tokenval_threshold), scores, outside)
+
+    def reference(self, config, row):
+        def code(token_id):  # None outside the codec
+            return token_id - config.codec_offset if 0 <= token_id - config.codec_offset < config.codec_size else None
+
+        def digits(c):  # mixed radix, digit 0 least significant
+            out = []
+            for level in config.fsq_levels:
+                out.append(c % level)
+                c //= level
+            return out
+
+        def distance(a, b):
+            if config.tokenval_distance == "id":
+                return abs(a - b)
+            pairs = zip(digits(a), digits(b), strict=True)
+            if config.tokenval_distance == "fsq_l1":
+                return sum(abs(x - y) for x, y in pairs)
+            return sum(x != y for x, y in pairs)
+
+        out = [None]
+        for p in range(1, len(row.response_ids)):
+            a, b = code(row.response_ids[p - 1]), code(row.response_ids[p])
+            if a is None or b is None:  # a token outside the codec, or the one after it
+                out.append(FORCED)
+            else:
+                d = distance(a, b)
+                out.append(float(d) if d > config.tokenval_threshold else None)
+        return out
 
     def sweeps(self, config, packed, inputs):
         ids = packed.pack(inputs.get(RESPONSE_IDS))

@@ -1,10 +1,10 @@
 """One policy loss body for every token set: token set x normalisation x clip schedule x surrogate
 (docs/algorithms.md).
 
-``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.token_sets``) with
+``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.core.token_sets``) with
 verl's ``PolicyLossFn`` signature, called per micro-batch by verl's ``ppo_loss``; the plugin
 registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive) and any
-surrogate (``surrogate``: ``maspo_verl.surrogates``).
+surrogate (``surrogate``: ``maspo_verl.core.surrogates``).
 
 verl and ``maspo_verl.config`` (which imports verl) are imported inside the functions: ``import verl``
 loads the plugin, which imports this module, so importing this module must not import verl.
@@ -18,27 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from maspo_verl import inspection, ratios, surrogates
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl import inspection
+from maspo_verl.core import correlation, ratios, surrogates
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
 
 if TYPE_CHECKING:
     from maspo_verl.config import GranularLossConfig
-
-
-def policy_loss_config(config: Any, loss_mode: str) -> GranularLossConfig:
-    """The actor config's ``policy_loss``, which must be our dataclass for our loss modes."""
-    from maspo_verl.config import TARGET, GranularLossConfig
-
-    pl = config.policy_loss if config is not None else None
-    if not isinstance(pl, GranularLossConfig):
-        raise TypeError(
-            f"policy_loss.loss_mode={loss_mode!r} needs actor_rollout_ref.actor.policy_loss._target_="
-            f"{TARGET} (got {type(pl).__name__}); "
-            "hydra_configs/maspo_trainer.yaml sets it"
-        )
-    return pl
 
 
 def aggregate(
@@ -87,6 +74,7 @@ def metric_sums(
     buckets: int,
     response: torch.Tensor,
     rule_metrics: dict[str, torch.Tensor],
+    correlation_sums: dict[str, torch.Tensor],
 ) -> tuple[torch.Tensor, tuple[tuple[str, int], ...]]:
     """All metrics of one call as raw sums, counts and extremes, named and reduced on the device into
     one float64 vector, and its layout (name, length) in order (``metrics_from_sums`` reads it back after
@@ -95,7 +83,7 @@ def metric_sums(
     ``mask``: the tokens in the loss; ``delta_sum``: the sum of their token log-ratios; ``num_segments``:
     each row's number of segments [B, 1] (None: not segments); ``response``: verl's response mask (``mask``
     plus the dropped non-finite tokens); ``rule_metrics``: more 0-d tensors to report under their own names
-    (the segmentation rule's).
+    (the segmentation rule's); ``correlation_sums``: ``correlation.correlation_sums`` of the token log-ratios.
     """
     mask = mask.bool()
     clips = [c & mask for c in (token_losses.clipped_low, token_losses.clipped_high, token_losses.clipped_dual)]
@@ -126,6 +114,7 @@ def metric_sums(
         parts["rows"] = rows.sum()
         parts["segments"] = (num_segments.squeeze(-1) * rows).sum()
     parts.update(rule_metrics)
+    parts.update(correlation_sums)
     parts["delta_sum"] = delta_sum
     parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
     parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
@@ -133,25 +122,20 @@ def metric_sums(
     return torch.cat([part.reshape(-1).to(torch.float64) for part in parts.values()]), layout
 
 
-def unpack_metric_sums(host: list[float], layout: tuple[tuple[str, int], ...]) -> dict[str, list[float]]:
-    """``metric_sums``'s vector, moved to the host, by name."""
-    named, start = {}, 0
-    for name, length in layout:
-        named[name] = host[start : start + length]
-        start += length
-    return named
-
-
 # the raw sums of ``metric_sums``; every other name in its layout is a metric reported as it is
 RAW_SUMS = frozenset(
     {"clipped", "clipped_per_bucket", "tokens_per_bucket", "tokens", "nonfinite", "rows", "segments"}
     | {"delta_sum", "ratio_sum", "ratio_max", "ratio_min"}
+    | set(correlation.SUM_NAMES)
 )
 
 
 def metrics_from_sums(host: list[float], layout: tuple[tuple[str, int], ...]) -> dict[str, float]:
     """The metrics from ``metric_sums``'s vector, moved to the host; the few divisions run in Python."""
-    raw = unpack_metric_sums(host, layout)
+    raw, start = {}, 0  # the vector by name
+    for name, length in layout:
+        raw[name] = host[start : start + length]
+        start += length
     low_n, high_n, dual_n = raw["clipped"]
     (n_tokens,) = raw["tokens"]
     n = max(n_tokens, 1.0)
@@ -174,6 +158,7 @@ def metrics_from_sums(host: list[float], layout: tuple[tuple[str, int], ...]) ->
         num_segments = raw["segments"][0]
         metrics["actor/ratio/segments_per_seq"] = num_segments / max(raw["rows"][0], 1.0)
         metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
+    metrics.update(correlation.correlation_metrics({name: raw[name] for name in correlation.SUM_NAMES if name in raw}))
     metrics.update((name, values[0]) for name, values in raw.items() if name not in RAW_SUMS)
     return metrics
 
@@ -195,8 +180,15 @@ def granular_policy_loss(
     log-prob or old log-prob is not finite is dropped from the loss (as if padded, so it shares no
     ratio either), counted in ``actor/ratio/nonfinite_tokens`` and warned about.
     """
+    from maspo_verl.config import TARGET, GranularLossConfig
+
     actor = config
-    policy_loss = policy_loss_config(actor, loss_mode)
+    policy_loss = actor.policy_loss if actor is not None else None
+    if not isinstance(policy_loss, GranularLossConfig):
+        raise TypeError(
+            f"policy_loss.loss_mode={loss_mode!r} needs actor_rollout_ref.actor.policy_loss._target_="
+            f"{TARGET} (got {type(policy_loss).__name__}); hydra_configs/maspo_trainer.yaml sets it"
+        )
     body = compiled_loss_body(loss_mode) if policy_loss.compile else partial(loss_body, loss_mode=loss_mode)
     step = body(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor, policy_loss, rollout_is_weights
@@ -244,14 +236,15 @@ def loss_body(
     loss_mode: str,
 ) -> LossStep:
     """Token set -> shared log-ratio -> clip schedule -> surrogate -> verl's aggregation, and the metric sums:
-    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.reference_loss`` is the same
+    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.core.reference_loss`` is the same
     written plainly)."""
     response = response_mask.bool()
     with torch.no_grad():  # everything but the surrogate is a value: r's gradient is r * grad log pi
         delta, mask = ratios.token_log_ratios(log_prob, old_log_prob, response)
         shared = TOKEN_SETS[loss_mode].sums(policy_loss, old_log_prob, mask, delta)
         delta_sum = delta.sum()
-        del delta  # only its sum is reported (peak memory)
+        correlation_sums = correlation.correlation_sums(delta, mask, shared.segment_ids)
+        del delta  # only its sums are reported (peak memory)
         log_ratio = shared.per_token(ratios.normalise(shared.sums, shared.sizes, shared.alpha))
         ratio = log_ratio.exp()
         # per-token set sizes, where the clip schedule or the aggregation reads them
@@ -271,8 +264,9 @@ def loss_body(
         actor.global_batch_info,
     )  # fmt: skip
     sums, layout = metric_sums(
-        mask, delta_sum, ratio, token_losses, num_segments, policy_loss.position_buckets, response, rule_metrics
-    )
+        mask, delta_sum, ratio, token_losses, num_segments, policy_loss.position_buckets, response, rule_metrics,
+        correlation_sums,
+    )  # fmt: skip
     return LossStep(loss, sums, layout, mask, ratio, token_losses)
 
 

@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
-from maspo_verl.segments.rules.logprob import MAX_DROP
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import Packed
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.rules.logprob import MAX_DROP, finite
 from maspo_verl.validation import Float, Setting
 
 
@@ -60,6 +60,12 @@ class SurprisalRule(SegmentRule):
             {OLD_LOG_PROB: ((-1.0, -2.0, -2.0, -0.5),)},
         ),
     )
+
+    def reference(self, config, row):
+        surprisal = [max(-MAX_DROP, min(MAX_DROP, -finite(x))) for x in row.old_log_prob]
+        count = math.floor(len(surprisal) * config.surprisal_quantile + 0.5)
+        top = sorted(range(len(surprisal)), key=lambda p: (-surprisal[p], p))[:count]  # ties: the earlier
+        return [s if p in top else None for p, s in enumerate(surprisal)]
 
     def candidates(self, config, packed, inputs):
         return Candidates(*surprisal_candidates(inputs.get(OLD_LOG_PROB), packed, config.surprisal_quantile))

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from maspo_verl.segments.lengths import split_long, suppress_close
-from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.registry import SEGMENT_RULES, configured_rule
-from maspo_verl.segments.rule import RuleInputs
+from maspo_verl.core.segments.lengths import split_long, suppress_close
+from maspo_verl.core.segments.packing import Packed
+from maspo_verl.core.segments.registry import SEGMENT_RULES, configured_rule
+from maspo_verl.core.segments.rule import RuleInputs
 from maspo_verl.validation import Choice, Int, Setting, fail
 
 SETTINGS = (
@@ -44,8 +44,8 @@ def packed_boundaries(packed: Packed, config: Any, inputs: RuleInputs, metrics: 
     """Boundaries (packed) of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``;
     the rule's metrics go into ``metrics`` when given. Boundaries past a row's length are left as they
     fall (never unpacked)."""
-    rule = configured_rule(config)
-    found = rule.candidates(config, packed, inputs.for_rule(rule))
+    rule = SEGMENT_RULES.get(config.segment_rule) or configured_rule(config)  # (which names the allowed ones)
+    found = rule.candidates(config, packed, inputs)  # the configured rule: inputs name it in errors
     if metrics is not None:
         metrics.update(found.metrics)
     forced = found.forced

@@ -17,14 +17,14 @@ outputs): rules work on packed rows, where "previous token" is the previous *val
 | ``text_tables`` | the tokenizer's text tables for rules that find strings (``delimiters``) |
 """
 
-from maspo_verl.segments.compute import (
+from maspo_verl.core.segments.compute import (
     compute_boundaries,
     compute_segment_ids,
     packed_boundaries,
     token_level,
 )
-from maspo_verl.segments.packing import Packed, previous
-from maspo_verl.segments.registry import (
+from maspo_verl.core.segments.packing import Packed, previous
+from maspo_verl.core.segments.registry import (
     SEGMENT_RULES,
     configured_rule,
     discover,
@@ -33,7 +33,7 @@ from maspo_verl.segments.registry import (
     rules_in_use,
     setting,
 )
-from maspo_verl.segments.rule import (
+from maspo_verl.core.segments.rule import (
     FROM_MICRO_BATCH,
     OLD_LOG_PROB,
     RESPONSE_IDS,

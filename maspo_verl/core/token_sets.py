@@ -1,7 +1,7 @@
 """Which tokens share a ratio, and how their summed log-ratio is normalised (docs/algorithms.md).
 
 Each registered ``TokenSet`` is one loss of this package: the plugin registers every name in
-``TOKEN_SETS`` in verl's policy-loss registry, with the one loss body of ``maspo_verl.losses``.
+``TOKEN_SETS`` in verl's policy-loss registry, with the one loss body of ``maspo_verl.core.losses``.
 
 | name    | token set S(t)          | exponent alpha of l_t = sum_{S(t)} delta / abs(S(t))^alpha |
 |---------|-------------------------|-------------------------------------------------------------|
@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from maspo_verl import ratios, segments
+from maspo_verl.core import ratios, segments
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting
 
@@ -41,7 +41,7 @@ class SharedSums:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.segment_ids is None else ratios.per_token(values, self.segment_ids)
+        return values if self.segment_ids is None else torch.gather(values, -1, self.segment_ids)
 
 
 class TokenSet:
@@ -82,13 +82,13 @@ def segment_rules(policy_loss: Any) -> tuple[segments.SegmentRule, ...]:
 
 
 def inputs_needed(policy_loss: Any) -> frozenset[str]:
-    """What the loss reads besides log-probs and the mask (``maspo_verl.segments.SegmentRule.needs``)."""
+    """What the loss reads besides log-probs and the mask (``maspo_verl.core.segments.SegmentRule.needs``)."""
     return frozenset().union(*(rule.needs for rule in segment_rules(policy_loss)))
 
 
 @register_token_set
 class Segments(TokenSet):
-    """MASPO: contiguous segments from ``policy_loss.segment_rule`` (maspo_verl.segments)."""
+    """MASPO: contiguous segments from ``policy_loss.segment_rule`` (maspo_verl.core.segments)."""
 
     name = "maspo"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from maspo_verl.batch import NO_WORD
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import previous
-from maspo_verl.segments.registry import SEGMENT_RULES, fallback_rules
-from maspo_verl.segments.rule import WORD_IDS, Candidates, Example, SegmentRule
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import previous
+from maspo_verl.core.segments.registry import SEGMENT_RULES, fallback_rules
+from maspo_verl.core.segments.rule import WORD_IDS, Candidates, Example, SegmentRule
 from maspo_verl.validation import Choice, Setting
 
 # share of the rows with valid tokens and no word that took the fallback rule
@@ -57,6 +57,15 @@ class WordsRule(SegmentRule):
 
     def token_level(self, config):
         return False  # rows with word ids are never token level
+
+    def reference(self, config, row):
+        words = row.word_ids
+        if all(w == NO_WORD for w in words):
+            return SEGMENT_RULES[config.words_fallback_rule].reference(config, row)
+        # a word start outranks a gap start
+        return [None] + [
+            (2.0 if words[p] != NO_WORD else 1.0) if words[p] != words[p - 1] else None for p in range(1, len(words))
+        ]
 
     def candidates(self, config, packed, inputs):
         # the fallback first, so that its temporaries are freed before ours exist (peak memory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.segments.rule import Candidates, Example, SegmentRule, Sweep
+from maspo_verl.core.segments.rule import Candidates, Example, SegmentRule, Sweep
 from maspo_verl.validation import Int, Setting
 
 # the longest window a calibration sweep tries
@@ -36,6 +36,9 @@ class FixedRule(SegmentRule):
     def candidates(self, config, packed, inputs):
         boundaries = packed.valid & (packed.columns % config.segment_window == 0)
         return Candidates(boundaries, torch.ones(boundaries.shape, device=boundaries.device))
+
+    def reference(self, config, row):
+        return [1.0 if p % config.segment_window == 0 else None for p in range(len(row.positions))]
 
     def sweeps(self, config, packed, inputs):
         longest = int(packed.lengths.max()) if packed.lengths.numel() else 1

@@ -1,20 +1,20 @@
 """What the objective does with the shared ratio (``policy_loss.surrogate``; docs/algorithms.md §2).
 
-Who shares a ratio (``maspo_verl.token_sets``) and what the objective does with it are separate
-choices: each class of ``SURROGATES`` applies to whatever ratio the token set gives. r_t is the shared
-ratio's value exp(l_t); in the stop-gradient form its gradient is r_t grad log pi_t (``ratios``).
+Who shares a ratio (``maspo_verl.core.token_sets``) and what the objective does with it are separate
+choices: each class of ``SURROGATES`` applies to whatever ratio the token set gives. A surrogate is one
+formula: its per-token loss as a function of the ratio r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (value
+exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd gives its gradient.
 
-| name    | loss_t                                                     | clip masks (low / high / dual)        |
-|---------|------------------------------------------------------------|---------------------------------------|
-| `ppo`   | max(-A r, -A clip(r, lo, hi)); A < 0: min(., -A c)         | the clips that are active             |
-| `cispo` | -sg[clip(r, lo, hi)] A log pi_t                            | weight clipped below / above; none    |
-| `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none |
+| name    | loss_t                                                          | clip masks (low / high / dual)        |
+|---------|-----------------------------------------------------------------|---------------------------------------|
+| `ppo`   | max(-A r, -A clip(r, lo, hi)); A < 0: min(., -A c)              | the clips that are active             |
+| `cispo` | -sg[clip(r, lo, hi)] A log pi_t                                 | weight clipped below / above; none    |
+| `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
+| `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
 
-``ppo`` and ``cispo`` take their bounds from the clip schedule (``maspo_verl.clipping.ClipBounds``); ``sapo``
-reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each returns its loss
-values, the masks and g_t = d loss_t / d log pi_t in closed form; ``apply`` gives the loss that gradient in
-one stop-gradient form, the same eager and under ``torch.compile``. Each declares worked examples
-(``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
+``ppo``, ``cispo`` and ``tis`` take their bounds from the clip schedule (``maspo_verl.core.clipping.ClipBounds``);
+``sapo`` reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each declares worked
+examples (``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from maspo_verl import clipping
-from maspo_verl.clipping import ClipBounds
+from maspo_verl.core import clipping
+from maspo_verl.core.clipping import ClipBounds
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting, check_choice, check_float, fail
 
@@ -46,6 +46,12 @@ class TokenLosses:
     clipped_dual: torch.Tensor
 
 
+def unclipped(loss: torch.Tensor) -> TokenLosses:
+    """A loss with no clip masks (a surrogate that clips nothing)."""
+    none = torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)
+    return TokenLosses(loss, none, none, none)
+
+
 @dataclass(frozen=True)
 class SapoTemperatures:
     """SAPO's gate temperatures: ``positive`` where A > 0, ``negative`` elsewhere."""
@@ -58,9 +64,9 @@ class SapoTemperatures:
 class Example:
     """A worked example of a surrogate: with the shared ratios ``ratio``, advantages ``advantage`` and log-probs
     ``log_prob`` (-1 each when empty) of one row of tokens, the per-token ``loss`` and ``grad`` (d loss_t /
-    d log pi_t), worked out by hand from the surrogate's formula. ``settings``: policy-loss fields; ``actor``:
-    ``maspo_verl.config.actor_config``'s clip arguments (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``:
-    the set sizes n_t a log-space schedule reads."""
+    d log pi_t), worked out by hand from the surrogate's formula (the test checks autograd's gradient against
+    it). ``settings``: policy-loss fields; ``actor``: ``maspo_verl.config.actor_config``'s clip arguments
+    (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``: the set sizes n_t a log-space schedule reads."""
 
     why: str
     ratio: tuple[float, ...]
@@ -78,8 +84,8 @@ Params = TypeVar("Params")
 
 
 class Surrogate(Generic[Params]):
-    """One objective on the shared ratio: its parameters (``params``), its closed form (``values``) and its worked
-    examples (``examples``, required). ``values`` gets the advantages zeroed outside the kept tokens."""
+    """One objective on the shared ratio: its parameters (``params``), its formula (``loss``) and its worked
+    examples (``examples``, required)."""
 
     name: ClassVar[str]
     # its own policy-loss fields (``Setting``), like a segment rule's
@@ -103,19 +109,12 @@ class Surrogate(Generic[Params]):
         """Check the actor fields this surrogate reads (start-up, on the driver)."""
 
     def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
-        """Its parameters from the configs (``sizes``: per-token set sizes, for a log-space schedule)."""
-        raise NotImplementedError
+        """Its parameters from the configs (``sizes``: per-token set sizes n_t, for a log-space schedule)."""
+        return clipping.clip_bounds(policy_loss, actor, sizes)
 
-    def values(
-        self,
-        log_prob: torch.Tensor,
-        ratio: torch.Tensor,
-        log_ratio: torch.Tensor | None,
-        adv: torch.Tensor,
-        params: Params,
-        keep: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, clipped_low, clipped_high, clipped_dual, d loss / d log pi), all [B, T], without autograd."""
+    def loss(self, r: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, log_pi: torch.Tensor, params: Params):
+        """The per-token loss and its clip masks (``TokenLosses``), [B, T], differentiable in ``r``, ``log_r``
+        (log r, value l_t) and ``log_pi``; ``adv`` and ``log_pi`` are zero outside the tokens in the loss."""
         raise NotImplementedError
 
 
@@ -128,14 +127,16 @@ SETTINGS = (
         "surrogate",
         DEFAULT,
         Choice(lambda: tuple(SURROGATES)),
-        "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate",
+        "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate, "
+        "truncated IS",
     ),
 )
 
 
 @register_surrogate
 class PPOClip(Surrogate[ClipBounds]):
-    """PPO's pessimistic clip with dual clip, on the schedule's bounds (``clipping.pessimistic_values``)."""
+    """PPO's pessimistic clip with dual clip, on the schedule's bounds: max(-A r, -A clip(r, lo, hi)), at most -A c
+    where A < 0."""
 
     name = "ppo"
     # verl's default ratio-space bounds: lo 0.8, hi 1.2, dual clip c 3
@@ -166,11 +167,13 @@ class PPOClip(Surrogate[ClipBounds]):
         ),
     )
 
-    def params(self, policy_loss, actor, sizes) -> ClipBounds:
-        return clipping.clip_bounds(policy_loss, actor, sizes)
-
-    def values(self, log_prob, ratio, log_ratio, adv, params, keep):
-        return clipping.pessimistic_values(ratio, log_ratio, adv, params)
+    def loss(self, r, log_r, adv, log_pi, params):
+        clipped, below, above = params.clip(r, log_r)
+        pessimistic = torch.maximum(-adv * r, -adv * clipped)
+        c, over_c = params.cap(r, log_r)
+        negative = adv < 0
+        loss = torch.where(negative, torch.minimum(pessimistic, -adv * c), pessimistic)  # dual clip
+        return TokenLosses(loss, negative & below, (adv > 0) & above, negative & over_c)
 
 
 @register_surrogate
@@ -193,14 +196,9 @@ class CISPO(Surrogate[ClipBounds]):
         ),
     )
 
-    def params(self, policy_loss, actor, sizes) -> ClipBounds:
-        return clipping.clip_bounds(policy_loss, actor, sizes)
-
-    def values(self, log_prob, ratio, log_ratio, adv, params, keep):
-        weight, clipped_low, clipped_high = clipping.clipped_weights(ratio, log_ratio, params)
-        coef = weight.mul_(adv).neg_()  # -sg[clip(r)] A
-        log_pi = clipping.zero_outside(log_prob.detach(), keep, ratio.dtype)
-        return coef * log_pi, clipped_low, clipped_high, torch.zeros_like(clipped_low), coef
+    def loss(self, r, log_r, adv, log_pi, params):
+        weight, below, above = params.clip(r.detach(), log_r.detach())
+        return TokenLosses(-(weight * adv) * log_pi, below, above, torch.zeros_like(below))
 
 
 @register_surrogate
@@ -235,21 +233,44 @@ class SAPO(Surrogate[SapoTemperatures]):
     def params(self, policy_loss, actor, sizes) -> SapoTemperatures:
         return SapoTemperatures(float(actor.tau_pos), float(actor.tau_neg))
 
-    def values(self, log_prob, ratio, log_ratio, adv, params, keep):
-        tau = torch.full_like(ratio, params.negative).masked_fill_(adv > 0, params.positive)
-        z = (ratio - 1.0).mul_(tau)
-        saturated_low, saturated_high = z < -SAPO_SATURATION, z > SAPO_SATURATION
-        s = z.sigmoid_()
-        # d f(r) / d log pi = f'(r) r = 4 s (1 - s) r
-        coef = torch.rsub(s, 1.0).mul_(s).mul_(ratio).mul_(adv).mul_(-4.0)
-        loss = s.mul_(adv).div_(tau).mul_(-4.0)
-        return loss, saturated_low, saturated_high, torch.zeros_like(saturated_low), coef
+    def loss(self, r, log_r, adv, log_pi, params):
+        tau = torch.full_like(adv, params.negative).masked_fill_(adv > 0, params.positive)
+        z = tau * (r - 1.0)
+        loss = torch.sigmoid(z) * adv / tau * -4.0
+        return TokenLosses(loss, z < -SAPO_SATURATION, z > SAPO_SATURATION, torch.zeros_like(adv, dtype=torch.bool))
+
+
+@register_surrogate
+class TruncatedIS(Surrogate[ClipBounds]):
+    """Truncated importance sampling (REINFORCE with the ratio as a stop-gradient weight, truncated at c, as
+    IMPALA's rho-bar): every token keeps a gradient, at most c A. The cap is the clip schedule's dual constant
+    c (``clip_ratio_c``, or exp(log_clip_dual n^p)); lo and hi are unused."""
+
+    name = "tis"
+    examples = (
+        Example(
+            "loss -w A log pi, gradient -w A, with the weight w = min(r, 3): r = 5 is truncated to 3, r = 0.5 is not",
+            ratio=(1.5, 5.0, 0.5),
+            advantage=(1.0, 1.0, -2.0),
+            log_prob=(-0.5, -0.5, -0.5),
+            loss=(0.75, 1.5, -0.5),
+            grad=(-1.5, -3.0, 1.0),
+            actor={"clip_c": 3.0},
+        ),
+    )
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        c, _ = params.cap(r, log_r)
+        truncated = r.detach() > c
+        weight = torch.where(truncated, c, r.detach())
+        none = torch.zeros_like(truncated)
+        return TokenLosses(-(weight * adv) * log_pi, none, truncated, none)
 
 
 def check_config(policy_loss: Any) -> None:
     """``policy_loss.surrogate``: one of ``SURROGATES``, only with our token sets (verl's own losses ignore
     it), and what the surrogate refuses (``Surrogate.check``)."""
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     check_choice("surrogate", policy_loss.surrogate, tuple(SURROGATES))
     if policy_loss.surrogate != DEFAULT and policy_loss.loss_mode not in TOKEN_SETS:
@@ -272,26 +293,21 @@ def apply(
     log_ratio: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
 ) -> TokenLosses:
-    """Per-token loss of ``surrogate`` with the shared ratio ``ratio`` (a value; no graph needed),
-    differentiable in ``log_prob``; ``weights`` (rollout correction) multiply loss and gradient.
-    Log-space bounds need ``log_ratio`` = log(ratio). Outside ``keep`` (the tokens in the loss) loss and
-    gradient are zero, whatever advantages, weights and log-probs hold there.
-
-    The gradient in stop-gradient form: loss_t + g_t (log pi_t - sg[log pi_t]) has the value loss_t and the
-    gradient g_t grad log pi_t, g_t = d loss_t / d log pi_t from the surrogate's closed form. Eager and
-    compiled alike; backward saves g (and ``keep``).
+    """Per-token loss of ``surrogate`` with the shared ratio's value ``ratio`` = exp(l) (``log_ratio`` = l when
+    given), differentiable in ``log_prob``: the formula on r = exp(sg[l] + log pi - sg[log pi]), so autograd's
+    gradient is the formula's derivative in r times r grad log pi. ``weights`` (rollout correction) multiply the
+    loss. Outside ``keep`` (the tokens in the loss) loss and gradient are zero, whatever the inputs hold there.
     """
     if keep is None:
         keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
-    if isinstance(params, ClipBounds) and params.scale is not None and log_ratio is None:
-        raise ValueError("log-space clip bounds need log_ratio")
+    dtype = ratio.dtype
     with torch.no_grad():
-        adv = clipping.zero_outside(advantages, keep, ratio.dtype)
-        log_ratio = None if log_ratio is None else log_ratio.detach()
-        loss, low, high, dual, grad = surrogate.values(log_prob.detach(), ratio.detach(), log_ratio, adv, params, keep)
-        if weights is not None:
-            w = clipping.zero_outside(weights, keep, ratio.dtype)
-            loss.mul_(w)
-            grad.mul_(w)
-    moving = torch.where(keep, log_prob - log_prob.detach(), 0.0)  # value 0, gradient 1 at kept tokens
-    return TokenLosses(loss + grad * moving, low, high, dual)
+        adv = torch.where(keep, advantages.to(dtype), 0.0)
+        value = ratio.detach()
+        level = value.log() if log_ratio is None else log_ratio.detach()
+    log_pi = torch.where(keep, log_prob.to(dtype), 0.0)
+    moving = log_pi - log_pi.detach()  # value 0, gradient grad log pi
+    out = surrogate.loss(value * moving.exp(), level + moving, adv, log_pi, params)
+    loss = out.loss if weights is None else out.loss * torch.where(keep, weights.to(dtype), 0.0)
+    out.loss = torch.where(keep, loss, 0.0)
+    return out

@@ -1,4 +1,4 @@
-"""The granular policy loss written plainly, top to bottom: the tests' oracle for ``maspo_verl.losses``
+"""The granular policy loss written plainly, top to bottom: the tests' oracle for ``maspo_verl.core.losses``
 (docs/algorithms.md has the maths).
 
     1. which tokens are in the loss      valid tokens whose log-probs are finite
@@ -8,12 +8,13 @@
     5. the ratio, stop-gradient form     r_t = exp(sg[l_t]) exp(log pi_t - sg[log pi_t]): value exp(l_t),
                                          gradient r_t grad log pi_t
     6. the clip schedule                 ratio: 1 - eps_low, 1 + eps_high, c; log_adaptive: exp(-+eps n_t^p)
-    7. the surrogate                     ppo (verl's dual clip), cispo, sapo, times the rollout weights
+    7. the surrogate                     its formula (``maspo_verl.core.surrogates``), times the rollout weights
     8. verl's aggregation                ``agg_loss``; seg-mean-token-mean weights token t by 1 / (|S(t)| K_i)
 
-No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, autograd through the
-formulas instead of closed-form gradients, no in-place ops. Slow and memory-hungry; for tests and readers.
-The segment ids come from the rule (``maspo_verl.segments.compute_segment_ids``); what each rule does is pinned
+No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, clip bounds as per-token
+tensors, no in-place ops. The surrogate's formula is the one the loss runs (each is one formula, pinned by its worked
+examples); the steps around it are written again here. Slow and memory-hungry; for tests and readers.
+The segment ids come from the rule (``maspo_verl.core.segments.compute_segment_ids``); what each rule does is pinned
 by its worked examples (``SegmentRule.examples``).
 """
 
@@ -23,7 +24,9 @@ from typing import Any
 
 import torch
 
-from maspo_verl.segments import compute_segment_ids
+from maspo_verl.core.clipping import ClipBounds
+from maspo_verl.core.segments import compute_segment_ids
+from maspo_verl.core.surrogates import SURROGATES
 
 LOG_RATIO_CLAMP = 20.0  # verl's bound on a token's log-ratio (compute_policy_loss_vanilla)
 
@@ -88,24 +91,17 @@ def reference_loss(
         high = torch.exp(policy_loss.log_clip_high * scale)
         dual = torch.exp(policy_loss.log_clip_dual * scale)
 
-    # 7. the surrogate, per token
+    # 7. the surrogate's formula on r (its gradient is autograd's), zero outside the kept tokens
+    surrogate = SURROGATES[policy_loss.surrogate]
+    params = surrogate.params(policy_loss, actor, set_size)
+    if isinstance(params, ClipBounds):  # the bounds of step 6, whatever the schedule
+        params = ClipBounds(low, high, dual)
     adv = torch.where(kept, advantages, 0.0)
-    if policy_loss.surrogate == "ppo":
-        unclipped = -adv * ratio
-        clipped = -adv * torch.clamp(ratio, low, high)
-        pessimistic = torch.maximum(unclipped, clipped)
-        dual_clipped = torch.minimum(-adv * dual, pessimistic)
-        token_loss = torch.where(adv < 0, dual_clipped, pessimistic)
-    elif policy_loss.surrogate == "cispo":
-        weight = torch.clamp(ratio, low, high).detach()
-        token_loss = -weight * adv * log_pi
-    elif policy_loss.surrogate == "sapo":
-        tau = torch.where(adv > 0, torch.full_like(adv, actor.tau_pos), torch.full_like(adv, actor.tau_neg))
-        token_loss = -adv * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
-    else:
-        raise ValueError(f"reference_loss: no surrogate {policy_loss.surrogate!r}")
+    log_r = shared_log_ratio + (log_pi - log_pi.detach())
+    token_loss = surrogate.loss(ratio, log_r, adv, log_pi, params).loss
     if rollout_is_weights is not None:
         token_loss = token_loss * torch.where(kept, rollout_is_weights, 0.0)
+    token_loss = torch.where(kept, token_loss, 0.0)
 
     # 8. verl's aggregation
     if policy_loss.agg_mode == "seg-mean-token-mean":

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import Packed
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import Packed
 
 # the key of a token that is no boundary
 _FLOOR = torch.finfo(torch.float32).max

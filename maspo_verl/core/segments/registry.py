@@ -1,4 +1,4 @@
-"""Which segment rules exist: every ``SegmentRule`` defined in a module of ``maspo_verl/segments/rules/``
+"""Which segment rules exist: every ``SegmentRule`` defined in a module of ``maspo_verl/core/segments/rules/``
 (discovered on import, in module-name order), and which of them a policy-loss config runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import pkgutil
 from typing import Any
 
-from maspo_verl.segments.rule import LIMITS, SegmentRule
+from maspo_verl.core.segments.rule import LIMITS, SegmentRule
 from maspo_verl.validation import fail
 
 SEGMENT_RULES: dict[str, SegmentRule] = {}
@@ -41,8 +41,8 @@ def register_segment_rule(cls: type[SegmentRule]) -> type[SegmentRule]:
 
 
 def discover() -> None:
-    """Register the rules of every module in ``maspo_verl/segments/rules/`` (once; import errors propagate)."""
-    from maspo_verl.segments import rules
+    """Register the rules of every module in ``maspo_verl/core/segments/rules/`` (once; import errors propagate)."""
+    from maspo_verl.core.segments import rules
 
     for info in sorted(pkgutil.iter_modules(rules.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{rules.__name__}.{info.name}")

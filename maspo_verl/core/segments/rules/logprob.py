@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import Packed
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, Sweep, quantile_grid
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import Packed
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, Sweep, quantile_grid
 from maspo_verl.validation import Bool, Float, Setting
 
 # per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries
@@ -17,6 +17,13 @@ STD_FLOOR = 1e-3
 Z_GRID = tuple(round(-1.0 + 0.25 * i, 2) for i in range(21))
 # drops of non-finite log-probs (-inf old log-prob) are clamped to this magnitude
 MAX_DROP = 1e4
+
+
+def finite(log_prob: float) -> float:
+    """A log-prob as the rules read it: NaN 0, infinities +-MAX_DROP."""
+    if math.isinf(log_prob):
+        return math.copysign(MAX_DROP, log_prob)
+    return 0.0 if math.isnan(log_prob) else log_prob
 
 
 def logprob_drops(old_log_prob: torch.Tensor, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +112,17 @@ class LogprobRule(SegmentRule):
             inputs.get(OLD_LOG_PROB), packed, config.logprob_threshold, config.logprob_per_sample
         )
         return Candidates(boundaries, scores)
+
+    def reference(self, config, row):
+        lp = [finite(x) for x in row.old_log_prob]
+        drops = [0.0] + [max(-MAX_DROP, min(MAX_DROP, lp[p - 1] - lp[p])) for p in range(1, len(lp))]
+        cutoff = config.logprob_threshold
+        if config.logprob_per_sample:  # mean and population standard deviation of the row's drops
+            n = max(len(drops) - 1, 1)
+            mu = sum(drops[1:]) / n
+            sigma = math.sqrt(sum((d - mu) ** 2 for d in drops[1:]) / n)
+            cutoff = mu + config.logprob_threshold * max(sigma, STD_FLOOR)
+        return [d if d > cutoff else None for d in drops]
 
     def sweeps(self, config, packed, inputs):
         drop, w = logprob_drops(inputs.get(OLD_LOG_PROB), packed)
