@@ -2,7 +2,7 @@
 
 Three layers, each importing only the ones below it (docs/contributing.md, "Layout"):
 
-- core (``advantages``, ``batch``, ``batch_sizes``, ``clipping``, ``config``, ``config_fields``, ``fsq``,
+- core (``core``, ``advantages``, ``batch``, ``batch_sizes``, ``clipping``, ``config``, ``config_fields``, ``fsq``,
   ``inspection``, ``losses``, ``ratios``, ``reference_loss``, ``rollout_correction``, ``segments``, ``surrogates``,
   ``token_sets``, ``util``, ``validation``, ``vocab``): the maths and the config checks; importing it registers
   and patches nothing;

@@ -18,6 +18,7 @@ PACKAGE = REPO / "maspo_verl"
 
 CORE = {
     "maspo_verl",
+    "core",
     "config",
     "config_fields",
     "validation",
