@@ -359,7 +359,9 @@ def _prepare_pretrained(config, seed: int) -> dict:
     from maspo_verl.validation import FieldError
 
     if name != smollm2.NAME:
-        raise FieldError("maspo.model", f"maspo.model={name!r} is invalid: allowed {preset_names('model')} (model=<name>)")
+        raise FieldError(
+            "maspo.model", f"maspo.model={name!r} is invalid: allowed {preset_names('model')} (model=<name>)"
+        )
     cache = config.maspo.get("local_cache_dir")
     used = {}
     if _is_unset(config.actor_rollout_ref.model.path):

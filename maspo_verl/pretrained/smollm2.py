@@ -32,7 +32,9 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
     if folder is None or not (folder / GGUF_FILE).is_file():
-        raise SmolLM2Unavailable(f"SmolLM2-135M-Instruct comes from the PyPI package {PIP_NAME}, not installed: {INSTALL}")
+        raise SmolLM2Unavailable(
+            f"SmolLM2-135M-Instruct comes from the PyPI package {PIP_NAME}, not installed: {INSTALL}"
+        )
     return folder / GGUF_FILE
 
 

@@ -16,8 +16,15 @@ MASKED = [0, 2]
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     ids = torch.randint(3, 40, (5, 7))
     attn = torch.ones_like(ids)
@@ -84,6 +91,7 @@ def test_on_policy_loss_weights_are_the_advantages_token_mean():
     grpo = discover_presets(["grpo"])[0]
     lp = torch.randn(4, 10)
     adv = torch.randn(4, 10)
-    c, _ = study.loss_weights(get_policy_loss_fn(grpo.loss_mode), study.scaled(grpo, 1.0), lp, lp, adv,
-                              torch.zeros(4, 10, dtype=torch.long))
+    c, _ = study.loss_weights(
+        get_policy_loss_fn(grpo.loss_mode), study.scaled(grpo, 1.0), lp, lp, adv, torch.zeros(4, 10, dtype=torch.long)
+    )
     torch.testing.assert_close(c, -adv / adv.numel())
