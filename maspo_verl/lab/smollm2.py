@@ -325,7 +325,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=8, help="responses per problem (even)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per response")
     p.add_argument("--steps", type=int, default=1, help="arithmetic steps of the problems (1 or 2)")
-    p.add_argument("--max-operand", type=int, default=20)
+    p.add_argument("--max-operand", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-5, help="Adam lr of the drift updates")
     p.add_argument("--updates", type=int, nargs="+", default=[1, 2, 4], help="drift: updates after the sampler")
     p.add_argument("--top-layers", type=int, default=4, help="drift updates train the top N decoder layers")

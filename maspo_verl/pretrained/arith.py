@@ -4,7 +4,7 @@ function of the seed) as rows of verl's parquet schema, graded by the math recip
 
 Difficulty: ``steps`` (1: one sum, difference or product; 2: a sum or difference, then another) and
 ``max_operand`` (operands of sums and differences are 1..max_operand; a product's factors 2..
-max(2, max_operand // 5), so products stay small). Differences never go below zero.
+max(3, max_operand // 2), so products stay small). Differences never go below zero.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ ITEMS = ("apples", "books", "coins", "pens", "stamps", "cards", "shells", "marbl
 def _one_step(rng: random.Random, name: str, item: str, max_operand: int) -> tuple[str, int]:
     op = rng.choice("+-*")
     if op == "*":
-        a, b = rng.randint(2, max(2, max_operand // 5)), rng.randint(2, max(2, max_operand // 5))
+        top = max(3, max_operand // 2)
+        a, b = rng.randint(2, top), rng.randint(2, top)
         return f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?", a * b
     a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
     if op == "+":
