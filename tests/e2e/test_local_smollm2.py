@@ -29,7 +29,8 @@ def test_one_step_on_smollm2(local_run):
     assert run.returncode == 0, context
     assert sorted(run.steps) == [1], context
     m = run.steps[1]
-    assert "smollm2-135m-instruct" in run.config_text and "maspo_verl.math.reward" in run.config_text
+    assert "/smollm2-135m-instruct-v1 train=" in run.full_log and "arith-v1-s1-m5" in run.full_log, context
+    assert "pkg://maspo_verl.math.reward" in run.config_text
     assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), context
     assert 0.0 <= m["critic/score/mean"] <= 1.0, context
     assert 1 <= m["response_length/mean"] <= 64, context  # answers end with <|im_end|>, within the limit
