@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -374,6 +375,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     timings["forwards_s"] = time.time() - t0
     parts_a["resp"], parts_b["resp"] = resp_a, resp_b
     r_a, r_b = rewards(tok, resp_a, answers, args.group), rewards(tok, resp_b, answers, args.group)
+    with open(out / "samples.jsonl", "w") as f:  # what was graded, for reading
+        for pool, resp, r in (("fp32", resp_a, r_a), ("bf16", resp_b, r_b)):
+            for i, row in enumerate(resp):
+                text = tok.decode(row, skip_special_tokens=False).split("<|im_start|>", 1)[0]
+                record = {"pool": pool, "problem": i // args.group, "answer": answers[i // args.group]}
+                f.write(json.dumps({**record, "reward": float(r[i]), "turn": text}) + "\n")
     log(f"smollm2: reward fp32 samples {r_a.mean():.3f}, bf16 samples {r_b.mean():.3f} ({timings['forwards_s']:.0f}s)")
 
     def adv_fn(r):
@@ -391,6 +398,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         **{f"drift_{k}": (r_a, lp_a, lp, {**parts, "resp": resp_a}) for k, (lp, parts) in drifted.items()},
     }
     corr = [correlation_row(name, cur - old) for name, (_, old, cur, _) in cases.items() if name != "on_policy"]
+    # the same statistics of independent log-ratios of this shape: after each row's mean is taken out,
+    # VIF(n) of independent ones is about 1 - n / tokens, not 1
+    iid = torch.randn(resp_a.shape, generator=torch.Generator().manual_seed(args.seed))
+    corr.append(correlation_row("independent (reference)", iid))
     write_csv(out / "correlation.csv", corr)
     log("smollm2: correlation\n" + markdown_table(corr))
 
@@ -423,7 +434,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         "timings": {k: round(v, 1) for k, v in timings.items()},
         "notes": notes,
         "versions": _versions(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.processor() or '?'}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads",
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _report(out, args, corr, grad, meta, argv)
