@@ -110,3 +110,10 @@ def ensure_dataset(
             pd.DataFrame(rows(n, s, split, steps, max_operand)).to_parquet(tmp, index=False)
             os.replace(tmp, path)
     return {k: str(v) for k, v in paths.items()}
+
+
+if __name__ == "__main__":  # python -m maspo_verl.pretrained.arith [STEPS MAX_OPERAND]: write the task, print its files
+    import sys
+
+    steps, top = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (1, 5)
+    print(json.dumps(ensure_dataset(steps=steps, max_operand=top)))
