@@ -29,6 +29,7 @@ COMMANDS = [
     ("regimes", "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
+    ("smollm2", "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch"),
     ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
 ]
 
