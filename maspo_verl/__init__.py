@@ -2,10 +2,10 @@
 
 Three layers, each importing only the ones below it (docs/contributing.md, "Layout"):
 
-- core (``core``, ``advantages``, ``batch``, ``batch_sizes``, ``clipping``, ``config``, ``config_fields``, ``fsq``,
-  ``inspection``, ``losses``, ``ratios``, ``reference_loss``, ``rollout_correction``, ``segments``, ``surrogates``,
-  ``token_sets``, ``util``, ``validation``, ``vocab``): the maths and the config checks; importing it registers
-  and patches nothing;
+- core (``core``: the loss pipeline, token sets -> ratios -> clipping -> surrogates -> losses, the segment
+  rules, the ratio correlation metrics and the plain reference loss; beside it ``advantages``, ``batch``,
+  ``batch_sizes``, ``config``, ``config_fields``, ``fsq``, ``inspection``, ``rollout_correction``, ``util``,
+  ``validation``, ``vocab``): the maths and the config checks; importing it registers and patches nothing;
 - plugin (``maspo_verl.plugin``): the ``verl.plugins`` entry point that ``import verl`` loads in the
   driver and in every Ray worker; it registers the losses and the estimator (``plugin``), installs the
   hooks (``plugin.hooks``) and holds the start-up checks (``plugin.checks``);

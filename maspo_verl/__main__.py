@@ -4,8 +4,8 @@ from the declared settings, rules and presets (``maspo_verl.reference``).
 
 Each finding is reported on its own, never as a raw traceback: verl importable, our entry points,
 whether a fresh ``import verl`` (as in a Ray worker) registers our losses and estimator, whether the
-plugin module imports (the exception and the file where it failed, if not), the two hooks, and
-whether the segmentation's C library builds here (informational: without it the torch ops run).
+plugin module imports (the exception and the file where it failed, if not), and the hooks: one whose verl
+module cannot be imported here, for lack of a module verl does not require, is skipped with a note.
 This module imports only the standard library at the top, so it runs even when the package is broken.
 """
 
@@ -23,7 +23,7 @@ import traceback
 PROBE = (
     "import verl, json\n"
     "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R, ADV_ESTIMATOR_REGISTRY as A\n"
-    "from maspo_verl.token_sets import TOKEN_SETS\n"
+    "from maspo_verl.core.token_sets import TOKEN_SETS\n"
     "from maspo_verl.advantages import ESTIMATOR_NAMES\n"
     "print(json.dumps([n for n in TOKEN_SETS if n in R] + [n for n in ESTIMATOR_NAMES if n in A]))\n"
 )
@@ -49,7 +49,9 @@ def check() -> int:
         report["verl"] = verl.__version__
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report.update(ok=False, import_verl=_failure(exc))
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2), flush=True)
+        print(f"maspo_verl check FAILED: verl does not import here ({report['import_verl']['exception']}): "
+              "install verl into this environment (pip install verl)", file=sys.stderr)  # fmt: skip
         return 1
     eps = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.value.startswith("maspo_verl")]
     report["entry_points"] = [f"{ep.name} = {ep.value}" for ep in eps] or None
@@ -64,23 +66,46 @@ def check() -> int:
 
         expected = plugin.registered()
         report["registered"] = expected
-        report["hooks"] = {name: problem or "installed" for name, problem in hooks.PATCHES.items()}
+        report["hooks"] = {
+            name: "installed" if problem is None else f"skipped: {problem}" if name in hooks.ABSENT else problem
+            for name, problem in hooks.PATCHES.items()
+        }
+        skipped = sorted(hooks.ABSENT)
     except Exception as exc:  # noqa: BLE001 - reported to the user
         report["import_plugin"] = _failure(exc)
+        skipped = []
     want = expected and expected["policy_losses"] + expected["advantage_estimators"]
-    report["ok"] = bool(
-        want
-        and report["autoload_registers"] == want
-        and all(v == "installed" for v in report.get("hooks", {}).values())
-    )
-    print(json.dumps(report, indent=2))
-    if not report["ok"]:
+    refused = [k for k, v in report.get("hooks", {}).items() if v != "installed" and k not in skipped]
+    report["ok"] = bool(want and report["autoload_registers"] == want and not refused)
+    print(json.dumps(report, indent=2), flush=True)  # before the lines below, which go to stderr
+    if skipped:
+        missing = sorted({hooks.ABSENT[k] for k in skipped})
         print(
-            "maspo_verl check FAILED: in a run started with plain `import verl`, verl will not find our losses or "
-            "estimator, or a hook is missing (see the report above: import_plugin, autoload_registers, hooks).",
+            f"maspo_verl check: note: hooks {', '.join(skipped)} skipped: verl's modules they hook need "
+            f"{', '.join(missing)}, absent here (verl's rollout and trainer need them too: pip install "
+            f"{' '.join(m.split('.')[0] for m in missing)}, or maspo-verl's `local` extra)",
             file=sys.stderr,
         )
+    if not report["ok"]:
+        print(f"maspo_verl check FAILED: {_fix(report, refused)}", file=sys.stderr, flush=True)
     return 0 if report["ok"] else 1
+
+
+def _fix(report: dict, refused: list[str]) -> str:
+    """What failed, first cause first, and what to do about it."""
+    if "import_plugin" in report:
+        failure = report["import_plugin"]
+        return (f"the plugin does not import ({failure['exception']}, at {failure['file']}): reinstall maspo-verl "
+                "into this environment (pip install -e . in the checkout)")  # fmt: skip
+    if report.get("autoload_registers") != (report["registered"]["policy_losses"]
+                                             + report["registered"]["advantage_estimators"]):  # fmt: skip
+        return (f"a fresh `import verl` registers {report.get('autoload_registers')}, not our losses and estimator: "
+                f"verl does not load the entry point (VERL_USE_EXTERNAL_PLUGINS={report['plugins_policy']}: list "
+                "maspo_verl, or unset it; else reinstall maspo-verl into this environment)")  # fmt: skip
+    return (
+        f"hooks {', '.join(refused)} refused: this verl lacks what they wrap (their reasons above; "
+        "docs/install.md, verl versions)"
+    )
 
 
 def generate(check_only: bool) -> int:

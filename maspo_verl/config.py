@@ -3,9 +3,9 @@ credit advantage estimator (``SpanCreditConfig``, ``algorithm.span_credit``).
 
 Every field of ``GranularLossConfig`` is declared once as a ``Setting`` (name, default, allowed values, one
 line), in one shape everywhere: what a part shares in a module-level ``SETTINGS`` (the loss's own in
-``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.segments.compute``, the surrogate selector in
-``maspo_verl.surrogates``) and what each registered member owns in its class's ``settings`` (each rule in
-``maspo_verl/segments/rules/``, each token set in ``maspo_verl.token_sets``, each surrogate). The
+``LOSS_SETTINGS`` below, the segmentation's in ``maspo_verl.core.segments.compute``, the surrogate selector in
+``maspo_verl.core.surrogates``) and what each registered member owns in its class's ``settings`` (each rule in
+``maspo_verl/core/segments/rules/``, each token set in ``maspo_verl.core.token_sets``, each surrogate). The
 dataclass, its checks, the Hydra defaults in ``hydra_configs/maspo_base.yaml`` and the README's field table are
 made from them (``python -m maspo_verl generate`` writes the last two). Selected with
 ``actor_rollout_ref.actor.policy_loss._target_=maspo_verl.config.GranularLossConfig`` (our
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from maspo_verl import segments, surrogates
-from maspo_verl.segments import SEGMENT_RULES
-from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.core import segments, surrogates
+from maspo_verl.core.segments import SEGMENT_RULES
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.validation import Bool, Choice, Float, Int, OptionalPath, Setting, check_float, fail, reject_unknown
 
 if TYPE_CHECKING:  # the declared fields for static tools (generated: maspo_verl/config_fields.py)
@@ -136,7 +136,7 @@ def _declared_fields(cls):
 class GranularLossConfig(PolicyLossConfig, GranularLossFields):
     """Token set x normalisation x clip schedule (docs/algorithms.md); one field per declared ``SETTINGS``.
 
-    ``loss_mode`` picks the token set (``maspo_verl.token_sets``): ``maspo`` (segments), ``ctpo``
+    ``loss_mode`` picks the token set (``maspo_verl.core.token_sets``): ``maspo`` (segments), ``ctpo``
     (prefixes), ``pgspo`` (whole response). verl's own modes (``vanilla``, ``gspo``, ...) may also be
     selected with this config; they ignore our fields.
     """

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from maspo_verl.batch_sizes import check_batch_sizes
 from maspo_verl.plugin.checks import run_startup_checks
-from maspo_verl.plugin.preflight import preflight
+from maspo_verl.plugin.preflight import preflight, unrefused
 from maspo_verl.util import config_dir
 from maspo_verl.validation import FieldError, root_cause, unknown_message
 
@@ -56,8 +56,8 @@ def unread_fields(policy_loss: dict) -> list[str]:
     import re
 
     from maspo_verl.config import SETTINGS
-    from maspo_verl.segments import SEGMENT_RULES, compute
-    from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+    from maspo_verl.core.segments import SEGMENT_RULES, compute
+    from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 
     loss_mode = policy_loss.get("loss_mode")
     if loss_mode not in TOKEN_SETS:
@@ -80,9 +80,10 @@ def unread_fields(policy_loss: dict) -> list[str]:
     return [name for name in unread if name in policy_loss]
 
 
-def dry_run(config: DictConfig) -> dict:
+def dry_run(config: DictConfig, unrefused: int = 0) -> dict:
     """verl's own validation (which builds the actor dataclass, ours included) without starting Ray. Prints
-    the loss section with the ``policy_loss`` fields the chosen loss reads; returns all of it."""
+    the loss section with the ``policy_loss`` fields the chosen loss reads; returns all of it. ``unrefused``:
+    the preflight's problems that ``maspo.preflight=warn`` printed instead of refusing (said again here)."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
@@ -93,7 +94,11 @@ def dry_run(config: DictConfig) -> dict:
     if isinstance(policy_loss, dict):
         unread = unread_fields(policy_loss)
         shown = {**section, "policy_loss": {k: v for k, v in policy_loss.items() if k not in unread}}
-    print("maspo_verl dry run: config valid; loss section:")
+    if unrefused:
+        print(f"maspo_verl dry run: config valid, but {unrefused} problem{'s' * (unrefused != 1)} on this machine "
+              "(above; a run here stops at the first); loss section:")  # fmt: skip
+    else:
+        print("maspo_verl dry run: config valid; loss section:")
     print(OmegaConf.to_yaml(OmegaConf.create(shown)), end="")
     if unread:
         print(f"# not shown: {len(unread)} policy_loss fields {policy_loss.get('loss_mode')} does not read "
@@ -116,19 +121,19 @@ def run(config: DictConfig) -> None:
     check_policy_loss(config)
     if not maspo.get("local"):
         run_startup_checks(config)
-        preflight(config, local=False)  # paths and GPUs (the dry run too)
+        lines = preflight(config, local=False)  # paths and GPUs (in a dry run, GPUs missing are a note)
         if maspo.get("dry_run"):
-            dry_run(config)
+            dry_run(config, unrefused(lines))
         else:
             _verl_main(config)
         return
     from maspo_verl import local
 
-    preflight(config, local=True)  # the paths given; those left unset are local.prepare's to fill
+    lines = preflight(config, local=True)  # the paths given; those left unset are local.prepare's to fill
     if maspo.get("dry_run"):
         local.prepare(config)
         run_startup_checks(config)
-        dry_run(config)
+        dry_run(config, unrefused(lines))
         return
     with local.session(config):
         local.prepare(config)  # before verl's trainer module: it picks the platform on import
@@ -232,6 +237,7 @@ def main(config: DictConfig) -> None:
         refused = isinstance(cause, FieldError) or (cause is not exc and isinstance(cause, TypeError | ValueError))
         if refused:
             if not began:  # (a local run's closing block has already said it)
+                sys.stdout.flush()  # the notes printed before it (start-up checks), before it on a shared console
                 print(f"maspo_verl: {cause}", file=sys.stderr, flush=True)
             sys.exit(1)
         raise

@@ -1,6 +1,6 @@
 """The generated reference: the parts of ``hydra_configs/maspo_base.yaml``, ``maspo_verl/config_fields.py``,
 ``docs/configuration.md`` and ``README.md`` made from the declared settings (``maspo_verl.config.SETTINGS``), the
-segment rules (``maspo_verl.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and
+segment rules (``maspo_verl.core.segments.SEGMENT_RULES``) and the loss presets (``hydra_configs/loss/``), and
 ``docs/choosing.md`` from the committed result tables (``maspo_verl.choosing``). ``python -m maspo_verl generate``
 rewrites them; ``--check`` (and ``tests/test_reference.py``) fails when a file is out of date.
 
@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 from maspo_verl import choosing
 from maspo_verl.config import SETTINGS
-from maspo_verl.segments import SEGMENT_RULES, compute
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.core.segments import SEGMENT_RULES, compute
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.util import config_dir, preset_names
 
 COMMAND = "python -m maspo_verl generate"

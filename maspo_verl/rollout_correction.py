@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from maspo_verl.segments import OLD_LOG_PROB, SEGMENT_RULES, compute_segment_ids
-from maspo_verl.segments import compute as segmentation
+from maspo_verl.core.segments import OLD_LOG_PROB, SEGMENT_RULES, compute_segment_ids
+from maspo_verl.core.segments import compute as segmentation
 from maspo_verl.validation import FieldError, check_bool, fail, reject_unknown
 
 SECTION = "algorithm.rollout_correction"
@@ -114,7 +114,7 @@ def _rs_thresholds(options: list[str], spec: Any) -> list[tuple[float, float | N
 
 
 def segmentation_config(rule: str, settings: Mapping | None) -> SimpleNamespace:
-    """The settings a segmentation reads (``maspo_verl.segments``), for the correction: every declared field at
+    """The settings a segmentation reads (``maspo_verl.core.segments``), for the correction: every declared field at
     its default, ``segment_rule`` = ``rule``, then ``settings`` (the rule's and the segmentation's own fields;
     anything else is refused naming the allowed ones)."""
     allowed_rules = correction_rules()

@@ -91,3 +91,36 @@ def write_parquet(rows: list[dict], path: str, schema=None) -> None:
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+_hub_reachable: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (None: it can), found in at most ``timeout``
+    seconds: a TCP connection to ``HF_ENDPOINT`` (default https://huggingface.co), or to the HTTPS proxy
+    when one is set. Checked once per process. A machine without the Hub otherwise learns it from the Hub
+    clients' retries (a minute or more)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    proxy = next((os.environ[k] for k in proxies if os.environ.get(k)), "")
+    target = urlsplit(proxy if "://" in proxy else f"http://{proxy}") if proxy else urlsplit(endpoint)
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    key = f"{host}:{port}"
+    if key not in _hub_reachable:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _hub_reachable[key] = None
+        except OSError as exc:
+            via = f" through the proxy {key}" if proxy else ""
+            _hub_reachable[key] = f"{endpoint} is not reachable{via} ({type(exc).__name__}: {exc})"
+    return _hub_reachable[key]
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` is set (the Hub clients then read their local cache only)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from maspo_verl.core.surrogates import DEFAULT, SURROGATES
 from maspo_verl.lab import bench
-from maspo_verl.surrogates import DEFAULT, SURROGATES
 
 # segments with min/max length; prefixes; each other surrogate on fixed segments (CI compiles the first and
 # sapo's, whose temperatures are params; the rest are slow tests)

@@ -25,6 +25,7 @@ PRESET = f"maspo_{NAME}"
 # the discovered tests that take every rule or preset (they select by the rule's or preset's name)
 DISCOVERED = [
     "tests/core/test_worked_examples.py",
+    "tests/core/test_rule_references.py",
     "tests/core/test_reference_loss.py",
     "tests/core/test_limits.py",
     "tests/core/test_config.py",
@@ -57,7 +58,7 @@ def checkout(tmp_path_factory) -> Path:
     for name in tracked_files():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, root / name)
-    (root / "maspo_verl" / "segments" / "rules" / f"{NAME}.py").write_text(renamed_example())
+    (root / "maspo_verl" / "core" / "segments" / "rules" / f"{NAME}.py").write_text(renamed_example())
     (root / "hydra_configs" / "loss" / f"{PRESET}.yaml").write_text(
         "# @package _global_\n"
         f"# MASPO, {NAME} segments: a segment ends after a surprising token\n"
@@ -84,7 +85,7 @@ def test_the_example_is_a_complete_rule_the_code_has_never_seen():
 
 
 def test_it_is_registered_and_documented_by_the_generator(checkout):
-    code = f"from maspo_verl.segments import SEGMENT_RULES; print(SEGMENT_RULES['{NAME}'].settings[0].name)"
+    code = f"from maspo_verl.core.segments import SEGMENT_RULES; print(SEGMENT_RULES['{NAME}'].settings[0].name)"
     out = run(checkout, "-c", code)
     assert out.returncode == 0 and out.stdout.strip() == FIELD, out.stderr
     reference = (checkout / "docs" / "configuration.md").read_text()

@@ -162,3 +162,39 @@ def test_the_tests_build_the_wheel_in_one_place_and_share_one_manager_base():
     inits = [p.relative_to(REPO) for p, text in sources.items() if base.search(text)]
     assert inits == [Path("maspo_verl/plugin/rewards.py")], inits
     assert "def __init__" not in sources[REPO / "tests/e2e/reward_managers.py"]
+
+
+PLAIN_VENV = REPO / ".venv-plainverl"
+
+
+@pytest.mark.slow  # the test takes ~30 s, building its venv 4-8 min (bash .ci/test --run-slow builds it)
+def test_check_passes_in_a_plain_verl_env(built_wheel, tmp_path):
+    """A user's verl environment (torch, verl 0.9.1 from the index; none of the modules verl's trainer imports
+    but does not require, as cachetools and uvicorn) with the wheel and its `math` extra: `check` exits 0,
+    the hooks whose verl module cannot import there skipped in one note line after the report."""
+    python = PLAIN_VENV / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{PLAIN_VENV.name} is missing: bash .ci/test --run-slow builds it (.ci/test_venvs --plain)")
+        pytest.skip(f"{PLAIN_VENV.name} not set up: bash .ci/test_venvs --plain")
+    probe = "import importlib.util as u, verl; print(verl.__version__, [m for m in ('cachetools', 'uvicorn') if u.find_spec(m)])"  # noqa: E501
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    plain = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert plain.stdout.strip() == "0.9.1 []", plain.stdout + plain.stderr[-2000:]
+    install = [python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(built_wheel)]
+    out = subprocess.run(install, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # what `pip install maspo-verl[math]` would bring is there (the wheel's requirements and the extra's)
+    deps = subprocess.run([python, REPO / ".ci" / "satisfied.py", "maspo-verl[math]"], capture_output=True, text=True)
+    assert deps.returncode == 0, deps.stdout + deps.stderr
+    out = subprocess.run([python, "-m", "maspo_verl", "check"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["python"] == str(python)
+    assert report["autoload_registers"] == ["maspo", "ctpo", "pgspo", "maspo_span_grpo", "maspo_turn_grpo"]
+    hooks = report["hooks"]
+    assert hooks["ppo_loss"] == "installed" and hooks["verl_losses"] == "installed"
+    assert hooks["token_scores"].startswith("skipped: verl.experimental.agent_loop cannot be imported here: no module")
+    (note,) = out.stderr.strip().splitlines()
+    assert note.startswith("maspo_verl check: note: hooks token_scores, update_step skipped: ")
+    assert note.endswith("pip install cachetools uvicorn, or maspo-verl's `local` extra)")

@@ -135,3 +135,65 @@ def test_readme_says_where_cpu_torch_comes_from():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "https://download.pytorch.org/whl/cpu" in readme
     assert "not reachable" in readme and "CUDA build" in readme
+
+
+def test_setup_builds_only_what_the_first_command_needs_and_the_test_command_the_rest():
+    """The README's first command builds `.venv` alone; the venvs only the tests use (other verl versions, a
+    plain verl environment) are built by the test command, before its verl passes."""
+    setup = (REPO / ".ci" / "setup").read_text()
+    assert ".venv-" not in setup and "test_venvs" in setup  # (its header says where they are built)
+    test = (REPO / ".ci" / "test").read_text()
+    venvs = (REPO / ".ci" / "test_venvs").read_text()
+    assert all(f"{v}" in venvs for v in (".venv-verl090", ".venv-verlmain", ".venv-plainverl"))
+    assert test.index("bash .ci/test_venvs") < test.index('for venv in "${VENVS[@]}"')
+    assert venvs.index('[ "${1:-}" = "--plain" ] || exit 0') < venvs.index("PLAIN=.venv-plainverl")
+
+
+def test_ci_test_help_prints_usage_and_runs_nothing(tmp_path):
+    """`bash .ci/test --help` in a checkout without any venv: the usage, exit 0, no venv built, no test run
+    (without --help the same copy fails at once: nothing is set up there)."""
+    import shutil
+    import subprocess
+
+    shutil.copytree(REPO / ".ci", tmp_path / ".ci")
+    out = subprocess.run(["bash", ".ci/test", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out
+    assert out.stdout.startswith("usage: bash .ci/test [PYTEST_ARGS...]\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ci"]
+    bare = subprocess.run(["bash", ".ci/test"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0
+
+
+def readme_learning_command() -> str:
+    (command,) = [c for c in re.findall(r"```bash\n(.*?)\n```", (REPO / "README.md").read_text(), flags=re.S)
+                  if c.startswith("python -m maspo_verl.lab learn ")]  # fmt: skip
+    return command
+
+
+def test_readme_says_the_first_run_is_a_plumbing_check_with_measured_times_and_points_to_one_that_learns():
+    """The first command's 2 steps learn nothing: the README says so, gives measured times (no estimate), and
+    shows a CPU run that learns, whose arguments the lab accepts (tests/e2e/test_learning_demo.py runs it)."""
+    import argparse
+
+    from maspo_verl.lab import learn, learn_tasks
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    first = text.split("The first sets up `.venv`", 1)[1].split("source .venv/bin/activate", 1)[0]
+    assert "a plumbing check" in first and "2 steps learn nothing" in first
+    assert re.search(r"Measured .*: set-up [\d.]+-[\d.]+ min, the run [\d.]+-[\d.]+ min", first), first
+    parser = argparse.ArgumentParser()
+    learn.add_arguments(parser)
+    args = parser.parse_args(readme_learning_command().split()[4:])
+    learn.check_losses(args.losses)
+    assert all(learn_tasks.known(t) for t in args.tasks) and args.seeds == 1 and args.steps >= 10
+    assert "`reward.png` beside its `metrics.jsonl`" in text
+
+
+def test_readme_says_what_ran_on_a_gpu_and_what_only_by_dry_run():
+    """The recipes' READMEs say their GPU paths were checked by dry run only; the top-level README says it too."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = text.split("What ran where: ", 1)[1].split(". ", 1)[0]
+    assert "CUDA tests ran once on an H100" in sentence and "checked by dry run only" in sentence
+    assert all(path in sentence for path in ("vLLM", "FSDP2 on NCCL", "Megatron", "Docker", "SLURM"))
+    for recipe in ("math", "speech"):
+        assert "dry run" in (REPO / "recipes" / recipe / "README.md").read_text()

@@ -12,7 +12,7 @@ from verl.workers.config import PolicyLossConfig
 
 from maspo_verl import reference
 from maspo_verl.config import SETTINGS, GranularLossConfig
-from maspo_verl.segments import SEGMENT_RULES
+from maspo_verl.core.segments import SEGMENT_RULES
 from maspo_verl.util import config_dir, preset_names
 from tests.helpers import REPO, compose_config
 

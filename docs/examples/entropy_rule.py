@@ -1,6 +1,7 @@
 """entropy: a segment ends after a token the old policy found surprising (a worked example of a segment rule).
 
-To use it, copy this file into ``maspo_verl/segments/rules/``, add a preset ``hydra_configs/loss/maspo_entropy.yaml``
+To use it, copy this file into ``maspo_verl/core/segments/rules/``, add a preset
+``hydra_configs/loss/maspo_entropy.yaml``
 (``loss_mode: maspo``, ``segment_rule: entropy``), run ``python -m maspo_verl generate`` and the tests: the rule is
 discovered, its field ``policy_loss.entropy_threshold`` is validated, documented and settable from the CLI, and the
 discovered tests (its worked examples, limits, validation, the reference loss, fuzz, data parallelism, the preset)
@@ -10,9 +11,11 @@ does exactly this in a copy of the repository, under a name the code has never s
 
 from __future__ import annotations
 
-from maspo_verl.ratios import float_mask
-from maspo_verl.segments.packing import previous
-from maspo_verl.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
+import math
+
+from maspo_verl.core.ratios import float_mask
+from maspo_verl.core.segments.packing import previous
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
 from maspo_verl.validation import Float, Setting
 
 # non-finite old log-probs count as this much surprisal
@@ -53,3 +56,10 @@ class EntropyRule(SegmentRule):
         boundaries = packed.has_previous & (after > config.entropy_threshold)
         # the strength of a boundary, for min_segment_len: the surprisal that made it
         return Candidates(boundaries, after, None)
+
+    # required: the same rule as a plain loop over one row's valid tokens (the tests hold candidates equal to it)
+    def reference(self, config, row):
+        lp = [0.0 if math.isnan(x) else max(x, -MAX_SURPRISAL) for x in row.old_log_prob]
+        surprisal = [max(-MAX_SURPRISAL, min(MAX_SURPRISAL, -x)) for x in lp]
+        # a boundary (of that strength) on the token after a surprising one
+        return [None] + [s if s > config.entropy_threshold else None for s in surprisal[:-1]]

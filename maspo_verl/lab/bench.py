@@ -42,10 +42,10 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 import maspo_verl.plugin  # noqa: F401  (registers our losses)
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
+from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab import common
-from maspo_verl.surrogates import DEFAULT as DEFAULT_SURROGATE
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import config_dir, preset_names
 
 BASELINE = "grpo"

@@ -77,6 +77,14 @@ def report_written(out: Path) -> None:
     print(f"{title}: {readme.resolve()}")
 
 
+def read_csv(path: Path) -> list[dict]:
+    """The rows of a CSV file with a header ([] when the file does not exist)."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return

@@ -12,7 +12,7 @@ advantage A(y) = R(y) - E_old[R] (the large-group GRPO baseline, no std scaling)
   continuation -- hence the credit A -- still comes from pi_old. It is computed here from the mixed
   probabilities q_t(y) = exp(sum_{u<=t} log pi_theta + sum_{u>t} log pi_old), not from any ratio code.
 - Estimator with weights w_t(y):  g_w(y) = sum_t w_t(y) A(y) grad log pi_theta(y_t|y_<t),  y ~ pi_old.
-  w_t = exp(l_t), l_t from ``maspo_verl.ratios`` / ``maspo_verl.segments`` applied to
+  w_t = exp(l_t), l_t from ``maspo_verl.core.ratios`` / ``maspo_verl.core.segments`` applied to
   delta_t = log pi_theta - log pi_old: exactly the value of the shared ratio r_t whose gradient
   r_t grad log pi_t the losses back-propagate (docs/algorithms.md §1). No clipping: clipping is a trust-region
   device that biases every estimator by design; the lab measures the ratios themselves.
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from maspo_verl import ratios
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.core import ratios
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab import common
 from maspo_verl.lab.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
-from maspo_verl.token_sets import TOKEN_SETS
 
 CONTENT = 3  # content tokens 0..2
 EOS = 3
@@ -346,7 +346,7 @@ def write_report(out, table, cases, claims, lengths, drifts, seconds) -> None:
         "prefixes from the target, credit (continuation) from the behaviour policy. Computed from mixed "
         "sequence probabilities, independently of the ratio code.",
         "- estimator g_w(y) = sum_t w_t(y) A(y) grad log pi_theta(y_t|y_<t), y ~ pi_old, with w_t the value of the "
-        "shared ratio computed by `maspo_verl.ratios` / `maspo_verl.segments` (the gradient the losses "
+        "shared ratio computed by `maspo_verl.core.ratios` / `maspo_verl.core.segments` (the gradient the losses "
         "back-propagate, before clipping; no clipping). Mean and total variance (trace of the covariance of one "
         "sample's estimate) are exact sums over all responses weighted by pi_old.",
         "- columns: `bias_rel` = ||E g_w - grad J|| / ||grad J||, `cos` = cosine(E g_w, grad J), "

@@ -647,10 +647,3 @@ class _Serial:
 
     def imap_unordered(self, fn, items):
         return map(fn, items)
-
-
-def loads(path: Path) -> list[dict]:
-    import csv
-
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))

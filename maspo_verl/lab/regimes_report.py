@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab.common import bootstrap_ci, markdown_table, pyplot, write_csv
+from maspo_verl.lab.common import bootstrap_ci, markdown_table, pyplot, read_csv, write_csv
 
 BASELINE = "grpo"
 METRICS = ("final_reward", "auc", "steps_to_target_c")  # compared with grpo, paired by seed
@@ -33,13 +32,6 @@ COMPARE_COLUMNS = (
     "supported",
     "supported_999",
 )
-
-
-def read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _num(v) -> float:
@@ -86,13 +78,6 @@ def summarise(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _interval(diffs: np.ndarray, level: float, reps: int = 10000, seed: int = 0) -> tuple[float, float]:
-    means = np.random.default_rng(seed).choice(diffs, size=(reps, diffs.size), replace=True).mean(axis=1)
-    tail = (1 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
-
-
 def compare(runs: list[dict]) -> list[dict]:
     """Each preset minus grpo in the same cell, paired by seed: mean, 95 % and 99.9 % bootstrap intervals."""
     by = {(r["task"], r["cell"], r["loss"], r["seed"]): r for r in runs}
@@ -117,8 +102,8 @@ def compare(runs: list[dict]) -> list[dict]:
                 d = d[np.isfinite(d)]
                 if d.size < 2:
                     continue
-                lo, hi = _interval(d, 0.95)
-                slo, shi = _interval(d, STRICT)
+                _, lo, hi = bootstrap_ci(d, 0.95, reps=10000)
+                _, slo, shi = bootstrap_ci(d, STRICT, reps=10000)
                 rows.append(
                     {
                         "task": task,
@@ -257,9 +242,9 @@ def plot_curves(curves: list[dict], path: Path) -> None:
 
 
 def write(out: Path, args) -> None:
-    runs = read(out / "regimes_runs.csv")
-    curves = read(out / "regimes_curves.csv")
-    skipped = [r for r in read(out / "regimes_skipped.csv") if r.get("loss")]
+    runs = read_csv(out / "regimes_runs.csv")
+    curves = read_csv(out / "regimes_curves.csv")
+    skipped = [r for r in read_csv(out / "regimes_skipped.csv") if r.get("loss")]
     summary = summarise(runs)
     comparisons = compare(runs)
     spreads = mismatch_table(runs)

@@ -9,7 +9,7 @@ Reads responses from
   speech reward produces them) or ``word_times`` ([[start_s, end_s], ...], turned into word ids by the
   speech reward's own ``word_token_ids`` at ``--frame-rate`` codes/s), and ``old_log_probs``.
 
-Every segmentation is computed by ``maspo_verl.segments.compute_segment_ids`` with a
+Every segmentation is computed by ``maspo_verl.core.segments.compute_segment_ids`` with a
 ``GranularLossConfig`` (the run's settings, or the defaults, then ``--preset`` and ``--set``), exactly
 as the loss computes it; each rule's threshold is swept over a grid. Writes to ``--out``:
 
@@ -47,11 +47,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from maspo_verl import fsq, inspection, segments
+from maspo_verl import fsq, inspection
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
+from maspo_verl.core import segments
+from maspo_verl.core.segments.rules import logprob, tokenval
+from maspo_verl.core.token_sets import inputs_needed
 from maspo_verl.lab import common
-from maspo_verl.segments.rules import logprob, tokenval
-from maspo_verl.token_sets import inputs_needed
 
 OUT = "segments"
 PREFIX = "actor_rollout_ref.actor.policy_loss."
@@ -736,7 +737,7 @@ def write_report(out: Path, result: dict, args: argparse.Namespace, figures: lis
         f"{int(lengths.sum())} tokens (mean {lengths.mean():.1f} per response); word ids: "
         f"{'yes' if result['has_words'] else 'no'}; "
         f"old log-probs: {'yes' if corpus.old_log_prob is not None else 'no'}. "
-        "Segments computed by `maspo_verl.segments` with the settings below and each rule's threshold swept; "
+        "Segments computed by `maspo_verl.core.segments` with the settings below and each rule's threshold swept; "
         f"mean length = tokens / segments (as `actor/ratio/segment_len_mean`). Boundaries are compared with the "
         f"word boundaries (where the word id changes: a word or a gap starts) within +-k tokens, one-to-one; "
         f"the first token of a response is left out. All grid points: `grid.csv`.",

@@ -301,6 +301,7 @@ def prepare(config) -> dict:
     seed = int(config.maspo.get("local_seed", 0) or 0)
     used = {}
     with open_dict(config):
+        used.update(_prepare_pretrained(config, seed))
         need_model = _is_unset(arr.model.path)
         need_data = _is_unset(config.data.train_files) or _is_unset(config.data.val_files)
         if need_model or need_data:
@@ -342,10 +343,41 @@ def prepare(config) -> dict:
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
-        f"{folder}",
+        f"{folder}\nmaspo_verl local: {ray_cluster.machine_line(ray_init)}",
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+def _prepare_pretrained(config, seed: int) -> dict:
+    """``model=smollm2``: the prepared SmolLM2 folder and the arithmetic task where their paths are null."""
+    name = (config.get("maspo", {}) or {}).get("model")
+    if name is None:
+        return {}
+    from maspo_verl.pretrained import arith, smollm2
+    from maspo_verl.util import preset_names
+    from maspo_verl.validation import FieldError
+
+    if name != smollm2.NAME:
+        raise FieldError(
+            "maspo.model", f"maspo.model={name!r} is invalid: allowed {preset_names('model')} (model=<name>)"
+        )
+    cache = config.maspo.get("local_cache_dir")
+    used = {}
+    if _is_unset(config.actor_rollout_ref.model.path):
+        try:
+            config.actor_rollout_ref.model.path = str(smollm2.ensure_model(cache))
+        except smollm2.SmolLM2Unavailable as exc:
+            raise FieldError("model", f"model={name}: {exc}") from None
+        used["model"] = name
+    if _is_unset(config.data.train_files) or _is_unset(config.data.val_files):
+        task = config.maspo.get("arith", {}) or {}
+        paths = arith.ensure_dataset(seed, int(task.get("steps", 1)), int(task.get("max_operand", 20)), cache)
+        for key, split in (("train_files", "train"), ("val_files", "val")):
+            if _is_unset(config.data[key]):
+                config.data[key] = paths[split]
+                used[split] = f"arith (steps={task.get('steps', 1)}, max_operand={task.get('max_operand', 20)})"
+    return used
 
 
 def _plain(value):
@@ -371,8 +403,8 @@ def _private_temp_dir() -> str:
 
 def _fit_tokenval_to_embedded(policy_loss) -> None:
     """The embedded tokenizer's ids 0..255 are bytes: use them as 4-digit FSQ "codes" ([4]*4 = 256)."""
+    from maspo_verl.core.token_sets import segment_rules
     from maspo_verl.local.assets import MODEL_VOCAB
-    from maspo_verl.token_sets import segment_rules
 
     if not any(rule.reads_codec for rule in segment_rules(policy_loss)):
         return

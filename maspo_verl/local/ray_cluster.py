@@ -118,3 +118,24 @@ def private_token_env(temp_dir: str, environ=None, home: Path | None = None) -> 
     path.touch(mode=0o600)
     path.write_text(secrets.token_hex(32))
     return {"RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def machine_line(ray_init, cpus: int | None = None, gpus: int | None = None) -> str:
+    """What this machine has, and what a private cluster's Ray is told it has (logical resources that verl's
+    resource-pool checks count: one "GPU" per trainer worker, CPUs for its actors): so that the run's log,
+    which holds verl's ``ray init kwargs``, is not read as the machine's. ``cpus``/``gpus``: this machine's
+    (default: the CPU cores this process may use, torch's CUDA device count)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    machine = f"this machine: {cpus} CPU core{'s' * (cpus != 1)}, " + (
+        f"{gpus} CUDA GPU{'s' * (gpus != 1)} (unused: the local mode runs on CPU)" if gpus else "no GPU"
+    )
+    if _unset(ray_init.get("num_cpus")) and _unset(ray_init.get("num_gpus")):
+        return machine  # a joined cluster: its own resources
+    n_gpus = ray_init.get("num_gpus")
+    logical = f"{ray_init.get('num_cpus')} logical CPUs and {n_gpus} logical GPU{'s' * (n_gpus != 1)}"
+    return f"{machine}; the private Ray cluster counts {logical} (for verl's resource checks; no GPU is used)"

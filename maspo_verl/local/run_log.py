@@ -12,7 +12,8 @@ TaskRunner), warnings every Ray worker prints on start-up, and two ~5,000-charac
   ``<run folder>/run.log``; on the console, lines matching ``KNOWN_NOISE`` (each a start-up message
   known to be harmless here) are left out, and nothing else; at the end, a closing block says how many
   steps ran, the final metrics, and where the metrics (``trainer.logger`` ``file`` backend, in the run
-  folder), the log, the config and the checkpoints are, also when the run fails; the private Ray
+  folder), the reward curve (``reward.png`` beside them, with matplotlib), the log, the config and the
+  checkpoints are, also when the run fails; the private Ray
   cluster is shut down and its temp dir removed.
 
 The run folder is Hydra's output folder (``hydra.run.dir``, by default ``outputs/<date>/<time>``).
@@ -81,6 +82,7 @@ PYTHON_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # its next line echoes 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"^step:(\d+) - ")
 RAY_PREFIX = re.compile(r"^\([^()]*pid=[^()]*\) ?")
+RAY_REPEATED = re.compile(r" \[repeated \d+x across cluster\].*$")
 
 
 def is_trainer_config(obj) -> bool:
@@ -196,8 +198,9 @@ class _Console:
         if echo_of is not None and echo_of[0] == head and body.startswith("  "):  # the warning's source line
             self.hidden[echo_of[1]] += 1
             return
+        said = RAY_REPEATED.sub("", body)  # a line Ray's log de-duplication counted is still that line
         for reason, pattern in self.noise:
-            if pattern.search(body):
+            if pattern.search(said):
                 self.hidden[reason] = self.hidden.get(reason, 0) + 1
                 if PYTHON_WARNING.match(body):
                     self._echo_of = (head, reason)
@@ -352,7 +355,44 @@ def _failure_line(error: BaseException) -> str:
     return cause if len(cause) <= 400 else cause[:400] + " ..."
 
 
-def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float, error=None) -> str:
+REWARD_KEY = "critic/score/mean"
+REWARD_PLOT = "reward.png"
+
+
+def reward_curve(metrics_file: Path | None) -> str | None:
+    """Draw the reward of each trained step (``critic/score/mean``) into ``reward.png`` beside the metrics
+    file; returns the closing block's line (the plot, or why there is none), None under two steps. The plot
+    needs matplotlib (the `lab` extra), which the local mode does not require: without it, a note."""
+    steps = read_step_metrics(metrics_file)
+    curve = [(s, float(m[REWARD_KEY])) for s, m in sorted(steps.items()) if s >= 1 and REWARD_KEY in m]
+    if metrics_file is None or len(curve) < 2:
+        return None
+    (first_step, first), (last_step, last) = curve[0], curve[-1]
+    said = f"{REWARD_KEY} {_number(first)} at step {first_step}, {_number(last)} at step {last_step}"
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # not its font-cache note in an empty HOME
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"reward       {said} (no plot: pip install matplotlib, or maspo-verl's `lab` extra)"
+    path = Path(metrics_file).parent / REWARD_PLOT
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel(REWARD_KEY)
+    ax.set_title("reward per step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"reward       {shown_path(path)} ({said})"
+
+
+def closing_block(
+    config, out: Path, log_path: Path, hidden: int, wall_s: float, error=None, reward_line: str | None = None
+) -> str:
     metrics_file = metrics_path(config)
     steps = read_step_metrics(metrics_file)
     trained = sorted(s for s, m in steps.items() if s >= 1 and any(k.startswith("actor/") for k in m))
@@ -372,6 +412,8 @@ def closing_block(config, out: Path, log_path: Path, hidden: int, wall_s: float,
         lines.append(f"metrics      none: no step finished ({shown_path(metrics_file)} is written from the first)")
     else:
         lines.append(f"metrics      {shown_path(metrics_file)} (every metric of every step, one JSON object a line)")
+    if reward_line:
+        lines.append(reward_line)
     note = f"; {hidden} known-harmless start-up lines left out above" if hidden else ""
     lines.append(f"log          {shown_path(log_path)} (the whole console output{note})")
     if "tensorboard" in backends(config):
@@ -425,7 +467,12 @@ def session(config, created_temp_dirs: list[str]):
             setattr(sys, name, originals[name])
         for handler, stream in handlers:
             handler.setStream(stream)
-        block = closing_block(config, out, log_path, sum(console.hidden.values()), time.monotonic() - start, error)
+        try:
+            reward_line = reward_curve(metrics_path(config))
+        except Exception as exc:  # the plot never hides how the run ended
+            reward_line = f"reward       no plot ({type(exc).__name__}: {exc})"
+        wall_s = time.monotonic() - start
+        block = closing_block(config, out, log_path, sum(console.hidden.values()), wall_s, error, reward_line)
         console.log.write(block + "\n")
         console.log.close()
         print(block, flush=True)

@@ -15,7 +15,9 @@ Every file has the same columns and types, so verl can concatenate several of th
 
 Sources come from the Hugging Face hub through ``datasets`` by default; ``--local NAME[:SPLIT]=PATH``
 reads a json / jsonl / parquet file with the hub's columns instead (how the tests run, and the way
-to use a mirror). ``--limit N`` keeps the first N rows of each output (smoke runs).
+to use a mirror). Where the Hub cannot be reached (or offline mode is set and the dataset is not
+cached), it stops at once, in one line pointing to ``--local ... --only-local``. ``--limit N`` keeps
+the first N rows of each output (smoke runs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from maspo_verl.math.reward import closing_brace
-from maspo_verl.util import write_parquet
+from maspo_verl.util import hub_offline, hub_unreachable, write_parquet
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -229,7 +231,20 @@ def load_rows(name: str, split: str, local: str | None = None):
     import datasets
 
     source = SOURCES[name]
-    return datasets.load_dataset(source.hub, source.config, split=source.splits[split])
+    offline = hub_offline() or os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    why = None if offline else hub_unreachable()  # else the Hub client retries for a minute, then a traceback
+    if why is None:
+        try:
+            return datasets.load_dataset(source.hub, source.config, split=source.splits[split])
+        except Exception as exc:
+            if not offline:
+                raise
+            why = f"offline mode is set and it is not in the datasets cache ({type(exc).__name__})"
+    raise SystemExit(
+        f"python -m maspo_verl.math.prepare: {name} comes from the Hugging Face Hub ({source.hub}), but {why}: "
+        f"without the Hub, give each dataset as a file with the Hub's columns (json, jsonl or parquet): "
+        f"--local {name}:{split}=FILE ... --only-local"
+    )
 
 
 def parse_local(specs: list[str]) -> dict[tuple[str, str], str]:

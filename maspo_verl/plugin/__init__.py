@@ -1,7 +1,7 @@
 """The ``verl.plugins`` entry point: registers our losses and estimator in verl.
 
 ``import verl`` loads this package in the driver and in every Ray worker (``pip install`` declares the
-entry point). Importing it registers every token set of ``maspo_verl.token_sets`` as a verl policy loss
+entry point). Importing it registers every token set of ``maspo_verl.core.token_sets`` as a verl policy loss
 (``maspo``, ``ctpo``, ``pgspo``), ``maspo_span_grpo`` and ``maspo_turn_grpo`` as advantage estimators, and
 installs the hooks of ``maspo_verl.plugin.hooks``, ``rollout_correction`` (segment-level rollout correction)
 and ``turn_credit`` (verl's turn scores for the estimator). The start-up checks that run before Ray are in
@@ -54,12 +54,12 @@ try:
         compute_span_grpo_advantage,
         compute_turn_grpo_advantage,
     )
-    from maspo_verl.losses import policy_loss_fn
+    from maspo_verl.core.losses import policy_loss_fn
+    from maspo_verl.core.token_sets import TOKEN_SETS
     from maspo_verl.plugin.checks import register_startup_check, run_startup_checks
     from maspo_verl.plugin.hooks import install_hooks
     from maspo_verl.plugin.rollout_correction import install_rollout_correction_hook, rollout_correction_checks
     from maspo_verl.plugin.turn_credit import install_turn_score_hooks, turn_credit_checks
-    from maspo_verl.token_sets import TOKEN_SETS
 except Exception as exc:
     _failed_to_load(exc)
     raise

@@ -3,7 +3,7 @@
 Recipes add their own checks with ``register_startup_check``; the module of a ``pkg://`` reward manager
 named in the config is imported first, so a recipe's manager module can register its checks on import.
 What a loss needs is asked of it: the segment rules in use declare the inputs they read and run their
-own start-up work (``maspo_verl.segments.SegmentRule``).
+own start-up work (``maspo_verl.core.segments.SegmentRule``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 from maspo_verl.advantages import SPAN_GRPO
+from maspo_verl.core.segments import FROM_MICRO_BATCH, WORD_IDS
+from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.plugin.hooks import patch_problem
-from maspo_verl.segments import FROM_MICRO_BATCH, WORD_IDS
-from maspo_verl.surrogates import DEFAULT as DEFAULT_SURROGATE
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import warn_once
 
 logger = logging.getLogger("maspo_verl")

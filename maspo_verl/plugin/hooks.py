@@ -20,7 +20,7 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   (the v1 trainer's samples do, as ``global_steps``), else the count of updates in this worker; both,
   and the rank, are read only when the loss asks (on inspected runs).
 - ``verl_losses``: verl's own policy losses (``vanilla``, ``gspo``, ...) in its registry are wrapped so
-  that with ``inspect_dir`` set they write samples too (``maspo_verl.losses.inspect_verl_loss``); with
+  that with ``inspect_dir`` set they write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
   it unset the wrapper only tests the setting.
 - ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
   every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
@@ -88,6 +88,26 @@ def patch_problem(name: str) -> str | None:
     return PATCHES.get(name, f"hook {name!r} was never installed")
 
 
+ABSENT: dict[str, str] = {}
+"""Hook name -> the module, not verl's, whose absence keeps verl's hooked module from importing here (verl
+does not require every module its trainer imports: a plain ``pip install verl`` lacks ``cachetools`` and
+``uvicorn``). Such a hook is skipped, not refused: verl cannot run that module here either."""
+
+
+def unavailable(name: str, module: str, exc: ImportError) -> str:
+    """Record that the verl module ``module`` a hook wraps does not import here; returns the problem."""
+    missing = getattr(exc, "name", None) or ""
+    if isinstance(exc, ModuleNotFoundError) and missing and missing.split(".")[0] != "verl":
+        ABSENT[name] = missing
+        PATCHES[name] = (
+            f"{module} cannot be imported here: no module {missing!r} (verl imports it there but does not require "
+            f"it): pip install {missing.split('.')[0]}, or maspo-verl's `local` extra"
+        )
+    else:
+        PATCHES[name] = f"{module} is unavailable ({exc})"
+    return PATCHES[name]
+
+
 def _ppo_loss_signature(original) -> str | None:
     params = tuple(inspect.signature(original).parameters)
     if params != PPO_LOSS_PARAMS:
@@ -152,8 +172,7 @@ def install_token_scores_hook() -> str | None:
     try:
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
     except ImportError as exc:
-        PATCHES["token_scores"] = f"verl.experimental.agent_loop is unavailable ({exc})"
-        return PATCHES["token_scores"]
+        return unavailable("token_scores", "verl.experimental.agent_loop", exc)
     return patch("token_scores", AgentLoopOutput, "as_dict", _with_token_scores)
 
 
@@ -368,8 +387,7 @@ def install_update_step_hook() -> str | None:
     try:
         from verl.workers.engine_workers import TrainingWorker
     except ImportError as exc:
-        PATCHES["update_step"] = f"verl.workers.engine_workers is unavailable ({exc})"
-        return PATCHES["update_step"]
+        return unavailable("update_step", "verl.workers.engine_workers", exc)
     return patch("update_step", TrainingWorker, "train_mini_batch", _with_update_scope)
 
 
@@ -377,7 +395,7 @@ def inspected_verl_loss(name: str, fn: Callable) -> Callable:
     """verl's policy loss ``fn``, which also writes samples on inspected steps (``inspect_dir`` set)."""
     if getattr(fn, "__maspo_original__", None) is not None:
         return fn
-    from maspo_verl.losses import inspect_verl_loss
+    from maspo_verl.core.losses import inspect_verl_loss
 
     @functools.wraps(fn)
     def loss(*args, **kwargs):
@@ -401,7 +419,7 @@ def install_verl_loss_hook() -> str | None:
     """Wrap verl's own registered policy losses (``inspected_verl_loss``); None, or why not."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     expected = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config")
     refused = []

@@ -4,13 +4,15 @@
 
 - the model (``actor_rollout_ref.model.path``, ``.tokenizer_path``, an enabled reward model's
   ``model_path``) is a folder with a ``config.json``; a name that is not a local path but has the form
-  ``org/name`` is taken as a Hugging Face Hub id (said in one line; with ``HF_HUB_OFFLINE=1`` it must be
-  in the local cache); a URI (``hdfs://...``) is left to verl;
+  ``org/name`` is taken as a Hugging Face Hub id (said in one line): with ``HF_HUB_OFFLINE=1`` it must be
+  in the local cache, else the Hub must answer within seconds (``maspo_verl.util.hub_unreachable``; the
+  Hub clients would retry for a minute); a URI (``hdfs://...``) is left to verl;
 - ``data.train_files`` / ``data.val_files`` exist, are ``.parquet`` / ``.json`` / ``.jsonl`` (what verl's
   dataset reads) and hold the column ``data.prompt_key`` (a parquet's schema only is read);
 - the custom reward function (``reward.custom_reward_function``, or verl's legacy top-level
   ``custom_reward_function``) is a file (or ``pkg://`` module) that defines the function named;
-- without ``local=cpu`` and without a Ray cluster to join, ``trainer.n_gpus_per_node`` GPUs are here.
+- without ``local=cpu`` and without a Ray cluster to join, ``trainer.n_gpus_per_node`` GPUs are here
+  (a dry run checks the config, not the node it runs on: there, GPUs missing are a note).
 
 Each problem is a ``FieldError`` naming the field, the value and what to change; the first one is
 raised, every one listed. ``maspo.preflight``: ``refuse`` (default, the dry run too), ``warn`` (print the
@@ -28,6 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from maspo_verl.util import hub_offline, hub_unreachable
 from maspo_verl.validation import FieldError, check_choice
 
 MODES = ("refuse", "warn", "off")
@@ -82,14 +85,21 @@ def check_model(r: Report, name: str, value) -> None:
         return
     first = path.split("/", 1)[0]
     if HUB_ID.fullmatch(path) and not os.path.isdir(first):
-        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        download = f"download it where the Hub is reachable (huggingface-cli download {path} --local-dir DIR)"
+        if hub_offline():
             if not _hub_cached(path):
                 r.problem(
                     name, path, "is a Hub id that is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set: "
-                    "download it on a machine that reaches the Hub (huggingface-cli download), or give a local folder"
+                    f"{download} and give that folder"
                 )  # fmt: skip
             return
-        r.notes.append(f"{name}={path}: no such folder here, taken as a Hugging Face Hub id (downloaded on first use)")
+        unreachable = hub_unreachable()
+        if unreachable and _hub_cached(path):
+            r.problem(name, path, f"is a Hub id in the local cache, but {unreachable}: set HF_HUB_OFFLINE=1")
+        elif unreachable:
+            r.problem(name, path, f"is a Hub id, but {unreachable}: {download} and give that folder")
+        else:
+            r.notes.append(f"{name}={path}: no such folder here, a Hugging Face Hub id (downloaded on first use)")
         return
     r.problem(name, path, "no such folder: set it to a local model folder (with config.json) or a Hub id (org/name)")
 
@@ -207,15 +217,21 @@ def _cluster_to_join(config) -> str | None:
         return None
 
 
-def check_gpus(r: Report, config) -> None:
-    """A run on this node's own Ray needs its GPUs here; ``local=cpu`` is the CPU way."""
+def check_gpus(r: Report, config, dry_run: bool = False) -> None:
+    """A run on this node's own Ray needs its GPUs here; ``local=cpu`` is the CPU way. A dry run checks the
+    config, not this node (a login node has no GPUs): there the GPUs missing are a note."""
     trainer = config.get("trainer", {}) or {}
     if str(trainer.get("device", "cuda")) != "cuda" or _cluster_to_join(config):
         return
     import torch
 
     wanted, here = int(trainer.get("n_gpus_per_node", 1)), torch.cuda.device_count()
-    if wanted > here:
+    if wanted > here and dry_run:
+        r.notes.append(
+            f"trainer.n_gpus_per_node={wanted}: this machine has {here or 'no'} CUDA GPU{'s' * (here != 1)}; "
+            "not checked in a dry run (the run needs them on its node, or a Ray cluster to join)"
+        )
+    elif wanted > here:
         fewer = f"set trainer.n_gpus_per_node<={here}, " if here else ""
         r.problem(
             "trainer.n_gpus_per_node", wanted, f"this node has {here or 'no'} CUDA GPU{'s' * (here != 1)} and no "
@@ -230,11 +246,11 @@ def mode(config) -> str:
     return value
 
 
-def collect(config, local: bool) -> Report:
+def collect(config, local: bool, dry_run: bool = False) -> Report:
     """Every problem and note of the config on this machine (paths left unset are the local mode's to fill)."""
     r = Report()
-    if not local:  # first: without the GPUs nothing else matters on this node
-        check_gpus(r, config)
+    if not local:  # first: without the GPUs nothing else matters on this node (a dry run: a note)
+        check_gpus(r, config, dry_run)
     model = config.actor_rollout_ref.model
     for key in ("path", "tokenizer_path"):
         if not _unset(model.get(key)):
@@ -259,13 +275,21 @@ def preflight(config, local: bool) -> list[str]:
     how = mode(config)
     if how == "off":
         return []
-    r = collect(config, local)
+    r = collect(config, local, dry_run=bool((config.get("maspo", {}) or {}).get("dry_run")))
     lines = [f"maspo_verl preflight: {note}" for note in r.notes]
     if r.problems and how == "refuse":
         first, message = r.problems[0]
         more = "".join(f"\n- {m}" for _, m in r.problems[1:])
         raise FieldError(first, message + (f"\n{len(r.problems) - 1} more:{more}" if more else ""))
-    lines += [f"maspo_verl preflight (not refused, maspo.preflight=warn): {m}" for _, m in r.problems]
+    lines += [f"{UNREFUSED} {m}" for _, m in r.problems]
     for line in lines:
         print(line, flush=True)
     return lines
+
+
+UNREFUSED = "maspo_verl preflight (not refused, maspo.preflight=warn):"
+
+
+def unrefused(lines: list[str]) -> int:
+    """How many of ``preflight``'s lines are problems printed instead of refused."""
+    return sum(line.startswith(UNREFUSED) for line in lines)

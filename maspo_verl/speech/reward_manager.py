@@ -39,16 +39,16 @@ from verl import DataProto
 
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY
+from maspo_verl.core.segments import WORD_IDS
+from maspo_verl.core.token_sets import inputs_needed
 from maspo_verl.plugin.checks import register_startup_check, warn_span_credit_is_grpo
 from maspo_verl.plugin.hooks import patch_problem
 from maspo_verl.plugin.rewards import RewardManager
-from maspo_verl.segments import WORD_IDS
 from maspo_verl.speech.preflight import run_checks
 from maspo_verl.speech.reward import get_batcher
 from maspo_verl.speech.settings import SpeechRewardConfig, settings_from_config
 from maspo_verl.speech.spans import token_scores
 from maspo_verl.speech.tokens import LlasaTokenMap
-from maspo_verl.token_sets import inputs_needed
 
 logger = logging.getLogger(__name__)
 

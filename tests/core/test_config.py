@@ -8,9 +8,9 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from maspo_verl.config import SETTINGS, GranularLossConfig
+from maspo_verl.core.segments import SEGMENT_RULES
 from maspo_verl.main import dry_run
 from maspo_verl.plugin.checks import run_startup_checks as startup_checks
-from maspo_verl.segments import SEGMENT_RULES
 from maspo_verl.util import preset_names
 from tests.helpers import SMALL, compose_config
 
@@ -154,8 +154,8 @@ def test_surrogate_refuses_what_makes_no_sense(fields, message):
 def test_every_surrogate_composes_with_every_preset_of_ours_where_its_schedule_allows():
     """``loss=<preset> policy_loss.surrogate=<s>`` builds for our presets, e.g. maspo_fixed + cispo (the
     documented override); SAPO also needs clip_schedule=ratio there."""
-    from maspo_verl.surrogates import SURROGATES
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.surrogates import SURROGATES
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     built = 0
     for preset in PRESETS:

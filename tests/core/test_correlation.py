@@ -1,7 +1,6 @@
 """The ratio-correlation metrics (``maspo_verl.core.correlation``) against a plain float64 loop over rows, and
 against the closed form of AR(1) log-ratios with a planted correlation."""
 
-import statistics
 
 import pytest
 import torch
@@ -11,34 +10,40 @@ from maspo_verl.core.correlation import WINDOWS, correlation_metrics, correlatio
 
 def reference_metrics(delta, mask, segment_ids=None):
     """The module's definitions written plainly, row by row, in float64."""
-    tokens = sq = pairs = lag = 0.0
-    windows = {n: [] for n in WINDOWS}
-    segments = []  # (length, mean of x) of the segments shorter than their row
+    tokens = dof = sq = pairs = lag = 0.0
+    windows = {n: [0.0, 0.0] for n in WINDOWS}  # sum of squared window sums, what independent ratios expect
+    segments = [0.0, 0.0]
     for b in range(delta.shape[0]):
         cols = [t for t in range(delta.shape[1]) if mask[b, t]]
         values = [float(delta[b, t]) for t in cols]
         if not values:
             continue
-        mu = sum(values) / len(values)
+        length = len(values)
+        mu = sum(values) / length
         x = [v - mu for v in values]
-        tokens += len(x)
+        tokens += length
+        dof += length - 1
         sq += sum(v * v for v in x)
-        pairs += len(x) - 1
-        lag += sum(x[i] * x[i - 1] for i in range(1, len(x)))
+        pairs += length - 1
+        lag += sum(x[i] * x[i - 1] for i in range(1, length))
         for n in WINDOWS:
-            windows[n] += [sum(x[k * n : (k + 1) * n]) / n for k in range(len(x) // n)]
+            for k in range(length // n):
+                windows[n][0] += sum(x[k * n : (k + 1) * n]) ** 2
+                windows[n][1] += n * (1 - n / length)
         if segment_ids is not None:
             groups = {}
             for t, v in zip(cols, x, strict=True):
                 groups.setdefault(int(segment_ids[b, t]), []).append(v)
-            segments += [(len(g), sum(g) / len(g)) for g in groups.values() if len(g) < len(x)]
-    var = sq / tokens
-    out = {"actor/ratio/corr_lag1": (lag / pairs) / var}
-    for n, means in windows.items():
-        if means:
-            out[f"actor/ratio/vif{n}"] = n * statistics.pvariance(means) / var
-    if segments:
-        out["actor/ratio/vif_segments"] = statistics.fmean(length * m * m for length, m in segments) / var
+            for g in groups.values():
+                segments[0] += sum(g) ** 2
+                segments[1] += len(g) * (1 - len(g) / length)
+    sigma2 = sq / dof
+    out = {"actor/ratio/corr_lag1": (lag / pairs) / (sq / tokens)}
+    for n, (squares, expected) in windows.items():
+        if expected > 0:
+            out[f"actor/ratio/vif{n}"] = squares / (expected * sigma2)
+    if segments[1] > 0:
+        out["actor/ratio/vif_segments"] = segments[0] / (segments[1] * sigma2)
     return out
 
 
@@ -114,9 +119,21 @@ def test_planted_ar1_correlation_gives_the_closed_form(rho):
     assert "actor/ratio/vif_segments" not in got  # no segments given
 
 
+@pytest.mark.parametrize("length", [60, 128, 400])
+def test_independent_ratios_give_one_at_any_row_length(length):
+    # windows of 50 on rows of 60: centring each row leaves a window's sum only (1 - n/L) of n sigma^2
+    g = torch.Generator().manual_seed(length)
+    delta = torch.randn(4000, length, generator=g, dtype=torch.float64)
+    segments = torch.div(torch.arange(length), 7, rounding_mode="floor").expand(4000, length)
+    got = correlation_metrics(host(correlation_sums(delta, torch.ones_like(delta, dtype=torch.bool), segments)))
+    for n in WINDOWS:
+        assert got[f"actor/ratio/vif{n}"] == pytest.approx(1.0, abs=0.05), n
+    assert got["actor/ratio/vif_segments"] == pytest.approx(1.0, abs=0.03)
+    assert got["actor/ratio/corr_lag1"] == pytest.approx(-1 / (length - 1), abs=0.01)
+
+
 def test_token_segments_of_independent_ratios_give_one():
     delta, mask, _ = random_rows(5)
-    mask[3] = False  # no one-token row: every segment is shorter than its row
     each_token = (torch.cumsum(mask.long(), -1) - 1).clamp(min=0)
     got = correlation_metrics(host(correlation_sums(delta, mask, each_token)))
     assert got["actor/ratio/vif_segments"] == pytest.approx(1.0, rel=1e-12)

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab import bench
-from maspo_verl.token_sets import TOKEN_SETS
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """Data-parallel invariance: the gradient after the all-reduce at world size 2 equals the world-size-1
 gradient, for every loss preset and aggregation mode, with fixed and dynamic micro-batch sizes; and for
-every other surrogate (``maspo_verl.surrogates``) on one preset of each of our token sets.
+every other surrogate (``maspo_verl.core.surrogates``) on one preset of each of our token sets.
 
 Everything on the loss path is verl's own: micro-batches come from ``prepare_micro_batches`` (fixed
 size, or regrouped by token count with ``use_dynamic_bsz``, the micro-batch count agreed over the dp
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from maspo_verl import segments
+from maspo_verl.core import segments
 from maspo_verl.util import config_dir, preset_names
 
 PRESETS = preset_names()
@@ -43,8 +43,8 @@ LOSS_SCALE_FACTOR = MAX_RESPONSE
 def cases() -> list[tuple[str, str, bool, str]]:
     """(preset, aggregation mode, dynamic micro-batches, surrogate): every preset with the surrogate it
     ships (ppo), and each other surrogate on the first preset of each of our token sets."""
-    from maspo_verl.surrogates import DEFAULT, SURROGATES
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.surrogates import DEFAULT, SURROGATES
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     first_of_set = {}
     for preset in PRESETS:
@@ -78,7 +78,7 @@ def actor_configs() -> dict[tuple[str, str, str], object]:
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    from maspo_verl.surrogates import SURROGATES
+    from maspo_verl.core.surrogates import SURROGATES
     from tests.helpers import BYTE_VOCABULARY, compose_config
 
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
@@ -289,7 +289,7 @@ def test_world_size_2_gradient_equals_world_size_1(preset, mode, dynamic, surrog
 
 
 def test_every_surrogate_is_covered():
-    from maspo_verl.surrogates import SURROGATES
+    from maspo_verl.core.surrogates import SURROGATES
 
     assert {s for *_, s in cases()} == set(SURROGATES)
 

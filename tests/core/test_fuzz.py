@@ -27,8 +27,8 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, VERL_AGG, compose_config, preset_fields, random_mask
 

@@ -10,8 +10,8 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-from maspo_verl.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
-from maspo_verl.token_sets import inputs_needed
+from maspo_verl.core.segments import RESPONSE_IDS, SEGMENT_RULES, TOKENIZER
+from maspo_verl.core.token_sets import inputs_needed
 from tests.helpers import actor_config, random_batch
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
@@ -313,7 +313,7 @@ def test_aggregation_is_data_parallel_invariant(agg_mode, loss_agg):
     assert_close(full_grad, split_grad)
 
 
-# ---- surrogates (maspo_verl.surrogates): CISPO and SAPO on any token set ----
+# ---- surrogates (maspo_verl.core.surrogates): CISPO and SAPO on any token set ----
 
 
 def verl_agg_mode(name: str, agg: str) -> str:
@@ -480,3 +480,27 @@ def test_cispo_log_adaptive_clips_the_weight_at_the_segment_bounds():
     assert_close(grad, ref_grad)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped / mask.sum().item())
     assert clipped > 0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_window_one_tis_is_verl_dppo_tv_without_its_tv_mask(agg, scale, weighted):
+    """surrogate=tis at W = 1: verl's dppo_tv (-A sg[min(r, clip_ratio_c)] log pi) when its TV thresholds never
+    bind (|pi - pi_old| <= 1 <= clip_ratio_low/high), loss, gradient and truncated share."""
+    need_verl_loss("dppo_tv")
+    old, new, adv, mask = random_batch(scale=scale, seed=14, per_token=True)
+    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 2
+    weights = weights if weighted else None
+    clips = {"clip_low": 1.0, "clip_high": 1.0, "clip_c": 1.3}
+    ours_cfg = actor_config(**clips, segment_rule="fixed", segment_window=1, surrogate="tis")
+    verl_cfg = actor_config(**clips, loss_mode="vanilla")
+    ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, agg, ours_cfg, weights)
+    verl, verl_m = get_policy_loss_fn("dppo_tv")(old, new, adv, mask, agg, verl_cfg, weights)
+    assert_close(ours, verl)
+    assert_close(*(torch.autograd.grad(loss, new)[0] for loss in (ours, verl)))
+    # verl counts the truncated tokens as pg_clipfrac_lower; ours as clipfrac_high
+    assert ours_m["actor/ratio/clipfrac_high"] == pytest.approx(verl_m["actor/pg_clipfrac_lower"], abs=1e-6)
+    assert ours_m["actor/ratio/clipfrac_low"] == 0.0 and ours_m["actor/pg_clipfrac_lower"] == 0.0
+    if scale > 0.5:
+        assert ours_m["actor/ratio/clipfrac_high"] > 0

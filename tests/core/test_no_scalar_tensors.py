@@ -8,7 +8,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-from maspo_verl.token_sets import TOKEN_SETS
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, compose_config, random_batch
 

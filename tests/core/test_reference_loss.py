@@ -1,4 +1,5 @@
-"""The production loss (``maspo_verl.losses``) against the plain reference (``maspo_verl.reference_loss``) in float64:
+"""The production loss (``maspo_verl.core.losses``) against the plain reference
+(``maspo_verl.core.reference_loss``) in float64:
 the same loss and the same gradient for every discovered preset of our token sets and every discovered segment
 rule, with every surrogate (and each clip schedule it accepts), every aggregation mode, optional rollout
 weights, right/left padding and holes, and non-finite log-probs at some valid tokens."""
@@ -13,10 +14,10 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.reference_loss import reference_loss
-from maspo_verl.segments import SEGMENT_RULES
-from maspo_verl.surrogates import SURROGATES
-from maspo_verl.token_sets import TOKEN_SETS, segment_rules
+from maspo_verl.core.reference_loss import reference_loss
+from maspo_verl.core.segments import SEGMENT_RULES
+from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, VERL_AGG, preset_fields, random_mask
 

@@ -6,8 +6,8 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab.bench import count_host_syncs
-from maspo_verl.token_sets import TOKEN_SETS
 from maspo_verl.util import config_dir, preset_names
 from tests.helpers import BYTE_VOCABULARY, actor_config, random_batch
 
@@ -123,7 +123,7 @@ def test_one_host_transfer_per_call(name):
 
 def test_log_adaptive_bounds_stay_finite_at_the_widest_allowed_settings():
     """p = 1 on 300 tokens with a wide dual range: finite bounds, finite loss (p = 2 is refused)."""
-    from maspo_verl.clipping import clip_bounds
+    from maspo_verl.core.clipping import clip_bounds
 
     old, new, adv, mask = random_batch(B=3, T=300, seed=21, lengths=[300, 150, 1])
     new = (new.detach() + 15.0).requires_grad_()

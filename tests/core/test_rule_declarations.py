@@ -9,12 +9,12 @@ is missing, all with no edit anywhere else.
 import pytest
 import torch
 
-from maspo_verl import segments
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.core import segments
+from maspo_verl.core.segments import RESPONSE_IDS, SEGMENT_RULES, Candidates, SegmentRule, register_segment_rule
+from maspo_verl.core.token_sets import inputs_needed, segment_rules
 from maspo_verl.plugin import checks, hooks
-from maspo_verl.segments import RESPONSE_IDS, SEGMENT_RULES, Candidates, SegmentRule, register_segment_rule
-from maspo_verl.token_sets import inputs_needed, segment_rules
 from tests.helpers import actor_config, compose_config
 
 NAME = "test_even_ids"

@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maspo_verl import fsq, segments
+from maspo_verl import fsq
 from maspo_verl.config import GranularLossConfig
-from maspo_verl.segments import lengths
-from maspo_verl.segments.rules import logprob
+from maspo_verl.core import segments
+from maspo_verl.core.segments import lengths
+from maspo_verl.core.segments.rules import logprob
 
 settings.register_profile("ci", deadline=None, max_examples=60)
 settings.load_profile("ci")

@@ -17,8 +17,8 @@ import torch
 from maspo_verl import vocab
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import GranularLossConfig
-from maspo_verl.segments import compute_segment_ids
-from maspo_verl.segments.text_tables import text_tables
+from maspo_verl.core.segments import compute_segment_ids
+from maspo_verl.core.segments.text_tables import text_tables
 from maspo_verl.validation import FieldError
 
 # Qwen2's / Llama 3's pre-tokenizer: punctuation keeps the newlines after it (".\n\n" can merge), and a

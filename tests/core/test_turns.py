@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maspo_verl.segments import compute_segment_ids
+from maspo_verl.core.segments import compute_segment_ids
 from tests.helpers import actor_config
 
 

@@ -16,8 +16,8 @@ from verl.utils import tensordict_utils as tu
 from maspo_verl import plugin
 from maspo_verl.advantages import ESTIMATOR_NAMES
 from maspo_verl.batch import micro_batch_scope
+from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.plugin import checks, hooks
-from maspo_verl.token_sets import TOKEN_SETS
 from tests.helpers import actor_config, compose_config
 
 OFFSET = 128264
@@ -50,7 +50,7 @@ def test_engine_workers_binds_the_wrapped_ppo_loss_in_fresh_process():
 
 
 def test_broken_plugin_is_logged_as_an_error():
-    probe = "import sys; sys.modules['maspo_verl.losses'] = None; import verl"
+    probe = "import sys; sys.modules['maspo_verl.core.losses'] = None; import verl"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
     assert out.returncode == 0  # verl swallows it ...
     assert "maspo_verl failed to load" in out.stderr  # ... but we say so
@@ -60,7 +60,7 @@ def test_broken_plugin_is_logged_as_an_error():
 def test_broken_plugin_fails_the_config_build_with_its_reason(target):
     """Plain verl: building the policy-loss config (verl's validate_config does, before Ray) names the cause."""
     probe = (
-        "import sys; sys.modules['maspo_verl.losses'] = None\n"
+        "import sys; sys.modules['maspo_verl.core.losses'] = None\n"
         "from omegaconf import OmegaConf\n"
         "from verl.utils.config import omega_conf_to_dataclass\n"
         f"omega_conf_to_dataclass(OmegaConf.create({{'_target_': '{target}', 'loss_mode': 'maspo'}}))\n"
@@ -68,7 +68,7 @@ def test_broken_plugin_fails_the_config_build_with_its_reason(target):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
     assert out.returncode != 0
     assert "loss_mode='maspo' is not registered in verl" in out.stderr, out.stderr[-3000:]
-    assert "maspo_verl.losses" in out.stderr  # the import error itself
+    assert "maspo_verl.core.losses" in out.stderr  # the import error itself
 
 
 def test_check_command_reports_ok():
@@ -89,7 +89,7 @@ def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
 
     shadow = tmp_path / "maspo_verl"
     shutil.copytree(Path(maspo_verl.__file__).parent, shadow, ignore=shutil.ignore_patterns("__pycache__"))
-    (shadow / "ratios.py").write_text("def broken(:\n")
+    (shadow / "core" / "ratios.py").write_text("def broken(:\n")
     env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "maspo_verl", "check"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
@@ -101,10 +101,16 @@ def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
 
 
 def test_check_command_fails_when_autoload_is_disabled():
+    """The FAILED line follows the report it refers to (one pipe for both streams, as a terminal shows them)
+    and names the cause and the fix."""
     env = {**subprocess_env(), "VERL_USE_EXTERNAL_PLUGINS": "none"}
-    out = subprocess.run([sys.executable, "-m", "maspo_verl", "check"], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, "-m", "maspo_verl", "check"]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert out.returncode == 1
-    assert "FAILED" in out.stderr
+    *report, failed = out.stdout.strip().splitlines()
+    assert json.loads("\n".join(report))["ok"] is False
+    assert failed.startswith("maspo_verl check FAILED: a fresh `import verl` registers [], not our losses"), failed
+    assert "VERL_USE_EXTERNAL_PLUGINS=none: list maspo_verl, or unset it" in failed
 
 
 def v1_micro_batch(codes, prompt_lens, seed=0):

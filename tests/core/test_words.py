@@ -10,8 +10,8 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, current_word_ids, micro_batch_scope
-from maspo_verl.segments import SEGMENT_RULES, compute_segment_ids
-from maspo_verl.segments.rules.words import WORDS_FALLBACK_METRIC
+from maspo_verl.core.segments import SEGMENT_RULES, compute_segment_ids
+from maspo_verl.core.segments.rules.words import WORDS_FALLBACK_METRIC
 from maspo_verl.speech.asr import TimedWord
 from maspo_verl.speech.spans import word_token_ids
 from tests.helpers import actor_config

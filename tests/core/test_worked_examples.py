@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maspo_verl import surrogates
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.segments import OLD_LOG_PROB, RESPONSE_IDS, SEGMENT_RULES, TOKENIZER, WORD_IDS, compute_segment_ids
-from maspo_verl.surrogates import SURROGATES
+from maspo_verl.core import surrogates
+from maspo_verl.core.segments import OLD_LOG_PROB, RESPONSE_IDS, SEGMENT_RULES, TOKENIZER, WORD_IDS, compute_segment_ids
+from maspo_verl.core.segments.reference import reference_segment_ids
+from maspo_verl.core.surrogates import SURROGATES
 
 RULE_EXAMPLES = [
     pytest.param(name, i, id=f"{name}-{i}") for name, rule in SEGMENT_RULES.items() for i in range(len(rule.examples))
@@ -66,7 +67,9 @@ def test_rule_example(name, index, dtype):
     tokenizer = list(inputs[TOKENIZER]) if TOKENIZER in inputs else None
     with micro_batch_scope(data, tokenizer):
         ids = compute_segment_ids(mask, config, old_log_prob=old)
+        plain = reference_segment_ids(mask, config, old_log_prob=old)
     assert segment_lengths(ids, mask) == [tuple(row) for row in example.lengths], example.why
+    assert segment_lengths(plain, mask) == [tuple(row) for row in example.lengths], f"reference: {example.why}"
     assert (ids[~mask] == 0).all()
 
 

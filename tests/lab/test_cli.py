@@ -62,8 +62,8 @@ def test_race_command(tmp_path):
 
 def surrogate_rows_cover_every_surrogate_and_token_set(rows) -> None:
     """Each surrogate other than ppo has a ``<preset>+<surrogate>`` row on each of our token sets."""
-    from maspo_verl.surrogates import DEFAULT, SURROGATES
-    from maspo_verl.token_sets import TOKEN_SETS
+    from maspo_verl.core.surrogates import DEFAULT, SURROGATES
+    from maspo_verl.core.token_sets import TOKEN_SETS
 
     others = [s for s in SURROGATES if s != DEFAULT]
     assert others

@@ -15,6 +15,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.lab import regimes
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.common import read_csv
 from tests.helpers import REPO
 
 
@@ -144,7 +145,7 @@ def test_the_command_writes_its_tables(tmp_path):
     main([*argv, "--group-size", "4", "--presets", "grpo", "gspo", "--mismatch", "none", "stale2", "--workers", "1"])
     for name in ("README.md", "COMMAND.txt", "regimes_runs.csv", "regimes_compare.csv", "regimes_mismatch.csv"):
         assert (tmp_path / name).exists(), name
-    compare = regimes.loads(tmp_path / "regimes_compare.csv")
+    compare = read_csv(tmp_path / "regimes_compare.csv")
     assert {r["loss"] for r in compare} == {"gspo"} and {r["cell"] for r in compare} >= {"L8/stale2/U4"}
     # on-policy with one update every preset follows grpo's gradient: identical runs
     same = [r for r in compare if r["cell"] == "L8/none/U1"]

@@ -11,6 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import open_dict
 
+from maspo_verl import util
+from maspo_verl.plugin import preflight as preflight_module
 from maspo_verl.plugin.preflight import _defines, collect, preflight
 from maspo_verl.reference import compose_config
 from maspo_verl.validation import FieldError
@@ -79,6 +81,7 @@ def test_a_hub_id_is_allowed_and_said_unless_offline_and_not_cached(good, monkey
     with open_dict(good):
         good.actor_rollout_ref.model.path = "Qwen/Qwen2.5-0.5B"
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(preflight_module, "hub_unreachable", lambda: None)  # a machine that reaches the Hub
     r = collect(good, local=True)
     assert r.problems == [] and len(r.notes) == 1 and "Hugging Face Hub id" in r.notes[0]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -93,6 +96,35 @@ def test_a_hub_id_is_allowed_and_said_unless_offline_and_not_cached(good, monkey
     with open_dict(good):
         good.actor_rollout_ref.model.path = "model/sub"
     assert fields(good) == ["actor_rollout_ref.model.path"]
+
+
+def test_a_hub_id_the_hub_cannot_serve_is_refused_in_seconds_naming_the_fix(good, monkeypatch, tmp_path):
+    """No Hub (a closed port here: the real probe, no network needed): one line, a few seconds, the fixes;
+    a model in the cache is pointed to HF_HUB_OFFLINE=1."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setattr(util, "_hub_reachable", {})
+    with open_dict(good):
+        good.actor_rollout_ref.model.path = "Qwen/Qwen2.5-0.5B"
+    start = time.monotonic()
+    with pytest.raises(FieldError) as caught:
+        preflight(good, local=True)
+    assert time.monotonic() - start < util.HUB_PROBE_TIMEOUT_S + 2
+    (line,) = str(caught.value).splitlines()
+    assert line.startswith("actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B: is a Hub id, but http://127.0.0.1:9 is "
+                           "not reachable (ConnectionRefusedError"), line  # fmt: skip
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir DIR) and give that folder" in line
+    monkeypatch.setattr(preflight_module, "_hub_cached", lambda repo_id: True)
+    ((name, message),) = collect(good, local=True).problems
+    assert name == "actor_rollout_ref.model.path"
+    assert message.startswith(f"{name}=Qwen/Qwen2.5-0.5B: is a Hub id in the local cache, but http://127.0.0.1:9 is")
+    assert message.endswith("(ConnectionRefusedError: [Errno 111] Connection refused): set HF_HUB_OFFLINE=1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline with the model cached: nothing to say
+    assert collect(good, local=True).problems == []
 
 
 def test_missing_data_files_and_a_parquet_without_the_prompt_key(good, tmp_path):
@@ -165,6 +197,11 @@ def test_gpus_asked_on_a_node_with_fewer_point_to_local_cpu(good, tmp_path, monk
     assert caught.value.field == "trainer.n_gpus_per_node"
     assert "add local=cpu" in str(caught.value).splitlines()[0]
     assert collect(good, local=True).problems == []  # the local mode's workers are CPU processes
+    # a dry run checks the config, not this node (a login node has no GPUs): one note, no problem
+    r = collect(good, local=False, dry_run=True)
+    assert r.problems == [] and len(r.notes) == 1
+    assert r.notes[0].startswith(f"trainer.n_gpus_per_node={good.trainer.n_gpus_per_node}: this machine has ")
+    assert "not checked in a dry run" in r.notes[0]
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster to join counts its own GPUs
     assert collect(good, local=False).problems == []
 
@@ -195,3 +232,25 @@ def test_every_problem_is_listed_after_the_first(good, tmp_path):
         preflight(good, local=True)
     lines = str(caught.value).splitlines()
     assert lines[1] == "2 more:" and lines[2].startswith("- data.train_files=") and lines[3].startswith("- data.val")
+
+
+def test_a_dry_run_says_the_problems_warn_let_through(good, tmp_path, capsys):
+    """With maspo.preflight=warn a dry run does not say "config valid" alone while paths are missing."""
+    from maspo_verl.main import dry_run
+    from maspo_verl.plugin.preflight import unrefused
+
+    with open_dict(good):
+        good.data.train_files = str(tmp_path / "nope.parquet")
+        good.data.val_files = str(tmp_path / "nope2.parquet")
+        good.maspo.preflight = "warn"
+    lines = preflight(good, local=True)
+    assert unrefused(lines) == 2
+    capsys.readouterr()
+    dry_run(good, unrefused(lines))
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("maspo_verl dry run:")]
+    assert said == (
+        "maspo_verl dry run: config valid, but 2 problems on this machine (above; a run here stops at the first); "
+        "loss section:"
+    )
+    dry_run(good)
+    assert "maspo_verl dry run: config valid; loss section:" in capsys.readouterr().out.splitlines()

@@ -152,3 +152,22 @@ def test_a_private_clusters_token_lives_in_its_temp_dir_not_in_home(tmp_path):
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text("x")
     assert private_token_env(str(temp), environ={}, home=home) == {}
+
+
+def test_the_machine_line_says_the_machine_and_the_clusters_logical_resources_apart():
+    """run.log holds verl's ``ray init kwargs`` (16 logical CPUs, 1 logical GPU): our line says what the
+    machine has beside it."""
+    from maspo_verl.local.ray_cluster import machine_line
+
+    private = {"address": "local", "num_cpus": 16, "num_gpus": 1}
+    assert machine_line(private, cpus=2, gpus=0) == (
+        "this machine: 2 CPU cores, no GPU; the private Ray cluster counts 16 logical CPUs and 1 logical GPU "
+        "(for verl's resource checks; no GPU is used)"
+    )
+    assert machine_line({"address": "10.0.0.1:6379"}, cpus=8, gpus=1) == (
+        "this machine: 8 CPU cores, 1 CUDA GPU (unused: the local mode runs on CPU)"
+    )
+    import os
+
+    here = machine_line(private)  # the real count: the cores this process may use
+    assert here.startswith(f"this machine: {len(os.sched_getaffinity(0))} CPU core")

@@ -98,6 +98,7 @@ def test_a_dry_run_writes_nothing(tmp_path):
     out = _main(tmp_path, "local=cpu", "maspo.dry_run=true")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "config valid; loss section:" in out.stdout
+    assert "maspo_verl local: this machine: " in out.stdout and "logical GPU" in out.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -144,17 +145,76 @@ def _preflight_case(root: Path, case: str) -> tuple[list[str], str, str]:
 
 @pytest.mark.parametrize("case", ["model", "data", "prompt_key", "reward", "gpus"])
 def test_the_preflight_refuses_before_ray_and_the_dry_run_the_same(tmp_path, case):
+    """Every problem refused the same by a run and a dry run, but the GPUs: a dry run checks the config, not
+    the node it runs on (a login node has none), so there it is one note."""
     overrides, field, fix = _preflight_case(tmp_path, case)
     ray_dir = tmp_path / "ray"  # where Ray would start its cluster (no `ray start` cluster to join there)
     cwd = tmp_path / "run"
     cwd.mkdir()
     for extra in ([], ["maspo.dry_run=true"]):
         out = _main(cwd, *overrides, f"+ray_kwargs.ray_init._temp_dir={ray_dir}", *extra)
+        if case == "gpus" and extra:
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            notes = [line for line in out.stdout.splitlines() if "n_gpus_per_node" in line]
+            assert notes == [
+                "maspo_verl preflight: trainer.n_gpus_per_node=64: this machine has no CUDA GPUs; not "
+                "checked in a dry run (the run needs them on its node, or a Ray cluster to join)"
+            ], notes
+            assert "config valid; loss section:" in out.stdout
+            assert list(cwd.iterdir()) == [] and not ray_dir.exists()
+            continue
         assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
         first = out.stderr.strip().splitlines()[0]
         assert first.startswith(f"maspo_verl: {field}=") and fix in first, (extra, out.stderr[-3000:])
         assert "Traceback" not in out.stderr and "config valid" not in out.stdout
         assert list(cwd.iterdir()) == [] and not ray_dir.exists()  # no run folder, no Ray
+
+
+def test_the_readme_gpu_command_dry_run_on_a_laptop(tmp_path):
+    """The README's GPU quickstart command with maspo.dry_run=true, on a machine without GPUs whose Hub answers
+    (a listening port stands in for it): before the data is prepared it is refused at the first missing
+    path (the GPUs not among the problems), after it passes with one note on the GPUs; no folder left."""
+    import re
+    import socket
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Quickstart on GPU nodes", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if "maspo_verl.main " in line]
+    args = command.split("#")[0].split()
+    home = tmp_path / "home"
+    home.mkdir()
+    given = [a.replace("$HOME", str(home)) for a in args[args.index("maspo_verl.main") + 1 :]]
+    hub = socket.create_server(("127.0.0.1", 0))
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and k != "HF_HUB_OFFLINE"}
+    env.update(HOME=str(home), HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+
+    def dry_run():
+        return subprocess.run([sys.executable, "-m", "maspo_verl.main", *given, "maspo.dry_run=true"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    with hub:
+        out = dry_run()
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+        lines = out.stderr.strip().splitlines()
+        fix = "no such file: set it to a data file (.parquet, e.g. python -m maspo_verl.math.prepare)"
+        data = home / "data" / "maspo_math"
+        assert lines[0] == f"maspo_verl: data.train_files={data}/math_train.parquet: {fix}", lines
+        assert lines[1:3] == ["1 more:", f"- data.val_files={data}/math500_test.parquet: {fix}"], lines
+        assert "n_gpus_per_node" not in out.stderr and "Traceback" not in out.stderr
+        for name in ("math_train", "math500_test"):  # what math.prepare writes (its columns)
+            (home / "data" / "maspo_math").mkdir(parents=True, exist_ok=True)
+            pq.write_table(
+                pa.table({"prompt": ["x"], "data_source": ["math"]}), home / "data" / "maspo_math" / f"{name}.parquet"
+            )
+        out = dry_run()
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "maspo_verl preflight: trainer.n_gpus_per_node=8: this machine has no CUDA GPUs; not checked" in out.stdout
+    assert "config valid; loss section:" in out.stdout and "loss_mode: maspo" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
 
 
 def test_a_misspelt_verl_key_names_the_closest_keys(tmp_path):

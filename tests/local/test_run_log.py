@@ -31,6 +31,9 @@ NOISE = [
     "VERL_PLATFORM: cpu",
     *ENGINE_WARNING,
     "(pid=5951) INFO:2026-11-24 02:58:35,881:Platform override from VERL_PLATFORM: cpu",
+    "(pid=24508) INFO:2026-11-26 11:51:54,002:Platform override from VERL_PLATFORM: cpu [repeated 2x across "
+    "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication, or see "
+    "https://docs.ray.io/en/master/ray-observability/user-guides/configure-logging.html#log-deduplication)",
     *[f"(pid=5951) {line}" for line in ENGINE_WARNING],
     f"(TaskRunnerV1 pid=5951) {SITE}/torchdata/stateful_dataloader/stateful_dataloader.py:379: UserWarning: "
     "'set_vital' is deprecated, please do not call",
@@ -353,3 +356,25 @@ def test_a_step_line_ray_did_not_forward_is_printed_from_the_metrics_file(tmp_pa
     target = io.StringIO()
     run_log._late_step_lines(config, run_log._Console(tmp_path / "run2.log", KNOWN_NOISE), target)
     assert target.getvalue() == ""
+
+
+def test_the_reward_curve_is_drawn_beside_the_metrics_and_said_in_the_block(tmp_path, monkeypatch):
+    from maspo_verl.local import run_log
+
+    metrics = tmp_path / "metrics.jsonl"
+    _write_metrics(metrics, {0: {"val-core/x": 0.1}, 1: STEP | {"critic/score/mean": 0.36}, 2: STEP,
+                             3: STEP | {"critic/score/mean": 0.52}})  # fmt: skip
+    line = run_log.reward_curve(metrics)
+    plot = tmp_path / "reward.png"
+    assert line == f"reward       {plot} (critic/score/mean 0.36 at step 1, 0.52 at step 3)"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
+    block = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 0, 5, reward_line=line).splitlines()
+    assert block[3] == line and block[2].startswith("metrics ")
+    plot.unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the local mode without the `lab` extra
+    assert run_log.reward_curve(metrics).endswith("(no plot: pip install matplotlib, or maspo-verl's `lab` extra)")
+    assert not plot.exists()
+    metrics.unlink()
+    _write_metrics(metrics, {1: STEP})
+    assert run_log.reward_curve(metrics) is None  # one step: no curve

@@ -123,3 +123,32 @@ def test_file_without_usable_rows_is_an_error(tmp_path):
     bad.write_text(json.dumps({"unrelated": 1}) + "\n")
     with pytest.raises(ValueError, match="no usable rows"):
         prepare.main(["--out-dir", str(tmp_path), "--only-local", "--local", f"aime25={bad}"])
+
+
+@pytest.mark.parametrize("how", ["unreachable", "offline"])
+def test_without_the_hub_one_line_points_to_local_files(tmp_path, how):
+    """No Hub (a closed port, or offline mode with nothing cached): within seconds, one line naming
+    ``--local ... --only-local``, no traceback, nothing written."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO
+
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    env.update(PYTHONPATH=str(REPO), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")
+    if how == "offline":
+        env["HF_HUB_OFFLINE"] = "1"
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "maspo_verl.math.prepare", "--out-dir", str(tmp_path / "out"), "--datasets", "math500"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert time.monotonic() - start < 60
+    assert out.returncode == 1 and out.stdout == "", out
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("python -m maspo_verl.math.prepare: math500 comes from the Hugging Face Hub ")
+    assert line.endswith("--local math500:test=FILE ... --only-local"), line
+    assert ("http://127.0.0.1:9 is not reachable" if how == "unreachable" else "offline mode is set") in line
+    assert not (tmp_path / "out").exists()

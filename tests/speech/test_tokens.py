@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from maspo_verl.config import GranularLossConfig
+from maspo_verl.core.segments import compute_boundaries, compute_segment_ids
 from maspo_verl.fsq import digits_distance as fsq_digits_distance
-from maspo_verl.segments import compute_boundaries, compute_segment_ids
 from maspo_verl.speech.tokens import (
     DEFAULT_CODEC_OFFSET,
     LlasaTokenMap,

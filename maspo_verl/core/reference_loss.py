@@ -1,0 +1,120 @@
+"""The granular policy loss written plainly, top to bottom: the tests' oracle for ``maspo_verl.core.losses``
+(docs/algorithms.md has the maths).
+
+    1. which tokens are in the loss      valid tokens whose log-probs are finite
+    2. token log-ratios                  delta_t = clamp(log pi_t - log pi_old_t, +-20), a value
+    3. who shares a ratio                S(t): t's segment (maspo), the prefix {1..t} (ctpo), the response (pgspo)
+    4. the shared log-ratio              l_t = clamp(sum_{u in S(t)} delta_u / |S(t)|^alpha, +-20)
+    5. the ratio, stop-gradient form     r_t = exp(sg[l_t]) exp(log pi_t - sg[log pi_t]): value exp(l_t),
+                                         gradient r_t grad log pi_t
+    6. the clip schedule                 ratio: 1 - eps_low, 1 + eps_high, c; log_adaptive: exp(-+eps n_t^p)
+    7. the surrogate                     its formula (``maspo_verl.core.surrogates``), times the rollout weights
+    8. verl's aggregation                ``agg_loss``; seg-mean-token-mean weights token t by 1 / (|S(t)| K_i)
+
+No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, clip bounds as per-token
+tensors, no in-place ops. The surrogate's formula is the one the loss runs (each is one formula, pinned by its worked
+examples); the steps around it are written again here. Slow and memory-hungry; for tests and readers.
+The segment ids come from the rule (``maspo_verl.core.segments.compute_segment_ids``); what each rule does is pinned
+by its worked examples (``SegmentRule.examples``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from maspo_verl.core.clipping import ClipBounds
+from maspo_verl.core.segments import compute_segment_ids
+from maspo_verl.core.surrogates import SURROGATES
+
+LOG_RATIO_CLAMP = 20.0  # verl's bound on a token's log-ratio (compute_policy_loss_vanilla)
+
+
+def reference_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    actor: Any,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss of ``actor.policy_loss`` (our ``GranularLossConfig``) on one micro-batch, differentiable in
+    ``log_prob``; the arguments are verl's ``PolicyLossFn``'s."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    policy_loss = actor.policy_loss
+    B, T = log_prob.shape
+
+    # 1. the tokens in the loss
+    response = response_mask.bool()
+    kept = response & torch.isfinite(log_prob) & torch.isfinite(old_log_prob)
+
+    # 2. token log-ratios (values; zero outside the kept tokens)
+    delta = torch.where(kept, (log_prob.detach() - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+
+    # 3. who shares a ratio: member[b, t, u] is True when token u is in S(t)
+    both_kept = kept[:, :, None] & kept[:, None, :]
+    position = torch.arange(T, device=log_prob.device)
+    if policy_loss.loss_mode == "maspo":
+        ids = compute_segment_ids(kept, policy_loss, old_log_prob=old_log_prob)
+        member = both_kept & (ids[:, :, None] == ids[:, None, :])
+        alpha = policy_loss.length_exponent
+    elif policy_loss.loss_mode == "pgspo":
+        member = both_kept
+        alpha = policy_loss.length_exponent
+    elif policy_loss.loss_mode == "ctpo":
+        member = both_kept & (position[None, None, :] <= position[None, :, None])
+        alpha = 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0
+    else:
+        raise ValueError(f"reference_loss: no token set {policy_loss.loss_mode!r}")
+    set_size = member.sum(-1).to(delta.dtype)  # n_t = |S(t)|
+
+    # 4. the shared log-ratio
+    total = (member * delta[:, None, :]).sum(-1)
+    shared_log_ratio = (total / set_size.clamp(min=1.0) ** alpha).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    # 5. the ratio: value exp(l_t), gradient r_t grad log pi_t
+    log_pi = torch.where(kept, log_prob, 0.0)
+    ratio = torch.exp(shared_log_ratio) * torch.exp(log_pi - log_pi.detach())
+
+    # 6. the clip bounds: lower, upper, dual
+    if policy_loss.clip_schedule == "ratio":
+        eps_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        eps_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        bounds = (1.0 - eps_low, 1.0 + eps_high, actor.get("clip_ratio_c", 3.0))
+        low, high, dual = (torch.full_like(ratio, float(bound)) for bound in bounds)
+    else:  # log_adaptive
+        scale = set_size.clamp(min=1.0) ** policy_loss.clip_exponent
+        low = torch.exp(-policy_loss.log_clip_low * scale)
+        high = torch.exp(policy_loss.log_clip_high * scale)
+        dual = torch.exp(policy_loss.log_clip_dual * scale)
+
+    # 7. the surrogate's formula on r (its gradient is autograd's), zero outside the kept tokens
+    surrogate = SURROGATES[policy_loss.surrogate]
+    params = surrogate.params(policy_loss, actor, set_size)
+    if isinstance(params, ClipBounds):  # the bounds of step 6, whatever the schedule
+        params = ClipBounds(low, high, dual)
+    adv = torch.where(kept, advantages, 0.0)
+    log_r = shared_log_ratio + (log_pi - log_pi.detach())
+    token_loss = surrogate.loss(ratio, log_r, adv, log_pi, params).loss
+    if rollout_is_weights is not None:
+        token_loss = token_loss * torch.where(kept, rollout_is_weights, 0.0)
+    token_loss = torch.where(kept, token_loss, 0.0)
+
+    # 8. verl's aggregation
+    if policy_loss.agg_mode == "seg-mean-token-mean":
+        earlier = position[None, None, :] < position[None, :, None]
+        first_of_set = kept & ~(member & earlier).any(-1)
+        num_sets = first_of_set.sum(-1, keepdim=True).clamp(min=1).to(token_loss.dtype)  # K_i
+        token_loss = token_loss / (set_size.clamp(min=1.0) * num_sets)
+        loss_agg_mode = "seq-mean-token-sum"
+    info = dict(actor.global_batch_info)
+    if info.get("dp_size", 1) <= 1:  # verl's own counts of the micro-batch, at least one
+        if info.get("batch_num_tokens") is None:
+            info["batch_num_tokens"] = response.sum().clamp(min=1)
+        if info.get("global_batch_size") is None:
+            info["global_batch_size"] = response.any(-1).sum().clamp(min=1)
+    # the mask as verl's actor passes it: float32 0/1 (its denominators, + 1e-8, are then float32 too)
+    return agg_loss(loss_mat=token_loss, loss_mask=response.float(), loss_agg_mode=loss_agg_mode, **info)

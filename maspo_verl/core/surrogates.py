@@ -1,0 +1,313 @@
+"""What the objective does with the shared ratio (``policy_loss.surrogate``; docs/algorithms.md §2).
+
+Who shares a ratio (``maspo_verl.core.token_sets``) and what the objective does with it are separate
+choices: each class of ``SURROGATES`` applies to whatever ratio the token set gives. A surrogate is one
+formula: its per-token loss as a function of the ratio r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (value
+exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd gives its gradient.
+
+| name    | loss_t                                                          | clip masks (low / high / dual)        |
+|---------|-----------------------------------------------------------------|---------------------------------------|
+| `ppo`   | max(-A r, -A clip(r, lo, hi)); A < 0: min(., -A c)              | the clips that are active             |
+| `cispo` | -sg[clip(r, lo, hi)] A log pi_t                                 | weight clipped below / above; none    |
+| `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
+| `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
+
+``ppo``, ``cispo`` and ``tis`` take their bounds from the clip schedule (``maspo_verl.core.clipping.ClipBounds``);
+``sapo`` reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each declares worked
+examples (``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from maspo_verl.core import clipping
+from maspo_verl.core.clipping import ClipBounds
+from maspo_verl.util import registrar
+from maspo_verl.validation import Choice, Setting, check_choice, check_float, fail
+
+DEFAULT = "ppo"
+# SAPO's gate is "saturated" where it passes less than half of the unclipped gradient:
+# 4 s (1 - s) < 1/2 with s = sigmoid(z), i.e. |z| > 2 ln(1 + sqrt 2) ~= 1.763, z = tau (r - 1)
+SAPO_SATURATION = 2.0 * math.log(1.0 + math.sqrt(2.0))
+
+
+@dataclass
+class TokenLosses:
+    """Per-token loss and the boolean masks reported as clip fractions (``low``, ``high``, ``dual``)."""
+
+    loss: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    clipped_dual: torch.Tensor
+
+
+def unclipped(loss: torch.Tensor) -> TokenLosses:
+    """A loss with no clip masks (a surrogate that clips nothing)."""
+    none = torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)
+    return TokenLosses(loss, none, none, none)
+
+
+@dataclass(frozen=True)
+class SapoTemperatures:
+    """SAPO's gate temperatures: ``positive`` where A > 0, ``negative`` elsewhere."""
+
+    positive: float
+    negative: float
+
+
+@dataclass(frozen=True)
+class Example:
+    """A worked example of a surrogate: with the shared ratios ``ratio``, advantages ``advantage`` and log-probs
+    ``log_prob`` (-1 each when empty) of one row of tokens, the per-token ``loss`` and ``grad`` (d loss_t /
+    d log pi_t), worked out by hand from the surrogate's formula (the test checks autograd's gradient against
+    it). ``settings``: policy-loss fields; ``actor``: ``maspo_verl.config.actor_config``'s clip arguments
+    (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``: the set sizes n_t a log-space schedule reads."""
+
+    why: str
+    ratio: tuple[float, ...]
+    advantage: tuple[float, ...]
+    loss: tuple[float, ...]
+    grad: tuple[float, ...]
+    log_prob: tuple[float, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
+    actor: dict[str, Any] = field(default_factory=dict)
+    sizes: tuple[float, ...] | None = None
+
+
+# a surrogate's parameters: ``ClipBounds`` for the clipped ones, ``SapoTemperatures`` for SAPO
+Params = TypeVar("Params")
+
+
+class Surrogate(Generic[Params]):
+    """One objective on the shared ratio: its parameters (``params``), its formula (``loss``) and its worked
+    examples (``examples``, required)."""
+
+    name: ClassVar[str]
+    # its own policy-loss fields (``Setting``), like a segment rule's
+    settings: ClassVar[tuple[Setting, ...]] = ()
+    # the clip schedules it accepts (None: any), and why
+    clip_schedules: ClassVar[tuple[str, ...] | None] = None
+    why_schedule: ClassVar[str] = ""
+    examples: ClassVar[tuple[Example, ...]] = ()
+
+    def check(self, policy_loss: Any) -> None:
+        """Refuse settings that make no sense with this surrogate (``FieldError``)."""
+        schedules = self.clip_schedules
+        if schedules is not None and policy_loss.clip_schedule not in schedules:
+            fail(
+                "clip_schedule",
+                policy_loss.clip_schedule,
+                f"{', '.join(schedules)} with surrogate={self.name!r} ({self.why_schedule})",
+            )
+
+    def check_actor(self, actor: Any) -> None:
+        """Check the actor fields this surrogate reads (start-up, on the driver)."""
+
+    def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
+        """Its parameters from the configs (``sizes``: per-token set sizes n_t, for a log-space schedule)."""
+        return clipping.clip_bounds(policy_loss, actor, sizes)
+
+    def loss(self, r: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, log_pi: torch.Tensor, params: Params):
+        """The per-token loss and its clip masks (``TokenLosses``), [B, T], differentiable in ``r``, ``log_r``
+        (log r, value l_t) and ``log_pi``; ``adv`` and ``log_pi`` are zero outside the tokens in the loss."""
+        raise NotImplementedError
+
+
+SURROGATES: dict[str, Surrogate] = {}
+register_surrogate = registrar(SURROGATES)
+# the policy-loss field that selects one, shared by all (``maspo_verl.config`` builds the fields from it and from
+# each surrogate's ``settings``)
+SETTINGS = (
+    Setting(
+        "surrogate",
+        DEFAULT,
+        Choice(lambda: tuple(SURROGATES)),
+        "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate, "
+        "truncated IS",
+    ),
+)
+
+
+@register_surrogate
+class PPOClip(Surrogate[ClipBounds]):
+    """PPO's pessimistic clip with dual clip, on the schedule's bounds: max(-A r, -A clip(r, lo, hi)), at most -A c
+    where A < 0."""
+
+    name = "ppo"
+    # verl's default ratio-space bounds: lo 0.8, hi 1.2, dual clip c 3
+    examples = (
+        Example(
+            "A > 0: -A r up to hi (gradient -A r), -A hi above it (no gradient); A < 0: -A max(r, lo), at most "
+            "-A c (dual clip); A = 0: nothing",
+            ratio=(1.1, 1.5, 0.5, 0.5, 1.5, 5.0, 2.0),
+            advantage=(1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 0.0),
+            loss=(-1.1, -1.2, -0.5, 0.8, 1.5, 3.0, 0.0),
+            grad=(-1.1, 0.0, -0.5, 0.0, 1.5, 0.0, 0.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
+        ),
+        Example(
+            "log_adaptive: n = 4, p = -0.5, eps 0.2: hi = exp(0.2 / 2) = 1.1051709180756477",
+            ratio=(1.2, 1.05),
+            advantage=(1.0, 2.0),
+            loss=(-1.1051709180756477, -2.1),
+            grad=(0.0, -2.1),
+            settings={
+                "clip_schedule": "log_adaptive",
+                "log_clip_low": 0.2,
+                "log_clip_high": 0.2,
+                "log_clip_dual": 1.0,
+                "clip_exponent": -0.5,
+            },
+            sizes=(4.0, 4.0),
+        ),
+    )
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        clipped, below, above = params.clip(r, log_r)
+        pessimistic = torch.maximum(-adv * r, -adv * clipped)
+        c, over_c = params.cap(r, log_r)
+        negative = adv < 0
+        loss = torch.where(negative, torch.minimum(pessimistic, -adv * c), pessimistic)  # dual clip
+        return TokenLosses(loss, negative & below, (adv > 0) & above, negative & over_c)
+
+
+@register_surrogate
+class CISPO(Surrogate[ClipBounds]):
+    """CISPO ("MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"): the clipped
+    ratio is a stop-gradient weight on A log pi, so a clipped token keeps its gradient, bounded. The
+    bounds are the schedule's (``ratio``: the actor's ``clip_ratio_low/high``, as verl's ``cispo``; no
+    dual clip, ``clip_ratio_c`` and ``log_clip_dual`` are unused)."""
+
+    name = "cispo"
+    examples = (
+        Example(
+            "loss -w A log pi, gradient -w A, with the weight w = clip(r, 0.8, 1.2): bounded where r is clipped",
+            ratio=(1.1, 1.5, 0.5),
+            advantage=(1.0, 1.0, -2.0),
+            log_prob=(-0.5, -0.5, -0.5),
+            loss=(0.55, 0.6, -0.8),
+            grad=(-1.1, -1.2, 1.6),
+            actor={"clip_low": 0.2, "clip_high": 0.2},
+        ),
+    )
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        weight, below, above = params.clip(r.detach(), log_r.detach())
+        return TokenLosses(-(weight * adv) * log_pi, below, above, torch.zeros_like(below))
+
+
+@register_surrogate
+class SAPO(Surrogate[SapoTemperatures]):
+    """SAPO ("Soft Adaptive Policy Optimization"): a sigmoid gate f(r) = (4 / tau) sigmoid(tau (r - 1))
+    instead of a hard clip: f'(1) = 1, so near on-policy the gradient is PPO's, and it fades smoothly
+    off-policy. Temperatures from the actor's ``tau_pos`` (A > 0) and
+    ``tau_neg`` (A <= 0), as verl's ``sapo``."""
+
+    name = "sapo"
+    clip_schedules = ("ratio",)
+    why_schedule = "SAPO's gate has no clip bounds; it reads the actor's tau_pos/tau_neg"
+    # verl's default temperatures: tau_pos 1 (A > 0), tau_neg 1.05
+    examples = (
+        Example(
+            "at r = 1 the gate passes PPO's gradient -A; s = sigmoid(tau (r - 1)): loss -A (4 / tau) s, "
+            "gradient -4 A s (1 - s) r (r = 1.5, A = 1: s = sigmoid(0.5); r = 0.5, A = -1: s = sigmoid(-0.525))",
+            ratio=(1.0, 1.5, 0.5),
+            advantage=(1.0, 1.0, -1.0),
+            loss=(-2.0, -2.4898373248074184, 1.4159383303033666),
+            grad=(-1.0, -1.410022273209567, 0.4670699116426963),
+        ),
+    )
+
+    def check_actor(self, actor: Any) -> None:
+        for name in ("tau_pos", "tau_neg"):
+            value = actor.get(name, None)
+            if value is None:
+                fail(f"actor_rollout_ref.actor.{name}", value, "a number > 0 (surrogate=sapo needs verl's SAPO fields)")
+            check_float(f"actor_rollout_ref.actor.{name}", value, 0.0, lo_open=True)
+
+    def params(self, policy_loss, actor, sizes) -> SapoTemperatures:
+        return SapoTemperatures(float(actor.tau_pos), float(actor.tau_neg))
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        tau = torch.full_like(adv, params.negative).masked_fill_(adv > 0, params.positive)
+        z = tau * (r - 1.0)
+        loss = torch.sigmoid(z) * adv / tau * -4.0
+        return TokenLosses(loss, z < -SAPO_SATURATION, z > SAPO_SATURATION, torch.zeros_like(adv, dtype=torch.bool))
+
+
+@register_surrogate
+class TruncatedIS(Surrogate[ClipBounds]):
+    """Truncated importance sampling (REINFORCE with the ratio as a stop-gradient weight, truncated at c, as
+    IMPALA's rho-bar): every token keeps a gradient, at most c A. The cap is the clip schedule's dual constant
+    c (``clip_ratio_c``, or exp(log_clip_dual n^p)); lo and hi are unused."""
+
+    name = "tis"
+    examples = (
+        Example(
+            "loss -w A log pi, gradient -w A, with the weight w = min(r, 3): r = 5 is truncated to 3, r = 0.5 is not",
+            ratio=(1.5, 5.0, 0.5),
+            advantage=(1.0, 1.0, -2.0),
+            log_prob=(-0.5, -0.5, -0.5),
+            loss=(0.75, 1.5, -0.5),
+            grad=(-1.5, -3.0, 1.0),
+            actor={"clip_c": 3.0},
+        ),
+    )
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        c, _ = params.cap(r, log_r)
+        truncated = r.detach() > c
+        weight = torch.where(truncated, c, r.detach())
+        none = torch.zeros_like(truncated)
+        return TokenLosses(-(weight * adv) * log_pi, none, truncated, none)
+
+
+def check_config(policy_loss: Any) -> None:
+    """``policy_loss.surrogate``: one of ``SURROGATES``, only with our token sets (verl's own losses ignore
+    it), and what the surrogate refuses (``Surrogate.check``)."""
+    from maspo_verl.core.token_sets import TOKEN_SETS
+
+    check_choice("surrogate", policy_loss.surrogate, tuple(SURROGATES))
+    if policy_loss.surrogate != DEFAULT and policy_loss.loss_mode not in TOKEN_SETS:
+        fail(
+            "surrogate",
+            policy_loss.surrogate,
+            f"{DEFAULT!r} with loss_mode={policy_loss.loss_mode!r} (verl's own losses ignore it; ours: "
+            f"{', '.join(TOKEN_SETS)}; verl's token-level cispo and sapo are loss modes of their own)",
+        )
+    SURROGATES[policy_loss.surrogate].check(policy_loss)
+
+
+def apply(
+    surrogate: Surrogate[Params],
+    log_prob: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    params: Params,
+    weights: torch.Tensor | None = None,
+    log_ratio: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> TokenLosses:
+    """Per-token loss of ``surrogate`` with the shared ratio's value ``ratio`` = exp(l) (``log_ratio`` = l when
+    given), differentiable in ``log_prob``: the formula on r = exp(sg[l] + log pi - sg[log pi]), so autograd's
+    gradient is the formula's derivative in r times r grad log pi. ``weights`` (rollout correction) multiply the
+    loss. Outside ``keep`` (the tokens in the loss) loss and gradient are zero, whatever the inputs hold there.
+    """
+    if keep is None:
+        keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
+    dtype = ratio.dtype
+    with torch.no_grad():
+        adv = torch.where(keep, advantages.to(dtype), 0.0)
+        value = ratio.detach()
+        level = value.log() if log_ratio is None else log_ratio.detach()
+    log_pi = torch.where(keep, log_prob.to(dtype), 0.0)
+    moving = log_pi - log_pi.detach()  # value 0, gradient grad log pi
+    out = surrogate.loss(value * moving.exp(), level + moving, adv, log_pi, params)
+    loss = out.loss if weights is None else out.loss * torch.where(keep, weights.to(dtype), 0.0)
+    out.loss = torch.where(keep, loss, 0.0)
+    return out

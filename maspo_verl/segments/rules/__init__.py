@@ -1,3 +1,0 @@
-"""The segment rules, one module each: every ``SegmentRule`` defined here is registered on import of
-``maspo_verl.segments`` (``maspo_verl.segments.registry.discover``). A new rule is a new module here plus a preset
-in ``hydra_configs/loss/`` (``docs/examples/entropy_rule.py`` is a complete one)."""
