@@ -108,7 +108,7 @@ def test_a_cell_needs_a_trust_region_where_clipped_grpo_beats_unclipped_grpo_hel
     choices = rt.choose(runs, tune=2)
     (cell,) = rt.cells_table(runs, choices, tune=2)
     assert cell["clip_minus_noclip"] == pytest.approx(0.10) and cell["trust_region_needed"] is True
-    assert cell["null_vif15"] < 1.0  # the reference of independent log-ratios in 96-token rows (row centring)
+    assert abs(cell["null_vif15"] - 1.0) < 0.1  # the same measure of independent log-ratios in 96-token rows
     flat = [r | {"final_reward": 0.4 + 0.01 * r["seed"]} if r["loss"] == "grpo" else r for r in runs]
     (cell,) = rt.cells_table(flat, rt.choose(flat, tune=2), tune=2)
     assert cell["trust_region_needed"] is False
@@ -116,11 +116,11 @@ def test_a_cell_needs_a_trust_region_where_clipped_grpo_beats_unclipped_grpo_hel
 
 def test_drift_metrics_read_correlated_log_ratios_above_the_independent_reference():
     g = torch.Generator().manual_seed(0)
-    noise = torch.randn(2, 64, 96, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, 256, 96, generator=g, dtype=torch.float64)
     ar = noise.clone()
     for t in range(1, 96):  # AR(1), rho 0.6
         ar[..., t] = 0.6 * ar[..., t - 1] + 0.8 * noise[..., t]
-    units = torch.arange(96).div(8, rounding_mode="floor").expand(2, 64, 96)
+    units = torch.arange(96).div(8, rounding_mode="floor").expand(2, 256, 96)
     white = regimes.drift_metrics(regimes.drift_sums(noise, units))
     red = regimes.drift_metrics(regimes.drift_sums(ar, units))
     null = regimes.null_correlation(96)
