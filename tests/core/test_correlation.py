@@ -1,7 +1,6 @@
 """The ratio-correlation metrics (``maspo_verl.core.correlation``) against a plain float64 loop over rows, and
 against the closed form of AR(1) log-ratios with a planted correlation."""
 
-
 import pytest
 import torch
 
