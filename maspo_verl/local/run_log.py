@@ -370,6 +370,10 @@ def reward_curve(metrics_file: Path | None) -> str | None:
     (first_step, first), (last_step, last) = curve[0], curve[-1]
     said = f"{REWARD_KEY} {_number(first)} at step {first_step}, {_number(last)} at step {last_step}"
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # not its font-cache note in an empty HOME
+    # its font cache in the project's cache, not in HOME (a run leaves HOME as it found it)
+    from maspo_verl.local.assets import default_cache_dir
+
+    os.environ.setdefault("MPLCONFIGDIR", str(default_cache_dir() / "matplotlib"))
     try:
         import matplotlib
 

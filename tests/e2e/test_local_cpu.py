@@ -106,7 +106,9 @@ def _check_readable_log(run) -> None:
     start = next(i for i, line in enumerate(console) if line.startswith("==== maspo_verl local run"))
     block = console[start:]
     assert block[0].startswith(f"==== maspo_verl local run done: {STEPS} of {STEPS} steps in "), context
-    assert [line.split()[0] for line in block[1:]] == ["final", "metrics", "log", "config", "checkpoints"], block
+    # STEPS >= 2 trained steps: a reward line (the plot beside the metrics file)
+    assert [line.split()[0] for line in block[1:]] == ["final", "metrics", "reward", "log", "config", "checkpoints"]
+    assert (metrics_file.parent / "reward.png").is_file() and "reward.png" in block[3], block
     last = run.steps[STEPS]
     final = dict(item.rsplit(" ", 1) for item in block[1].split(": ", 1)[1].split(" | "))
     assert {label: float(v) for label, v in final.items()} == pytest.approx(
