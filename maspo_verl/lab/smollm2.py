@@ -398,8 +398,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         **{f"drift_{k}": (r_a, lp_a, lp, {**parts, "resp": resp_a}) for k, (lp, parts) in drifted.items()},
     }
     corr = [correlation_row(name, cur - old) for name, (_, old, cur, _) in cases.items() if name != "on_policy"]
-    # the same statistics of independent log-ratios of this shape: after each row's mean is taken out,
-    # VIF(n) of independent ones is about 1 - n / tokens, not 1
+    # the same statistics of independent log-ratios of this shape: the sampling spread of the values above
     iid = torch.randn(resp_a.shape, generator=torch.Generator().manual_seed(args.seed))
     corr.append(correlation_row("independent (reference)", iid))
     write_csv(out / "correlation.csv", corr)
@@ -460,7 +459,7 @@ def _report(out: Path, args, corr, grad, meta, argv) -> None:
         " decoder layers trained on the fp32 batch with GRPO's loss. What each row measures: the module docstring"
         " (maspo_verl/lab/smollm2.py).",
         "",
-        "## Token log-ratio correlation (core.correlation: lag-1, VIF(n) = n Var(window mean) / Var(token))",
+        "## Token log-ratio correlation (core.correlation, docs/algorithms.md §9: lag-1; VIF(n), 1 for independent ratios)",
         "",
         markdown_table(corr),
     ]
