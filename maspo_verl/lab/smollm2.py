@@ -459,7 +459,7 @@ def _report(out: Path, args, corr, grad, meta, argv) -> None:
         " decoder layers trained on the fp32 batch with GRPO's loss. What each row measures: the module docstring"
         " (maspo_verl/lab/smollm2.py).",
         "",
-        "## Token log-ratio correlation (core.correlation, docs/algorithms.md §9: lag-1; VIF(n), 1 for independent ratios)",
+        "## Token log-ratio correlation (core.correlation, docs/algorithms.md §9: lag-1; VIF(n), 1 if independent)",
         "",
         markdown_table(corr),
     ]
