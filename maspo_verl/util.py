@@ -124,3 +124,30 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 def hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` is set (the Hub clients then read their local cache only)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def default_cache_dir() -> Path:
+    """``$MASPO_VERL_CACHE``, else ``$XDG_CACHE_HOME/maspo_verl`` (``~/.cache/maspo_verl``): what the local mode
+    and the prepared models generate, once."""
+    root = os.environ.get("MASPO_VERL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maspo_verl"
+    )
+    return Path(root)
+
+
+def atomic_build(target: Path, build) -> Path:
+    """``build(tmp)`` into a temp folder next to ``target``, then rename it there (safe against a concurrent first
+    use); nothing to do where ``target`` is complete."""
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+    build(tmp)
+    (tmp / ".complete").write_text("ok\n")
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -226,7 +226,7 @@ def _run_env(config) -> dict[str, str]:
     env = tracking_env(config)
     if not (os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME")):
         # verl's dataset caches the parquet it reads; in the local mode's cache, not ~/.cache/huggingface
-        from maspo_verl.local.assets import default_cache_dir
+        from maspo_verl.util import default_cache_dir
 
         cache = config.get("maspo", {}).get("local_cache_dir") or default_cache_dir()
         env["HF_DATASETS_CACHE"] = os.path.join(os.path.expanduser(str(cache)), "hf_datasets")

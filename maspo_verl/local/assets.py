@@ -16,6 +16,8 @@ import os
 import random
 from pathlib import Path
 
+from maspo_verl.util import atomic_build, default_cache_dir
+
 ASSET_VERSION = 1  # bump when the generated files change, so stale caches are not reused
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NUM_BYTES = 256
@@ -41,13 +43,6 @@ MODEL_SHAPE = {
 # Toy task: "repeat these letters"; the reward (maspo_verl.local.reward) is dense.
 LETTERS = "abcdefgh"
 DATA_SOURCE = "maspo_local_toy"
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("MASPO_VERL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maspo_verl"
-    )
-    return Path(root)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -153,23 +148,6 @@ def write_dataset(path: Path, seed: int, n_train: int = 64, n_val: int = 16) -> 
     return out[0], out[1]
 
 
-def _atomic_build(target: Path, build) -> Path:
-    """Build into a temp folder next to ``target`` and rename (safe against concurrent first use)."""
-    if (target / ".complete").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
-    build(tmp)
-    (tmp / ".complete").write_text("ok\n")
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process won the race
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def ensure_assets(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """Paths of the embedded model (with tokenizer), train and val parquet; built on first use."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -180,8 +158,8 @@ def ensure_assets(seed: int = 0, cache_dir: str | os.PathLike | None = None) -> 
         write_model(tmp, seed)
         write_tokenizer(tmp)
 
-    model = _atomic_build(base / "model", build_model)
-    data = _atomic_build(base / "data", lambda tmp: write_dataset(tmp, seed))
+    model = atomic_build(base / "model", build_model)
+    data = atomic_build(base / "data", lambda tmp: write_dataset(tmp, seed))
     return {
         "model": str(model),
         "train": str(data / "train.parquet"),

@@ -371,7 +371,7 @@ def reward_curve(metrics_file: Path | None) -> str | None:
     said = f"{REWARD_KEY} {_number(first)} at step {first_step}, {_number(last)} at step {last_step}"
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # not its font-cache note in an empty HOME
     # its font cache in the project's cache, not in HOME (a run leaves HOME as it found it)
-    from maspo_verl.local.assets import default_cache_dir
+    from maspo_verl.util import default_cache_dir
 
     os.environ.setdefault("MPLCONFIGDIR", str(default_cache_dir() / "matplotlib"))
     try:

@@ -150,9 +150,9 @@ def write_dataset(folder: str | Path, seed: int, turns: int, turn_tokens: int, n
 
 def ensure_dataset(seed: int, turns: int, turn_tokens: int, cache_dir: str | os.PathLike | None = None) -> dict:
     """The task's train and val parquet in the local mode's cache, built on first use."""
-    from maspo_verl.local.assets import _atomic_build, default_cache_dir
+    from maspo_verl.util import atomic_build, default_cache_dir
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     folder = cache / f"turns-v{DATA_VERSION}-seed{seed}-n{turns}-t{turn_tokens}"
-    _atomic_build(folder, lambda tmp: write_dataset(tmp, seed, turns, turn_tokens))
+    atomic_build(folder, lambda tmp: write_dataset(tmp, seed, turns, turn_tokens))
     return {"train": str(folder / "train.parquet"), "val": str(folder / "test.parquet")}

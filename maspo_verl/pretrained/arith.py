@@ -97,7 +97,7 @@ def ensure_dataset(
     """Train and val parquet files in the cache (the val split uses another seed: no shared problem)."""
     import pandas as pd
 
-    from maspo_verl.pretrained.smollm2 import default_cache_dir
+    from maspo_verl.util import default_cache_dir
 
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     key = hashlib.sha1(json.dumps([VERSION, seed, steps, max_operand, n_train, n_val]).encode()).hexdigest()[:10]

