@@ -91,19 +91,6 @@ def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
         gguf_path()
         _require_gguf()
     return atomic_build(target, write_model)
-    gguf_path()
-    _require_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
-    write_model(tmp)
-    (tmp / ".complete").write_text("ok\n")
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process won the race
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 if __name__ == "__main__":  # python -m maspo_verl.pretrained.smollm2 [CACHE_DIR]: prepare, print the folder
