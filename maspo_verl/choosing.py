@@ -211,7 +211,8 @@ def drift_section(root: Path) -> list[str]:
         "(the grid's speech-like units, the same with jittered codes, real speech from espeak-ng through the "
         "project's feature codec, or iid ids), then one REINFORCE update with random ±1 advantages; δ over "
         f"{base['batch']} x {base['repeats']} sampled responses of {base['tokens']} tokens. Measured with "
-        "`core/correlation.py` before it divided by the centred expectation (see the study's COMMAND.txt), so "
+        "the correlation sums (then `core/correlation.py`, now in `core/losses.py`) before they divided by the "
+        "centred expectation (see the study's COMMAND.txt), so "
         f"independent log-ratios in these rows give lag-1 {_f(ref.get('null_lag1')):+.3f}, VIF(15) "
         f"{_f(ref.get('null_vif15')):.2f} and VIF(50) {_f(ref.get('null_vif50')):.2f}, not 1: read each value "
         "against these. VIF(units): over runs of one id (about 1 for independent ones).",

@@ -1,11 +1,11 @@
-"""The loss pipeline, one file per step (docs/contributing.md, "One loss call"):
+"""The loss pipeline (docs/contributing.md, "One loss call"):
 
-    token_sets     who shares a ratio: t's segment (``segments/``), the prefix {1..t}, the whole response
-    ratios         delta_t, the shared log-ratio sum_{S(t)} delta / |S(t)|^alpha, r_t in stop-gradient form
-    clipping       the clip schedule: ratio-space bounds or log-space n^p bounds
-    surrogates     what the objective does with r_t: one per-token formula each, autograd's gradient
-    losses         the loss verl calls: the steps above, verl's aggregation, one batched metrics transfer
-    correlation    do the token log-ratios move together: lag-1 and VIF(n) sums, reported with the loss
+    token_sets     who shares a ratio: t's segment (``segments/``), the prefix {1..t}, the whole response; the sums
+                   of delta over each set and the set sizes
+    surrogates     what the objective does with r_t: one per-token formula each, autograd's gradient; the clip
+                   schedules (ratio-space bounds or log-space n^p bounds)
+    losses         the loss verl calls: delta_t, l_t = sum_{S(t)} delta / |S(t)|^alpha, r_t in stop-gradient form, the
+                   surrogate, verl's aggregation; the metrics in one batched transfer, the ratio-correlation sums
     reference_loss the same loss written plainly, top to bottom: the tests' oracle
 
 Importing it registers and patches nothing (the plugin does).

@@ -14,8 +14,9 @@
 No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, clip bounds as per-token
 tensors, no in-place ops. The surrogate's formula is the one the loss runs (each is one formula, pinned by its worked
 examples); the steps around it are written again here. Slow and memory-hungry; for tests and readers.
-The segment ids come from the rule (``maspo_verl.core.segments.compute_segment_ids``); what each rule does is pinned
-by its worked examples (``SegmentRule.examples``).
+The segments come from the rule's plain per-row loop (``SegmentRule.reference``), then ``min_segment_len`` /
+``max_segment_len`` as loops over the row (``maspo_verl.core.segments.reference``), not from the production
+segmentation; what each rule does is pinned by its worked examples (``SegmentRule.examples``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from typing import Any
 
 import torch
 
-from maspo_verl.core.clipping import ClipBounds
-from maspo_verl.core.segments import compute_segment_ids
-from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.segments.reference import reference_segment_ids
+from maspo_verl.core.surrogates import SURROGATES, ClipBounds
 
 LOG_RATIO_CLAMP = 20.0  # verl's bound on a token's log-ratio (compute_policy_loss_vanilla)
 
@@ -58,7 +58,7 @@ def reference_loss(
     both_kept = kept[:, :, None] & kept[:, None, :]
     position = torch.arange(T, device=log_prob.device)
     if policy_loss.loss_mode == "maspo":
-        ids = compute_segment_ids(kept, policy_loss, old_log_prob=old_log_prob)
+        ids = reference_segment_ids(kept, policy_loss, old_log_prob=old_log_prob)
         member = both_kept & (ids[:, :, None] == ids[:, None, :])
         alpha = policy_loss.length_exponent
     elif policy_loss.loss_mode == "pgspo":

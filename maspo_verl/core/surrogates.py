@@ -12,7 +12,13 @@ exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd 
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
 | `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
 
-``ppo``, ``cispo`` and ``tis`` take their bounds from the clip schedule (``maspo_verl.core.clipping.ClipBounds``);
+``ppo``, ``cispo`` and ``tis`` take their bounds from the clip schedule (``policy_loss.clip_schedule``: ``ClipBounds``):
+
+- ratio-space (verl-compatible): lo = 1 - eps_low, hi = 1 + eps_high, c = clip_ratio_c;
+- log-space, length-adaptive (CTPO-LA of "Rethinking Importance Sampling in LLM Policy Optimization: A Cumulative
+  Token Perspective", generalised to any token set): lo_t = exp(-eps_low n_t^p), hi_t = exp(eps_high n_t^p),
+  c_t = exp(eps_c n_t^p), n_t = |S(t)| (segment size, prefix length or response length).
+
 ``sapo`` reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each declares worked
 examples (``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
 """
@@ -21,12 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
-from maspo_verl.core import clipping
-from maspo_verl.core.clipping import ClipBounds
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting, check_choice, check_float, fail
 
@@ -50,6 +54,41 @@ def unclipped(loss: torch.Tensor) -> TokenLosses:
     """A loss with no clip masks (a surrogate that clips nothing)."""
     none = torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)
     return TokenLosses(loss, none, none, none)
+
+
+class Clipped(NamedTuple):
+    """What ``ClipBounds.clip`` gives for a ratio r: clip(r, lo, hi) (r, with its gradient, inside the band), where
+    r < lo, where r > hi; the dual clip's constant c as a value and where max(r, lo) > c."""
+
+    ratio: torch.Tensor
+    below: torch.Tensor
+    above: torch.Tensor
+    cap: torch.Tensor | float
+    over_cap: torch.Tensor
+
+
+@dataclass
+class ClipBounds:
+    """Bounds lo < 1 < hi and dual-clip constant c of the ratio r, scalars or per token.
+
+    With ``scale`` set they are log-space: the bounds of the log-ratio l = log r are ``low * scale``,
+    ``high * scale``, ``dual * scale``, and r is compared through l (no bound is exponentiated to decide a clip).
+    """
+
+    low: torch.Tensor | float
+    high: torch.Tensor | float
+    dual: torch.Tensor | float
+    scale: torch.Tensor | None = None
+
+    def clip(self, r: torch.Tensor, log_r: torch.Tensor) -> Clipped:
+        """The bounds applied to r (``log_r``: log r, through which log-space bounds compare): ``Clipped``."""
+        if self.scale is None:
+            low, high, dual = self.low, self.high, self.dual
+            return Clipped(torch.clamp(r, low, high), r < low, r > high, dual, r.clamp(min=low) > dual)
+        low, high, dual = self.scale * self.low, self.scale * self.high, self.scale * self.dual
+        below, above = log_r < low, log_r > high
+        clipped = torch.where(below, low.exp(), torch.where(above, high.exp(), r))
+        return Clipped(clipped, below, above, dual.exp(), torch.maximum(log_r, low) > dual)
 
 
 @dataclass(frozen=True)
@@ -109,8 +148,18 @@ class Surrogate(Generic[Params]):
         """Check the actor fields this surrogate reads (start-up, on the driver)."""
 
     def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
-        """Its parameters from the configs (``sizes``: per-token set sizes n_t, for a log-space schedule)."""
-        return clipping.clip_bounds(policy_loss, actor, sizes)
+        """Its parameters from the configs: by default the bounds of ``policy_loss.clip_schedule`` (log_adaptive reads
+        ``sizes``, the per-token set sizes n_t; ratio-space bounds are verl's actor scalars ``clip_ratio_low/high``,
+        else ``clip_ratio``, and ``clip_ratio_c``)."""
+        pl = policy_loss
+        if pl.clip_schedule == "log_adaptive":
+            scale = sizes.clamp(min=1.0)
+            if pl.clip_exponent != 1.0:
+                scale.pow_(pl.clip_exponent)
+            return ClipBounds(-pl.log_clip_low, pl.log_clip_high, pl.log_clip_dual, scale=scale)
+        low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        return ClipBounds(1.0 - low, 1.0 + high, actor.get("clip_ratio_c", 3.0))
 
     def loss(self, r: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, log_pi: torch.Tensor, params: Params):
         """The per-token loss and its clip masks (``TokenLosses``), [B, T], differentiable in ``r``, ``log_r``
@@ -168,9 +217,8 @@ class PPOClip(Surrogate[ClipBounds]):
     )
 
     def loss(self, r, log_r, adv, log_pi, params):
-        clipped, below, above = params.clip(r, log_r)
+        clipped, below, above, c, over_c = params.clip(r, log_r)
         pessimistic = torch.maximum(-adv * r, -adv * clipped)
-        c, over_c = params.cap(r, log_r)
         negative = adv < 0
         loss = torch.where(negative, torch.minimum(pessimistic, -adv * c), pessimistic)  # dual clip
         return TokenLosses(loss, negative & below, (adv > 0) & above, negative & over_c)
@@ -197,8 +245,8 @@ class CISPO(Surrogate[ClipBounds]):
     )
 
     def loss(self, r, log_r, adv, log_pi, params):
-        weight, below, above = params.clip(r.detach(), log_r.detach())
-        return TokenLosses(-(weight * adv) * log_pi, below, above, torch.zeros_like(below))
+        weight = params.clip(r.detach(), log_r.detach())
+        return TokenLosses(-(weight.ratio * adv) * log_pi, weight.below, weight.above, torch.zeros_like(weight.below))
 
 
 @register_surrogate
@@ -260,7 +308,7 @@ class TruncatedIS(Surrogate[ClipBounds]):
     )
 
     def loss(self, r, log_r, adv, log_pi, params):
-        c, _ = params.cap(r, log_r)
+        c = params.clip(r, log_r).cap
         truncated = r.detach() > c
         weight = torch.where(truncated, c, r.detach())
         none = torch.zeros_like(truncated)
@@ -281,33 +329,3 @@ def check_config(policy_loss: Any) -> None:
             f"{', '.join(TOKEN_SETS)}; verl's token-level cispo and sapo are loss modes of their own)",
         )
     SURROGATES[policy_loss.surrogate].check(policy_loss)
-
-
-def apply(
-    surrogate: Surrogate[Params],
-    log_prob: torch.Tensor,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    params: Params,
-    weights: torch.Tensor | None = None,
-    log_ratio: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
-) -> TokenLosses:
-    """Per-token loss of ``surrogate`` with the shared ratio's value ``ratio`` = exp(l) (``log_ratio`` = l when
-    given), differentiable in ``log_prob``: the formula on r = exp(sg[l] + log pi - sg[log pi]), so autograd's
-    gradient is the formula's derivative in r times r grad log pi. ``weights`` (rollout correction) multiply the
-    loss. Outside ``keep`` (the tokens in the loss) loss and gradient are zero, whatever the inputs hold there.
-    """
-    if keep is None:
-        keep = torch.ones(ratio.shape, dtype=torch.bool, device=ratio.device)
-    dtype = ratio.dtype
-    with torch.no_grad():
-        adv = torch.where(keep, advantages.to(dtype), 0.0)
-        value = ratio.detach()
-        level = value.log() if log_ratio is None else log_ratio.detach()
-    log_pi = torch.where(keep, log_prob.to(dtype), 0.0)
-    moving = log_pi - log_pi.detach()  # value 0, gradient grad log pi
-    out = surrogate.loss(value * moving.exp(), level + moving, adv, log_pi, params)
-    loss = out.loss if weights is None else out.loss * torch.where(keep, weights.to(dtype), 0.0)
-    out.loss = torch.where(keep, loss, 0.0)
-    return out

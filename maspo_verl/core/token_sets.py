@@ -20,17 +20,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from maspo_verl.core import ratios, segments
+from maspo_verl.core import segments
+from maspo_verl.core.segments import float_mask
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting
 
 
 @dataclass
 class SharedSums:
-    """Sums of delta over each token's set S(t) and the set sizes abs(S(t)).
+    """Sums of delta over each token's set S(t) and the set sizes abs(S(t)), in float32 or wider.
 
-    For segments (``segment_ids`` given) both are indexed by segment id, broadcast to tokens by ``per_token``;
-    for prefixes they are already per token.
+    For segments (``segment_ids`` given) both are indexed by segment id (gathered back to the tokens by
+    ``segment_ids``); for prefixes they are already per token.
     """
 
     sums: torch.Tensor
@@ -39,9 +40,6 @@ class SharedSums:
     segment_ids: torch.Tensor | None
     # metrics of the segmentation rule (name -> 0-d tensor), reported with the loss's metrics
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.segment_ids is None else torch.gather(values, -1, self.segment_ids)
 
 
 class TokenSet:
@@ -95,7 +93,9 @@ class Segments(TokenSet):
     def sums(self, policy_loss, old_log_prob, mask, delta):
         metrics: dict[str, torch.Tensor] = {}
         ids = segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob, metrics=metrics)
-        total, sizes = ratios.segment_totals(delta, ids, mask)
+        # per segment id (indexed like the tokens): the sum of delta (zero outside mask), the number of tokens
+        total = torch.zeros_like(delta).scatter_add_(-1, ids, delta)
+        sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids, metrics)
 
     def segment_ids(self, policy_loss, old_log_prob, mask):
@@ -121,7 +121,7 @@ class Prefixes(TokenSet):
     partition = False
 
     def sums(self, policy_loss, old_log_prob, mask, delta):
-        total, sizes = ratios.prefix_sums(delta, mask)
+        total, sizes = torch.cumsum(delta, dim=-1), torch.cumsum(float_mask(mask, delta.dtype), dim=-1)
         return SharedSums(total, sizes, 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0, None)
 
 
@@ -132,8 +132,9 @@ class WholeResponse(TokenSet):
     name = "pgspo"
 
     def sums(self, policy_loss, old_log_prob, mask, delta):
-        ids = self.segment_ids(policy_loss, old_log_prob, mask)
-        total, sizes = ratios.segment_totals(delta, ids, mask)
+        ids = self.segment_ids(policy_loss, old_log_prob, mask)  # one segment: sums as in ``Segments``
+        total = torch.zeros_like(delta).scatter_add_(-1, ids, delta)
+        sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids)
 
     def segment_ids(self, policy_loss, old_log_prob, mask):

@@ -17,7 +17,7 @@ warm-started by supervised steps on code sequences made here, deterministically 
 A measurement: ``--batch`` responses of ``--tokens`` tokens sampled from the model (temperature 1) after a
 prompt of the data's first ``prompt`` tokens, then ``updates`` optimizer steps on a REINFORCE loss with random
 +-1 advantages per response, then delta over the sampled tokens (new minus old log-probs). Correlation by
-``maspo_verl.core.correlation`` (lag-1, VIF(5/15/50): 1 for independent ratios; VIF(segments) over runs of one
+``maspo_verl.core.losses`` (lag-1, VIF(5/15/50): 1 for independent ratios; VIF(segments) over runs of one
 id, the units): the sums of ``--repeats`` measurements (own samples and advantages) pooled.
 
 Conditions (``--conditions``) change one factor of ``base`` (tiny model, ``runs`` data, 300 warm-start steps,
@@ -190,8 +190,8 @@ def token_logprobs(model, seq: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def measure(model, c: Condition, args, repeat: int) -> tuple[dict, float]:
-    """One measurement's correlation sums (``maspo_verl.core.correlation``) and delta's sd."""
-    from maspo_verl.core.correlation import correlation_sums
+    """One measurement's correlation sums (``maspo_verl.core.losses``) and delta's sd."""
+    from maspo_verl.core.losses import correlation_sums
 
     torch.manual_seed(args.seed + 1 + repeat)
     model.eval()
@@ -221,7 +221,7 @@ def measure(model, c: Condition, args, repeat: int) -> tuple[dict, float]:
 
 
 def run_condition(c: Condition, args, warm_cache: dict) -> dict:
-    from maspo_verl.core.correlation import correlation_metrics
+    from maspo_verl.core.losses import correlation_metrics
 
     t0 = time.time()
     if c.warm_key not in warm_cache:
@@ -370,7 +370,7 @@ def write_report(out: Path, rows: list[dict], args) -> None:
         "factor is: its docstring). Each row changes one factor of `base` (tiny model, `runs` data, 300 warm-start "
         f"steps, Adam lr 1e-3, 1 update, prompt 1); {repeats} measurements of {size} responses x {tokens} tokens "
         "each, pooled. lag-1 and VIF(n) of delta = log pi_new - log pi_old after the update(s) "
-        "(`maspo_verl/core/correlation.py`), VIF(units) over runs of one id. The measure centres each row, so "
+        "(`maspo_verl/core/losses.py`), VIF(units) over runs of one id. The measure centres each row, so "
         f"independent log-ratios in {tokens}-token rows give lag-1 {null['null_lag1']:+.3f}, VIF(5) "
         f"{null['null_vif5']:.2f}, VIF(15) {null['null_vif15']:.2f}, VIF(50) {null['null_vif50']:.2f} (not 1): "
         "read each value against these. `delta_sd`: the size of the move (a trust region keeps it near 0.1-0.2).",

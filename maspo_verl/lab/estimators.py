@@ -12,7 +12,7 @@ advantage A(y) = R(y) - E_old[R] (the large-group GRPO baseline, no std scaling)
   continuation -- hence the credit A -- still comes from pi_old. It is computed here from the mixed
   probabilities q_t(y) = exp(sum_{u<=t} log pi_theta + sum_{u>t} log pi_old), not from any ratio code.
 - Estimator with weights w_t(y):  g_w(y) = sum_t w_t(y) A(y) grad log pi_theta(y_t|y_<t),  y ~ pi_old.
-  w_t = exp(l_t), l_t from ``maspo_verl.core.ratios`` / ``maspo_verl.core.segments`` applied to
+  w_t = exp(l_t), l_t from the loss itself (``maspo_verl.core.losses.loss_body``) applied to
   delta_t = log pi_theta - log pi_old: exactly the value of the shared ratio r_t whose gradient
   r_t grad log pi_t the losses back-propagate (docs/algorithms.md §1). No clipping: clipping is a trust-region
   device that biases every estimator by design; the lab measures the ratios themselves.
@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from maspo_verl.config import GranularLossConfig
-from maspo_verl.core import ratios
-from maspo_verl.core.token_sets import TOKEN_SETS
+from maspo_verl.config import GranularLossConfig, actor_config
+from maspo_verl.core.losses import loss_body
 from maspo_verl.lab import common
 from maspo_verl.lab.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
 
@@ -132,10 +131,12 @@ def estimator_weights(est: Estimator, lp_new: torch.Tensor, lp_old: torch.Tensor
     if est.token_set == "none":
         return mask.to(DTYPE)
     loss_mode, config = loss_config(est)
-    delta, _ = ratios.token_log_ratios(lp_new, lp_old, mask)
-    sets = TOKEN_SETS[loss_mode].sums(config, lp_old, mask, delta)
-    ratio = sets.per_token(ratios.normalise(sets.sums, sets.sizes, sets.alpha)).exp()
-    return torch.where(mask, ratio, torch.zeros_like(ratio))
+    actor = actor_config()
+    actor.policy_loss = config
+    step = loss_body(
+        lp_old, lp_new, torch.zeros_like(lp_new), mask, "token-mean", actor, config, None, loss_mode=loss_mode
+    )
+    return torch.where(mask, step.ratio, torch.zeros_like(step.ratio))
 
 
 # ---------------------------------------------------------------- one exact case
@@ -346,7 +347,7 @@ def write_report(out, table, cases, claims, lengths, drifts, seconds) -> None:
         "prefixes from the target, credit (continuation) from the behaviour policy. Computed from mixed "
         "sequence probabilities, independently of the ratio code.",
         "- estimator g_w(y) = sum_t w_t(y) A(y) grad log pi_theta(y_t|y_<t), y ~ pi_old, with w_t the value of the "
-        "shared ratio computed by `maspo_verl.core.ratios` / `maspo_verl.core.segments` (the gradient the losses "
+        "shared ratio computed by the loss itself (`maspo_verl.core.losses`) (the gradient the losses "
         "back-propagate, before clipping; no clipping). Mean and total variance (trace of the covariance of one "
         "sample's estimate) are exact sums over all responses weighted by pi_old.",
         "- columns: `bias_rel` = ||E g_w - grad J|| / ||grad J||, `cos` = cosine(E g_w, grad J), "

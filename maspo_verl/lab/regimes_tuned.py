@@ -16,7 +16,7 @@ preset's loss from verl's registry as the trainer composes it). What this study 
 - **alignment vs averaging**: ``maspo_words~shuffled``, the ``words`` rule fed each response's own runs (its
   units) in a random order (the same length histogram, not aligned), against ``maspo_words``;
 - **the measured correlation per cell**: lag-1 and VIF(5/15/50) of the drift log-ratios (log pi after a batch's
-  updates minus the old log-probs, ``maspo_verl.core.correlation``) and VIF over the units, of grpo at its
+  updates minus the old log-probs, ``maspo_verl.core.losses``) and VIF over the units, of grpo at its
   chosen width, pooled over its seeds and steps.
 
 Cells (``--cells``): ``L<tokens>/<mismatch>/U<updates per batch>[/lr<Adam lr>]`` (mismatch as in ``regimes``).

@@ -6,7 +6,7 @@ arithmetic problems (``maspo_verl.pretrained.arith``), ``--group`` each. The ans
 recipe's math-verify reward is the assistant turn's text, up to the first ``<|im_start|>``.
 
 1. The token log-ratios delta = log pi - log pi_old, their lag-1 autocorrelation and VIF(5/15/50)
-   (``maspo_verl.core.correlation``, the loss's own metric), under three mismatches:
+   (``maspo_verl.core.losses``, the loss's own metric), under three mismatches:
    (a) ``bf16_forward``: the fp32 samples, pi_old = the same weights cast to bf16 (a bf16 trainer forward);
    (b) ``bf16_rollout``: samples of the bf16 model, pi_old = its log-probs (a bf16 rollout engine), pi = fp32;
    (c) ``drift_k``: the fp32 samples, pi = the model k GRPO updates later (Adam, ``--lr``, the top
@@ -223,7 +223,7 @@ def calibrate(fn, preset, old, lp, adv, resp, target: float) -> tuple[float, flo
 
 
 def correlation_row(name: str, delta: torch.Tensor) -> dict:
-    from maspo_verl.core.correlation import correlation_metrics, correlation_sums
+    from maspo_verl.core.losses import correlation_metrics, correlation_sums
 
     sums = correlation_sums(delta.double(), torch.ones_like(delta, dtype=torch.bool))
     m = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="")
@@ -459,7 +459,7 @@ def _report(out: Path, args, corr, grad, meta, argv) -> None:
         " decoder layers trained on the fp32 batch with GRPO's loss. What each row measures: the module docstring"
         " (maspo_verl/lab/smollm2.py).",
         "",
-        "## Token log-ratio correlation (core.correlation, docs/algorithms.md §9: lag-1; VIF(n), 1 if independent)",
+        "## Token log-ratio correlation (core.losses, docs/algorithms.md §9: lag-1; VIF(n), 1 if independent)",
         "",
         markdown_table(corr),
     ]

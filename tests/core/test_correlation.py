@@ -1,10 +1,10 @@
-"""The ratio-correlation metrics (``maspo_verl.core.correlation``) against a plain float64 loop over rows, and
+"""The ratio-correlation metrics (``maspo_verl.core.losses``) against a plain float64 loop over rows, and
 against the closed form of AR(1) log-ratios with a planted correlation."""
 
 import pytest
 import torch
 
-from maspo_verl.core.correlation import WINDOWS, correlation_metrics, correlation_sums
+from maspo_verl.core.losses import WINDOWS, correlation_metrics, correlation_sums
 
 
 def reference_metrics(delta, mask, segment_ids=None):

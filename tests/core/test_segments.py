@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from maspo_verl import fsq
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.core import segments
-from maspo_verl.core.segments import lengths
+from maspo_verl.core.segments import compute
 from maspo_verl.core.segments.rules import logprob
 
 settings.register_profile("ci", deadline=None, max_examples=60)
@@ -211,10 +211,10 @@ def test_fixed_ids_are_valid_position_over_window(data):
 
 
 def suppress(boundaries, scores, mask, min_len):
-    """``lengths.suppress_close`` in token order: the +inf scores of boundaries given as ``forced``."""
+    """``compute.suppress_close`` in token order: the +inf scores of boundaries given as ``forced``."""
     packed = segments.Packed(mask)
     forced = boundaries & scores.isinf()
-    kept = lengths.suppress_close(
+    kept = compute.suppress_close(
         packed.pack(boundaries & mask, False),
         packed.pack(scores.masked_fill(scores.isinf(), 0.0)),
         min_len,

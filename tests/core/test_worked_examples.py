@@ -9,7 +9,6 @@ import torch
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.core import surrogates
 from maspo_verl.core.segments import OLD_LOG_PROB, RESPONSE_IDS, SEGMENT_RULES, TOKENIZER, WORD_IDS, compute_segment_ids
 from maspo_verl.core.segments.reference import reference_segment_ids
 from maspo_verl.core.surrogates import SURROGATES
@@ -86,7 +85,9 @@ def test_surrogate_example(name, index):
     log_prob = torch.tensor(example.log_prob or (-1.0,) * shape[1], dtype=torch.float64).reshape(shape).requires_grad_()
     sizes = None if example.sizes is None else torch.tensor(example.sizes, dtype=torch.float64).reshape(shape)
     params = surrogate.params(pl, actor, sizes)
-    token = surrogates.apply(surrogate, log_prob, ratio, adv, params, log_ratio=ratio.log())
+    # the loss's stop-gradient ratio r = exp(sg[l] + log pi - sg[log pi]): value r, gradient r grad log pi
+    moving = log_prob - log_prob.detach()
+    token = surrogate.loss(ratio * moving.exp(), ratio.log() + moving, adv, log_prob, params)
     (grad,) = torch.autograd.grad(token.loss.sum(), log_prob)
     expected_loss = torch.tensor(example.loss, dtype=torch.float64).reshape(shape)
     expected_grad = torch.tensor(example.grad, dtype=torch.float64).reshape(shape)

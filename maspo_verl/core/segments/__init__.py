@@ -8,22 +8,14 @@ outputs): rules work on packed rows, where "previous token" is the previous *val
 
 | module | what it holds |
 |---|---|
-| ``rule`` | what a rule declares (settings, inputs, limits, fallback, worked examples) and ``candidates``'s types |
+| ``rule`` | what a rule declares (settings, inputs, limits, worked examples) and reads (``Packed`` rows, inputs) |
 | ``rules/`` | the rules, one module each, discovered on import (``registry``) |
 | ``registry`` | the registered rules, and which of them a config runs (with its fallback) and what they read |
-| ``packing`` | packed rows (valid tokens moved to the front) |
-| ``lengths`` | ``min_segment_len`` / ``max_segment_len`` for every rule |
-| ``compute`` | one segmentation: rule, lengths, ids (``compute_segment_ids``, the public entry point) |
+| ``compute`` | one segmentation: rule, min/max length, ids (``compute_segment_ids``, the public entry point) |
 | ``text_tables`` | the tokenizer's text tables for rules that find strings (``delimiters``) |
 """
 
-from maspo_verl.core.segments.compute import (
-    compute_boundaries,
-    compute_segment_ids,
-    packed_boundaries,
-    token_level,
-)
-from maspo_verl.core.segments.packing import Packed, previous
+from maspo_verl.core.segments.compute import compute_boundaries, compute_segment_ids, token_level
 from maspo_verl.core.segments.registry import (
     SEGMENT_RULES,
     configured_rule,
@@ -41,8 +33,11 @@ from maspo_verl.core.segments.rule import (
     WORD_IDS,
     Candidates,
     Example,
+    Packed,
     RuleInputs,
     SegmentRule,
+    float_mask,
+    previous,
 )
 
 discover()
@@ -63,7 +58,7 @@ __all__ = [
     "compute_segment_ids",
     "configured_rule",
     "fallback_rules",
-    "packed_boundaries",
+    "float_mask",
     "previous",
     "register_segment_rule",
     "rules_in_use",

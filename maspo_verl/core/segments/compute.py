@@ -1,5 +1,6 @@
-"""Running a segmentation: the configured rule's candidates, then ``min_segment_len`` / ``max_segment_len``, then
-segment ids. One torch implementation, the same on CPU and GPU: vectorised over [B, T], no host sync.
+"""Running a segmentation: the configured rule's candidates on the packed rows, then ``min_segment_len`` /
+``max_segment_len`` (the same for every rule), then segment ids. One torch implementation, the same on CPU and GPU:
+vectorised over [B, T], no host sync.
 
 The settings declared here are the segmentation's own, shared by every rule."""
 
@@ -10,10 +11,8 @@ from typing import Any
 
 import torch
 
-from maspo_verl.core.segments.lengths import split_long, suppress_close
-from maspo_verl.core.segments.packing import Packed
 from maspo_verl.core.segments.registry import SEGMENT_RULES, configured_rule
-from maspo_verl.core.segments.rule import RuleInputs
+from maspo_verl.core.segments.rule import Packed, RuleInputs, float_mask, previous
 from maspo_verl.validation import Choice, Int, Setting, fail
 
 SETTINGS = (
@@ -21,6 +20,8 @@ SETTINGS = (
     Setting("min_segment_len", 0, Int(0), "suppress boundaries closer than this to a stronger one (0 = off)"),
     Setting("max_segment_len", 0, Int(0), "force a boundary every this many tokens inside a segment (0 = off)"),
 )
+# the key of a token that is no boundary (``suppress_close``)
+_FLOOR = torch.finfo(torch.float32).max
 
 
 def validate(config: Any) -> None:
@@ -38,38 +39,6 @@ def validate(config: Any) -> None:
 def token_level(config: Any) -> bool:
     """True when the settings give every token its own segment."""
     return getattr(config, "max_segment_len", 0) == 1 or configured_rule(config).token_level(config)
-
-
-def packed_boundaries(packed: Packed, config: Any, inputs: RuleInputs, metrics: dict | None = None) -> torch.Tensor:
-    """Boundaries (packed) of ``config.segment_rule``, then ``min_segment_len`` / ``max_segment_len``;
-    the rule's metrics go into ``metrics`` when given. Boundaries past a row's length are left as they
-    fall (never unpacked)."""
-    rule = SEGMENT_RULES.get(config.segment_rule) or configured_rule(config)  # (which names the allowed ones)
-    found = rule.candidates(config, packed, inputs)  # the configured rule: inputs name it in errors
-    if metrics is not None:
-        metrics.update(found.metrics)
-    forced = found.forced
-    b = found.boundaries if forced is None else found.boundaries | forced
-    b[:, :1] = packed.valid[:, :1]  # the first valid token starts a segment
-    if config.min_segment_len > 1:
-        # forced boundaries outrank every other (+inf) and stay even next to each other
-        scores = found.scores.float()
-        scores[:, :1].masked_fill_(b[:, :1], math.inf)
-        b = suppress_close(b, scores, config.min_segment_len, forced)
-        if forced is not None:
-            b |= forced
-    if config.max_segment_len > 0:
-        b = split_long(b, packed, config.max_segment_len)
-    return b
-
-
-def compute_boundaries(
-    mask: torch.Tensor, config: Any, *, old_log_prob=None, token_ids=None, metrics=None
-) -> torch.Tensor:
-    """``packed_boundaries`` in token order (``token_ids``: the response ids, else the micro-batch's)."""
-    packed = Packed(mask)
-    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
-    return packed.unpack(packed_boundaries(packed, config, inputs, metrics), False)
 
 
 def compute_segment_ids(
@@ -97,7 +66,86 @@ def compute_segment_ids(
     """
     packed = Packed(mask)
     inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
-    ids = torch.cumsum(packed_boundaries(packed, config, inputs, metrics), dim=-1, dtype=torch.int32).sub_(1)
-    ids = packed.unpack(ids)
+    # 1. the rule's candidates on the packed rows (the configured rule: inputs name it in errors)
+    rule = SEGMENT_RULES.get(config.segment_rule) or configured_rule(config)  # (which names the allowed ones)
+    found = rule.candidates(config, packed, inputs)
+    if metrics is not None:
+        metrics.update(found.metrics)
+    forced = found.forced
+    b = found.boundaries if forced is None else found.boundaries | forced
+    b[:, :1] = packed.valid[:, :1]  # the first valid token starts a segment
+    # 2. min_segment_len: forced boundaries outrank every other (+inf) and stay even next to each other
+    if config.min_segment_len > 1:
+        scores = found.scores.float()
+        scores[:, :1].masked_fill_(b[:, :1], math.inf)
+        b = suppress_close(b, scores, config.min_segment_len, forced)
+        if forced is not None:
+            b |= forced
+    # 3. max_segment_len (what it adds past a row's length is never read)
+    if config.max_segment_len > 0:
+        b = split_long(b, packed, config.max_segment_len)
+    # 4. ids: the running count of boundaries, back in token order (each token's packed column; padding 0)
+    ids = torch.cumsum(b, dim=-1, dtype=torch.int32).sub_(1)
+    ids = ids.gather(-1, packed.slot.clamp_(max=max(mask.shape[-1] - 1, 0))).mul_(packed.mask)
     del packed  # its int64 index before the int64 ids exist (peak memory)
     return ids.long()
+
+
+def compute_boundaries(mask: torch.Tensor, config: Any, **inputs) -> torch.Tensor:
+    """Where ``compute_segment_ids``'s segments start (same arguments): True at a valid token whose id differs
+    from the previous valid token's, and at each row's first valid token."""
+    packed = Packed(mask)
+    ids = packed.pack(compute_segment_ids(mask, config, **inputs))
+    return packed.unpack((ids != previous(ids)) | (packed.columns == 0), False)
+
+
+def suppress_close(
+    boundaries: torch.Tensor, scores: torch.Tensor, min_len: int, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-maximum suppression on packed rows: drop a boundary within ``min_len - 1`` tokens of a
+    stronger one.
+
+    Boundaries are ordered by score, ties going to the earlier one (a strict total order);
+    boundaries that must stay (the first valid token, tokens outside the codec: ``forced``, a subset
+    of ``boundaries``) carry score +inf; ``scores`` are otherwise finite. A boundary survives when it
+    is the strongest of all boundaries within ``min_len - 1`` valid tokens on either side,
+    *suppressed ones included*, so no two survivors are closer than ``min_len``. Two consequences: a
+    boundary can be dropped by a stronger neighbour that is itself dropped (in 9 . 8 . 9 with
+    min_len 3 the 9s survive, the 8 goes, but in 7 . 8 . 9 only the 9 survives: the 7 is dropped by
+    the 8, which the 9 drops), and the row's last segment may be shorter than ``min_len``. Forced
+    boundaries next to each other suppress each other like equal scores (the caller keeps them).
+
+    Linear in T: the strongest earlier and later neighbours come from one sliding-window max over
+    the packed rows (strictly stronger than every earlier neighbour, at least as strong as every
+    later one).
+    """
+    if min_len <= 1:
+        return boundaries
+    B, T = boundaries.shape
+    pad = min_len - 1
+    keys = torch.empty((B, T + 2 * pad), device=boundaries.device)
+    keys[:, :pad] = -math.inf
+    keys[:, pad + T :] = -math.inf
+    own = keys[:, pad : pad + T]
+    # the score on boundaries, the float32 floor elsewhere, as arithmetic (faster than a select)
+    on = float_mask(boundaries)
+    torch.addcmul(on.sub(1.0).mul_(_FLOOR), scores, on, out=own)
+    if forced is not None:  # + inf where forced (0 * inf is nan: made 0)
+        own.add_(float_mask(forced).mul_(math.inf).nan_to_num_(nan=0.0, posinf=math.inf))
+    # window max over the pad columns before each column; column p's later neighbours are the window at p + min_len
+    window = torch.nn.functional.max_pool1d(keys.unsqueeze(1), pad, stride=1).squeeze(1)
+    keep = (own > window[:, :T]).logical_and_(own >= window[:, min_len : min_len + T])
+    return keep.logical_and_(boundaries)
+
+
+def split_long(boundaries: torch.Tensor, packed: Packed, max_len: int) -> torch.Tensor:
+    """Add a boundary every ``max_len`` valid tokens inside each segment (packed; the first valid
+    token must be a boundary; what it adds past a row's length is never unpacked)."""
+    if max_len <= 0:
+        return boundaries
+    columns = packed.columns
+    # distance to the last boundary, in valid tokens (exact in float32 below 2**24); a multiple of
+    # max_len when its quotient is a whole number
+    last = torch.cummax(float_mask(boundaries, torch.int32).mul_(columns), dim=-1).values
+    since = torch.sub(columns.float(), last).div_(max_len)
+    return boundaries | (since.frac_() == 0)

@@ -20,8 +20,10 @@ A rule (one module in ``maspo_verl/core/segments/rules/``) subclasses ``SegmentR
   ``reads_codec`` (it reads codec codes), ``validate`` (checks across fields), ``startup`` (work on the
   composed trainer config before Ray) and ``sweeps`` (how the calibration lab varies its threshold on a corpus).
 
-``candidates`` gets the config, the rows packed (``Packed``) and its inputs, and proposes boundaries with their
-strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged.
+``candidates`` gets the config, the rows packed (``Packed``: each row's valid tokens moved to its front, so "the
+previous valid token" is the previous column whatever the padding) and its inputs, and proposes boundaries with their
+strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged. ``previous`` and ``float_mask``
+are the tensor helpers rules share.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl.batch import current_response_ids, current_tokenizer, current_word_ids
-from maspo_verl.core.segments.packing import Packed
 from maspo_verl.validation import Setting
 
 # What a rule reads besides the mask. The old log-probs come with every loss call; the response ids, word ids
@@ -44,6 +45,58 @@ FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
 LIMITS = ("token", "sequence")
 # the quantiles of a corpus statistic a calibration sweep tries as thresholds
 QUANTILES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99)
+
+
+class Packed:
+    """The valid tokens of each row of a [B, T] mask moved to the front of the row, in order.
+
+    Column p of a packed tensor holds the row's valid token number p, so the previous valid token is
+    the previous column and a position counted in valid tokens is the column index; columns from the
+    row's length on are padding. ``pack`` is one scatter, ``unpack`` one gather.
+    """
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask = mask.bool()  # token order
+        B, T = mask.shape
+        count = torch.cumsum(mask, dim=-1, dtype=torch.int32)  # int32: several times faster than int64 on CPU
+        self.lengths = count[:, -1:].clone() if T else count.new_zeros(B, 1)
+        # each token's column; padding goes to a dump column T, cut off after packing
+        self.slot = torch.where(mask, count.sub_(1), T).long()
+        self.columns = torch.arange(T, device=mask.device, dtype=torch.int32)
+        self.valid = self.columns < self.lengths
+        # valid tokens with a previous valid token: all but column 0
+        self.has_previous = self.valid.clone()
+        self.has_previous[:, :1] = False
+
+    def pack(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """x [B, T] in token order -> packed [B, T] (``fill`` past each row's length)."""
+        B, T = x.shape
+        return x.new_full((B, T + 1), fill).scatter_(-1, self.slot, x)[:, :T]
+
+    def unpack(self, y: torch.Tensor, fill=0) -> torch.Tensor:
+        """Packed y -> token order, ``fill`` on padding."""
+        B, T = y.shape
+        ext = y.new_empty((B, T + 1))
+        ext[:, T] = fill
+        ext[:, :T] = y
+        return torch.gather(ext, -1, self.slot)
+
+
+def previous(x: torch.Tensor) -> torch.Tensor:
+    """Packed x shifted by one column: each valid token sees the previous valid token's value (0 in
+    column 0, which has none)."""
+    out = torch.empty_like(x)
+    out[:, :1] = 0
+    out[:, 1:] = x[:, :-1]
+    return out
+
+
+def float_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A mask as 0/1 floats; bool goes through uint8, which CPU kernels convert much faster (not under
+    ``torch.compile``, whose fused kernels convert directly and cannot reinterpret a bool buffer)."""
+    if mask.dtype == torch.bool and mask.is_contiguous() and not torch.compiler.is_compiling():
+        return mask.view(torch.uint8).to(dtype)
+    return mask.bool().to(dtype)
 
 
 @dataclass

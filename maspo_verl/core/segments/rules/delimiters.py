@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 
 from maspo_verl import vocab
-from maspo_verl.core.ratios import float_mask
-from maspo_verl.core.segments.packing import Packed, previous
-from maspo_verl.core.segments.rule import RESPONSE_IDS, TOKENIZER, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.rule import (
+    RESPONSE_IDS,
+    TOKENIZER,
+    Candidates,
+    Example,
+    Packed,
+    SegmentRule,
+    float_mask,
+    previous,
+)
 from maspo_verl.core.segments.text_tables import device_tables, driver_tokenizer, text_tables
 from maspo_verl.util import warn_once
 from maspo_verl.validation import Setting, Strings, fail

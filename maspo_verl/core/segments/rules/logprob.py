@@ -6,9 +6,16 @@ import math
 
 import torch
 
-from maspo_verl.core.ratios import float_mask
-from maspo_verl.core.segments.packing import Packed
-from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, Sweep, quantile_grid
+from maspo_verl.core.segments.rule import (
+    OLD_LOG_PROB,
+    Candidates,
+    Example,
+    Packed,
+    SegmentRule,
+    Sweep,
+    float_mask,
+    quantile_grid,
+)
 from maspo_verl.validation import Bool, Float, Setting
 
 # per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries

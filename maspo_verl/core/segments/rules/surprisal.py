@@ -6,9 +6,7 @@ import math
 
 import torch
 
-from maspo_verl.core.ratios import float_mask
-from maspo_verl.core.segments.packing import Packed
-from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, Packed, SegmentRule, float_mask
 from maspo_verl.core.segments.rules.logprob import MAX_DROP, finite
 from maspo_verl.validation import Float, Setting
 

@@ -8,8 +8,17 @@ from collections.abc import Sequence
 import torch
 
 from maspo_verl import fsq
-from maspo_verl.core.segments.packing import Packed, previous
-from maspo_verl.core.segments.rule import FORCED, RESPONSE_IDS, Candidates, Example, SegmentRule, Sweep, quantile_grid
+from maspo_verl.core.segments.rule import (
+    FORCED,
+    RESPONSE_IDS,
+    Candidates,
+    Example,
+    Packed,
+    SegmentRule,
+    Sweep,
+    previous,
+    quantile_grid,
+)
 from maspo_verl.validation import Choice, Float, Int, Ints, Setting, fail
 
 TOKENVAL_DISTANCES = ("id", "fsq_l1", "fsq_hamming")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from maspo_verl.core.segments.packing import previous
-from maspo_verl.core.segments.rule import FORCED, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.rule import FORCED, Candidates, Example, SegmentRule, previous
 from maspo_verl.validation import Int, Setting
 
 

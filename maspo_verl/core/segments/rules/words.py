@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 
 from maspo_verl.batch import NO_WORD
-from maspo_verl.core.ratios import float_mask
-from maspo_verl.core.segments.packing import previous
 from maspo_verl.core.segments.registry import SEGMENT_RULES, fallback_rules
-from maspo_verl.core.segments.rule import WORD_IDS, Candidates, Example, SegmentRule
+from maspo_verl.core.segments.rule import WORD_IDS, Candidates, Example, SegmentRule, float_mask, previous
 from maspo_verl.validation import Choice, Setting
 
 # share of the rows with valid tokens and no word that took the fallback rule
