@@ -244,8 +244,14 @@ def metric_sums(
     parts["delta_sum"] = delta_sum
     parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
     parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
-    layout = tuple((name, part.numel()) for name, part in parts.items())
-    return torch.cat([part.reshape(-1).to(torch.float64) for part in parts.values()]), layout
+    # one float64 vector: the integer parts, then the floating ones, each group joined before its one conversion
+    # (exact: int32 joins int64, float32 joins float64)
+    groups = ([], [])
+    for name, part in parts.items():
+        groups[part.is_floating_point()].append((name, part))
+    layout = tuple((name, part.numel()) for group in groups for name, part in group)
+    vector = [torch.cat([part.reshape(-1) for _, part in group]).to(torch.float64) for group in groups if group]
+    return torch.cat(vector), layout
 
 
 # the raw sums of ``metric_sums``; every other name in its layout is a metric reported as it is
@@ -323,34 +329,37 @@ def correlation_sums(
     ``WINDOWS`` [sum of squared window sums, sum n (1 - n/L)]; ``corr_segments``: the same for the segments.
     """
     mask = mask.bool()
-    valid = mask.to(delta.dtype)
+    valid = float_mask(mask, delta.dtype)
     lengths = valid.sum(-1, keepdim=True)  # [B, 1]
     mean = (delta * valid).sum(-1, keepdim=True) / lengths.clamp(min=1.0)
     x = (delta - mean) * valid
     # the previous valid token of each column: the last valid column before it (-1: none)
-    cols = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    last = torch.where(mask, cols, torch.full_like(cols, -1)).cummax(-1).values
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask, cols, -1).cummax(-1).values
     prev = torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1)
-    has_prev = mask & (prev >= 0)
-    x_prev = x.gather(-1, prev.clamp(min=0)) * has_prev.to(x.dtype)
+    has_prev = float_mask(mask & (prev >= 0), x.dtype)
+    x_prev = x.gather(-1, prev.clamp(min=0)) * has_prev
     n_tokens = lengths.sum()
-    tokens = torch.stack(
-        [n_tokens, n_tokens - (lengths > 0).sum(), (x * x).sum(), has_prev.to(x.dtype).sum(), (x * x_prev).sum()]
-    )
-    # windows: position among the row's valid tokens // n, whole windows only
+    tokens = torch.stack([n_tokens, n_tokens - (lengths > 0).sum(), (x * x).sum(), has_prev.sum(), (x * x_prev).sum()])
+    # windows of each size n at once [n, B, T]: position among the row's valid tokens // n, whole windows only,
+    # summed by one scatter into consecutive blocks of B * (T // n + 1) slots, one block per n
+    B, T = mask.shape
+    slots = [T // n + 1 for n in WINDOWS]
+    starts = [B * sum(slots[:i]) for i in range(len(WINDOWS))]
     position = torch.cumsum(mask, -1) - 1
-    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1)
+    rows = torch.arange(B, device=mask.device).unsqueeze(-1)
+    window = torch.stack([position // n for n in WINDOWS])
+    count = torch.stack([torch.div(lengths, n, rounding_mode="floor") for n in WINDOWS])  # whole windows per row
+    whole = mask & (window < count)
+    first = torch.stack([rows * k + start for k, start in zip(slots, starts, strict=True)])  # each row's first slot
+    index = torch.where(whole, first + window, 0)
+    window_sum = torch.zeros(B * sum(slots), dtype=x.dtype, device=x.device)
+    window_sum.scatter_add_(0, index.reshape(-1), (x * float_mask(whole, x.dtype)).reshape(-1))
+    squares, at_least_one = window_sum.mul_(window_sum), lengths.clamp(min=1.0)
     windows = []
-    for n in WINDOWS:  # three sizes, not a loop over tokens
-        slots = mask.shape[-1] // n + 1
-        count = torch.div(lengths, n, rounding_mode="floor")  # whole windows per row [B, 1]
-        whole = mask & (position // n < count)
-        index = torch.where(whole, rows * slots + position // n, torch.zeros_like(position))
-        window_sum = torch.zeros(mask.shape[0] * slots, dtype=x.dtype, device=x.device)
-        window_sum.scatter_add_(0, index.reshape(-1), (x * whole.to(x.dtype)).reshape(-1))
-        expected = (count * n * (1.0 - n / lengths.clamp(min=1.0))).sum()
-        windows.append(torch.stack([(window_sum * window_sum).sum(), expected]))
-    parts = {"corr_tokens": tokens, "corr_windows": torch.cat(windows)}
+    for n, c, k, start in zip(WINDOWS, count, slots, starts, strict=True):  # three sizes, not a loop over tokens
+        windows += [squares[start : start + B * k].sum(), (c * n * (1.0 - n / at_least_one)).sum()]
+    parts = {"corr_tokens": tokens, "corr_windows": torch.stack(windows)}
     if segment_ids is not None:
         ids = torch.where(mask, segment_ids.long(), torch.zeros_like(segment_ids, dtype=torch.long))
         seg_sum = torch.zeros_like(x).scatter_add_(-1, ids, x)
