@@ -150,14 +150,14 @@ def loss_body(
             set_sizes = shared.sizes if ids is None else shared.sizes.gather(-1, ids)
         rule_metrics = shared.metrics
         del shared
-        # 6. the clip schedule's bounds (or the surrogate's own parameters)
-        surrogate = SURROGATES[policy_loss.surrogate]
-        params = surrogate.params(policy_loss, actor, set_sizes)
         adv = torch.where(mask, advantages.to(dtype), 0.0)
     # 5. the ratio in stop-gradient form r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, "Group Sequence
     # Policy Optimization", Zheng et al. 2025): value exp(l_t), gradient r_t grad log pi_t
     log_pi = torch.where(mask, log_prob.to(dtype), 0.0)
     moving = log_pi - log_pi.detach()  # value 0, gradient grad log pi
+    # 6. the clip schedule's bounds (or the surrogate's own parameters), values
+    surrogate = SURROGATES[policy_loss.surrogate]
+    params = surrogate.params(policy_loss, actor, set_sizes)
     # 7. the surrogate's formula; autograd gives its gradient. Times the rollout weights; zero outside the mask
     token_losses = surrogate.loss(ratio * moving.exp(), log_ratio + moving, adv, log_pi, params)
     loss_mat = token_losses.loss
