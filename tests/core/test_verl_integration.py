@@ -89,14 +89,14 @@ def test_check_command_reports_a_broken_package_as_a_finding(tmp_path):
 
     shadow = tmp_path / "maspo_verl"
     shutil.copytree(Path(maspo_verl.__file__).parent, shadow, ignore=shutil.ignore_patterns("__pycache__"))
-    (shadow / "core" / "ratios.py").write_text("def broken(:\n")
+    (shadow / "core" / "token_sets.py").write_text("def broken(:\n")
     env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "maspo_verl", "check"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 1
     report = json.loads(out.stdout)
     assert report["import_plugin"]["exception"].startswith("SyntaxError")
-    assert report["import_plugin"]["file"].endswith("ratios.py:1")
+    assert report["import_plugin"]["file"].endswith("token_sets.py:1")
     assert "Traceback" not in out.stdout + out.stderr
 
 
