@@ -26,6 +26,7 @@ cosine with grad J, bias w.r.t. g_pc (also relative to ||grad J||), total varian
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -131,8 +132,7 @@ def estimator_weights(est: Estimator, lp_new: torch.Tensor, lp_old: torch.Tensor
     if est.token_set == "none":
         return mask.to(DTYPE)
     loss_mode, config = loss_config(est)
-    actor = actor_config()
-    actor.policy_loss = config
+    actor = dataclasses.replace(actor_config(), policy_loss=config)
     step = loss_body(
         lp_old, lp_new, torch.zeros_like(lp_new), mask, "token-mean", actor, config, None, loss_mode=loss_mode
     )
