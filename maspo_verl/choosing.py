@@ -39,6 +39,11 @@ TRAINER = (
 TASK_LETTER = {"speech": "S", "text": "T"}
 # a pretrained model (lab smollm2): one folder per run, the first the default command's
 PRETRAINED = ("smollm2", "smollm2/seed1")
+# the speech-like task on a warm-started model (lab learn --tasks speechwarm): the trainer confirmation, and the
+# drift correlation per condition against the untrained model
+WARM = "learn_speechwarm"
+WARM_VIF = "learn_speechwarm_vif"
+CORRELATION = ("actor/ratio/corr_lag1", "actor/ratio/vif5", "actor/ratio/vif15", "actor/ratio/vif50")
 TRUST_SIZED = 0.3  # drift study: a move whose log-ratio sd is at most this is the size a trust region allows
 
 
@@ -370,6 +375,95 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
     return lines
 
 
+def _correlation_cells(r: dict) -> str:
+    return " | ".join(f"{_f(r.get(k)):+.3f}" if k.endswith("lag1") else f"{_f(r.get(k)):.2f}" for k in CORRELATION)
+
+
+def warm_section(root: Path) -> list[str]:
+    """The speech-like task on the warm-started model in verl's trainer: its drift correlation per condition (and the
+    untrained model's), and each preset against grpo at the bands named, paired by seed, as a share of grpo's gain."""
+    vif = _read(root / RESULTS / WARM_VIF / "learn_summary.csv")
+    runs = _read(root / RESULTS / WARM / "learn_runs.csv")
+    compare = _read(root / RESULTS / WARM / "learn_compare.csv")
+    if not vif and not runs:
+        return []
+    lines = [
+        "`task=speechwarm` (`lab learn --tasks speechwarm`): the embedded Qwen2-shaped model (91k parameters) "
+        "warm-started by next-token training on random spoken sentences of the speech-like task (4 words, each "
+        "held over a quarter of the response's frames; `maspo_verl/local/speechwarm.py`), then trained with RL to "
+        "say the run's sentence. `speech` is the same task on the untrained model.",
+        "",
+    ]
+    if vif:
+        lines += [
+            f"[`{WARM_VIF}/`](results/{WARM_VIF}/README.md): the loss's own measure of δ = log π − log π_old per "
+            "step (`actor/ratio/*`, mean over steps and seeds; 1 = independent), grpo:",
+            "",
+            "| task | cell | lag-1 | VIF(5) | VIF(15) | VIF(50) |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {r['task']} | {r['cell']} | {_correlation_cells(r)} |"
+                for r in vif
+                if r["loss"] == BASELINE and r.get(CORRELATION[1])
+            ),
+            "",
+        ]
+    if runs:
+        grpo = [r for r in runs if r["loss"] == BASELINE and _yes(r["ok"])]
+        gain = sum(_f(r["gain"]) for r in grpo) / len(grpo) if grpo else float("nan")
+        first = sum(_f(r["first_reward"]) for r in grpo) / len(grpo) if grpo else float("nan")
+        bands = {r["loss"]: r.get("band") or "shipped" for r in runs}
+        lines += [
+            f"[`{WARM}/`](results/{WARM}/README.md) (verl's trainer, {len(runs)} runs): `{BASELINE}` goes from "
+            f"{first:.3f} at step 1 by {gain:+.3f} (mean over {len(grpo)} seeds). Each preset's final reward minus "
+            "grpo's, paired by seed (95 % interval; **bold** excludes 0), and as a share of grpo's gain; bands as "
+            "scaled from the shipped ones (`inf`: no clip):",
+            "",
+            "| preset | band | diff [95 %] | / grpo's gain | seeds | lag-1 | VIF(5) | VIF(15) | VIF(50) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        summary = _read(root / RESULTS / WARM / "learn_summary.csv")
+        for r in compare:
+            if r["comparison"] != "vs_grpo" or r["metric"] != "final_reward":
+                continue
+            d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
+            text = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            text = f"**{text}**" if _yes(r["interval_excludes_0"]) else text
+            share = f"{d / gain:+.2f} [{lo / gain:+.2f}, {hi / gain:+.2f}]" if gain > 0 else "—"
+            corr = next((s for s in summary if (s["cell"], s["loss"]) == (r["cell"], r["loss"])), {})
+            lines.append(
+                f"| `{r['loss']}` | {bands.get(r['loss'])} | {text} | {share} | {r['seeds']} | "
+                f"{_correlation_cells(corr)} |"
+            )
+        base = next((s for s in summary if s["loss"] == BASELINE), {})
+        lines.append(f"| `{BASELINE}` | {bands.get(BASELINE)} | — | — | {len(grpo)} | {_correlation_cells(base)} |")
+        lines += ["", *warm_verdict(compare, gain), ""]
+    return lines
+
+
+def warm_verdict(compare: list[dict], gain: float) -> list[str]:
+    """What the warm-started model's comparison supports, read from its intervals."""
+    rows = [r for r in compare if r["comparison"] == "vs_grpo" and r["metric"] == "final_reward"]
+    if not rows:
+        return []
+    if not gain > 0:
+        return [f"`{BASELINE}` did not learn here (mean gain {gain:+.3f}): the differences say nothing."]
+    out = []
+    for r in rows:
+        d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
+        if _yes(r["interval_excludes_0"]):
+            side = "above" if d > 0 else "below"
+            out.append(
+                f"- `{r['loss']}` ends {side} `{BASELINE}` ({d / gain:+.0%} of grpo's gain, interval excludes 0)."
+            )
+        else:
+            out.append(
+                f"- `{r['loss']}`: no difference supported; the interval allows {lo / gain:+.0%} to {hi / gain:+.0%} "
+                "of grpo's gain."
+            )
+    return out
+
+
 def tuned_lengths(root: Path) -> str:
     lengths = sorted({int(r["cell"].split("/")[0][1:]) for r in _read(root / GRID_CSV)})
     return ", ".join(str(n) for n in lengths) or "no"
@@ -377,6 +471,7 @@ def tuned_lengths(root: Path) -> str:
 
 def render(root: Path) -> str:
     names = presets(root) + [n for n in sorted({r["loss"] for r in _read(root / GRID_CSV)}) if n not in presets(root)]
+    warm = warm_section(root)
     trainer_tables = []
     shipped = _read(root / SHIPPED_CSV)
     for folder, title in TRAINER:
@@ -423,9 +518,16 @@ def render(root: Path) -> str:
         "## The regime grid with tuned bands (held-out seeds)",
         "",
         *tuned_section(root, names),
+        *(["## A policy that has learned speech, in verl's trainer", "", *warm] if warm else []),
         "## What this evidence does not show",
         "",
-        "- Model size and pretraining: no study here trains a neural policy with each preset. The grid's policy is "
+        (
+            "- Model size and pretraining: the only neural policy trained with each preset is the 91k-parameter "
+            "warm-started model above, on one toy task, one cell and a few steps. "
+            if warm
+            else "- Model size and pretraining: no study here trains a neural policy with each preset. "
+        )
+        + "The grid's policy is "
         "a table (its δ's correlation per cell is above); the drift study trains nothing with the presets; the "
         "SmolLM2 study compares one step's gradients on one pretrained 135M model (two runs, last layer only).",
         f"- Lengths: the tuned grid's responses are {tuned_lengths(root)} tokens long; the shipped-band grid's other "
