@@ -767,6 +767,24 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
     return True
 
 
+def _short(override: str) -> str:
+    """``a.b.key=value`` -> ``key=value``."""
+    key, _, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}={value}"
+
+
+def per_seed(args, runs: list[dict]) -> list[dict]:
+    """One row per task, cell and seed: each loss's reward at step 1 -> final (failed runs marked)."""
+    out = {}
+    for r in runs:
+        row = out.setdefault(
+            (r["task"], r["cell"], r["seed"]), {"task": r["task"], "cell": r["cell"], "seed": r["seed"]}
+        )
+        text = f"{r['first_reward']:.3f} -> {r['final_reward']:.3f}"
+        row[r["loss"]] = text if r["ok"] else f"{text} (failed)"
+    return [out[k] | {loss: out[k].get(loss, "") for loss in args.losses} for k in sorted(out)]
+
+
 def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: bool) -> str:
     cmd = "python -m maspo_verl.lab learn " + " ".join(
         [f"--tasks {' '.join(args.tasks)}", f"--seeds {args.seeds}", f"--steps {args.steps}"]
@@ -814,7 +832,7 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
                 )
             )
             + "".join(
-                f" `{p}`'s clip band x {w} (`{' '.join(o.rsplit('.', 1)[-1] for o in band_overrides(p, w))}`)."
+                f" `{p}`'s clip band x {w} (`{' '.join(_short(o) for o in band_overrides(p, w))}`)."
                 for p, w in bands_of(runs).items()
             ),
             "",
@@ -860,6 +878,9 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             " change minus grpo's (> 0: degrades less than grpo).",
             "",
             markdown_table(comparisons, COMPARE_COLUMNS),
+            "## Per seed: reward at step 1 -> final",
+            "",
+            markdown_table(per_seed(args, runs), ["task", "cell", "seed", *args.losses]),
             "Files: `learn_steps.csv` (verl's metrics per step and run), `learn_runs.csv`, `learn_summary.csv`,"
             " `learn_compare.csv`, `learn_reward.png` (reward per step)"
             + (", `learn_sigma.png` (final reward vs sigma per loss)." if sigma_plot else "."),

@@ -176,3 +176,37 @@ def initial_reward(model_path: str, length: int, seed: int = 0, groups: int = 8,
         "groups": groups,
         "n": n,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m maspo_verl.local.speechwarm --seeds 0 1 --length 96 --out initial.csv``: each seed's warm-started
+    model and the untrained embedded one, their initial reward and group spread (``initial_reward``) as CSV."""
+    import argparse
+    import csv
+    import sys
+
+    from maspo_verl.local.assets import ensure_assets
+
+    p = argparse.ArgumentParser(prog="python -m maspo_verl.local.speechwarm", description=main.__doc__)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--length", type=int, default=96)
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--out", default=None, help="CSV file (default: standard output)")
+    args = p.parse_args(argv)
+    rows = []
+    for seed in args.seeds:
+        models = {"warm": ensure_model(seed=seed, length=args.length), "untrained": ensure_assets(seed=seed)["model"]}
+        for name, path in models.items():
+            got = initial_reward(path, args.length, seed=seed, groups=args.groups, n=args.n)
+            rows.append({"model": name, "seed": seed, "length": args.length} | got)
+    f = open(args.out, "w", newline="") if args.out else sys.stdout
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    if args.out:
+        f.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -322,7 +322,6 @@ def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
         return LocalRun(0, "", 1.0, Path(run_dir), _steps(rewards))
 
     monkeypatch.setattr(learn, "run_local", fake_run)
-    monkeypatch.setattr(learn, "write_results", lambda *a: None)
     out = str(tmp_path / "out")
     first = ["--tasks", "speech", "--steps", "2", "--last", "1", "--seeds", "2", "--out", out]
     learn.run(_args(*first, "--losses", "grpo", "--bands", "grpo=4"), [])
@@ -334,3 +333,6 @@ def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     assert [(r["loss"], r["band"]) for r in runs] == [("grpo", "4")] * 2 + [("gspo", "shipped")] * 2
     gap = [c for c in learn.compare(args, learn.cells_of(args), runs) if c["loss"] == "gspo"]
     assert gap and gap[0]["vs"] == "grpo" and gap[0]["diff"] == pytest.approx(0.05)
+    readme = (Path(out) / "README.md").read_text()
+    assert "| speech | L12/none/U2 | 1 | 0.300 -> 0.410 | 0.300 -> 0.460 |" in readme  # per seed, both losses
+    assert "`grpo`'s clip band x 4 (`clip_ratio_low=0.8 clip_ratio_high=0.8`)" in readme
