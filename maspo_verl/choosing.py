@@ -42,8 +42,7 @@ PRETRAINED = ("smollm2", "smollm2/seed1")
 # the speech-like task on a warm-started model (lab learn --tasks speechwarm): the trainer confirmation, and the
 # drift correlation per condition against the untrained model
 WARM = "learn_speechwarm"
-WARM_VIF = "learn_speechwarm_vif"
-CORRELATION = ("actor/ratio/corr_lag1", "actor/ratio/vif5", "actor/ratio/vif15", "actor/ratio/vif50")
+MIN_SEEDS = 5  # fewer paired seeds: the percentile bootstrap interval is too narrow to call a difference
 TRUST_SIZED = 0.3  # drift study: a move whose log-ratio sd is at most this is the size a trust region allows
 
 
@@ -375,81 +374,103 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
     return lines
 
 
-def _correlation_cells(r: dict) -> str:
-    return " | ".join(f"{_f(r.get(k)):+.3f}" if k.endswith("lag1") else f"{_f(r.get(k)):.2f}" for k in CORRELATION)
+def _mean_of(rows: list[dict], key: str) -> float:
+    vals = [_f(r.get(key)) for r in rows]
+    vals = [v for v in vals if v == v]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def warm_section(root: Path) -> list[str]:
-    """The speech-like task on the warm-started model in verl's trainer: its drift correlation per condition (and the
-    untrained model's), and each preset against grpo at the bands named, paired by seed, as a share of grpo's gain."""
-    vif = _read(root / RESULTS / WARM_VIF / "learn_summary.csv")
-    runs = _read(root / RESULTS / WARM / "learn_runs.csv")
-    compare = _read(root / RESULTS / WARM / "learn_compare.csv")
-    if not vif and not runs:
+    """The speech-like task on the warm-started model: its initial reward and drift correlation against the untrained
+    model's (``initial.csv``), then in verl's trainer each preset's drift correlation on-policy (step 1) and stale
+    (from step 3) and its final reward against grpo's, paired by seed, as a share of grpo's gain."""
+    folder = root / RESULTS / WARM
+    initial, runs = _read(folder / "initial.csv"), _read(folder / "learn_runs.csv")
+    if not initial and not runs:
         return []
     lines = [
-        "`task=speechwarm` (`lab learn --tasks speechwarm`): the embedded Qwen2-shaped model (91k parameters) "
-        "warm-started by next-token training on random spoken sentences of the speech-like task (4 words, each "
-        "held over a quarter of the response's frames; `maspo_verl/local/speechwarm.py`), then trained with RL to "
-        "say the run's sentence. `speech` is the same task on the untrained model.",
+        f"[`{WARM}/`](results/{WARM}/README.md): `task=speechwarm` (`lab learn --tasks speechwarm`), the embedded "
+        "Qwen2-shaped model (91k parameters) warm-started by next-token training on random spoken sentences of the "
+        "speech-like task (4 words, each held over a quarter of the 96 frames; `maspo_verl/local/speechwarm.py`), "
+        "then trained with RL to say the run's sentence.",
         "",
     ]
-    if vif:
+    if initial:
         lines += [
-            f"[`{WARM_VIF}/`](results/{WARM_VIF}/README.md): the loss's own measure of δ = log π − log π_old per "
-            "step (`actor/ratio/*`, mean over steps and seeds; 1 = independent), grpo:",
+            "Before RL (16 groups of 4 responses, 96 frames, mean over seeds): reward, spread (sd within a group), "
+            "words said; and δ of its own responses after 1 and 4 Adam updates (lr 1e-3) on grpo's gradient:",
             "",
-            "| task | cell | lag-1 | VIF(5) | VIF(15) | VIF(50) |",
-            "|---|---|---|---|---|---|",
-            *(
-                f"| {r['task']} | {r['cell']} | {_correlation_cells(r)} |"
-                for r in vif
-                if r["loss"] == BASELINE and r.get(CORRELATION[1])
-            ),
-            "",
+            "| model | seeds | reward | spread | words | VIF(15), 1 update | VIF(15), 4 updates | VIF(50), 4 updates |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-    if runs:
-        grpo = [r for r in runs if r["loss"] == BASELINE and _yes(r["ok"])]
-        gain = sum(_f(r["gain"]) for r in grpo) / len(grpo) if grpo else float("nan")
-        first = sum(_f(r["first_reward"]) for r in grpo) / len(grpo) if grpo else float("nan")
-        bands = {r["loss"]: r.get("band") or "shipped" for r in runs}
-        lines += [
-            f"[`{WARM}/`](results/{WARM}/README.md) (verl's trainer, {len(runs)} runs): `{BASELINE}` goes from "
-            f"{first:.3f} at step 1 by {gain:+.3f} (mean over {len(grpo)} seeds). Each preset's final reward minus "
-            "grpo's, paired by seed (95 % interval; **bold** excludes 0), and as a share of grpo's gain; bands as "
-            "scaled from the shipped ones (`inf`: no clip):",
-            "",
-            "| preset | band | diff [95 %] | / grpo's gain | seeds | lag-1 | VIF(5) | VIF(15) | VIF(50) |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        summary = _read(root / RESULTS / WARM / "learn_summary.csv")
-        for r in compare:
-            if r["comparison"] != "vs_grpo" or r["metric"] != "final_reward":
-                continue
-            d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
-            text = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-            text = f"**{text}**" if _yes(r["interval_excludes_0"]) else text
-            share = f"{d / gain:+.2f} [{lo / gain:+.2f}, {hi / gain:+.2f}]" if gain > 0 else "—"
-            corr = next((s for s in summary if (s["cell"], s["loss"]) == (r["cell"], r["loss"])), {})
+        for model in sorted({r["model"] for r in initial}, reverse=True):
+            mine = [r for r in initial if r["model"] == model]
             lines.append(
-                f"| `{r['loss']}` | {bands.get(r['loss'])} | {text} | {share} | {r['seeds']} | "
-                f"{_correlation_cells(corr)} |"
+                f"| {model} | {len(mine)} | {_mean_of(mine, 'reward'):.3f} | {_mean_of(mine, 'spread'):.3f} | "
+                f"{_mean_of(mine, 'words'):.1f} | {_mean_of(mine, 'u1_vif15'):.2f} | {_mean_of(mine, 'u4_vif15'):.2f} "
+                f"| {_mean_of(mine, 'u4_vif50'):.2f} |"
             )
-        base = next((s for s in summary if s["loss"] == BASELINE), {})
-        lines.append(f"| `{BASELINE}` | {bands.get(BASELINE)} | — | — | {len(grpo)} | {_correlation_cells(base)} |")
+        lines.append("")
+    if runs:
+        steps = _read(folder / "learn_steps.csv")
+        grpo = [r for r in runs if r["loss"] == BASELINE and _yes(r["ok"])]
+        gain = _mean_of(grpo, "gain")
+        bands = {r["loss"]: r.get("band") or "shipped" for r in runs}
+        compare = [
+            r
+            for r in _read(folder / "learn_compare.csv")
+            if r["comparison"] == "vs_grpo" and r["metric"] == "final_reward"
+        ]
+        cell = runs[0]["cell"]
+        lines += [
+            f"In verl's trainer ({cell}: the rollout 2 weight syncs behind, 4 updates per batch; {len(runs)} runs): "
+            f"`{BASELINE}` goes from {_mean_of(grpo, 'first_reward'):.3f} at step 1 by {gain:+.3f} (mean over "
+            f"{len(grpo)} seeds). Each preset's final reward minus grpo's, paired by seed (95 % interval; **bold** "
+            "excludes 0), also as a share of grpo's gain; band: the shipped clip band scaled by it (`inf`: no clip); "
+            "the loss's own `actor/ratio/vif15` at step 1 (on-policy: the rollout still has the trainer's weights) "
+            "and from step 3 on (stale by 2 syncs), mean over seeds:",
+            "",
+            "| preset | band | diff [95 %] | / grpo's gain | seeds | VIF(15) step 1 | VIF(15) stale | VIF(50) stale |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+
+        def vif(loss: str, key: str, stale: bool) -> str:
+            rows = [r for r in steps if r["loss"] == loss and (int(r["step"]) >= 3 if stale else r["step"] == "1")]
+            return f"{_mean_of(rows, key):.2f}"
+
+        for loss in [BASELINE, *dict.fromkeys(r["loss"] for r in compare)]:
+            r = next((c for c in compare if c["loss"] == loss), None)
+            if r is None:
+                diff, share, seeds = "—", "—", str(len(grpo))
+            else:
+                d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
+                diff = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                diff = f"**{diff}**" if _yes(r["interval_excludes_0"]) else diff
+                share = f"{d / gain:+.2f} [{lo / gain:+.2f}, {hi / gain:+.2f}]" if gain > 0 else "—"
+                seeds = r["seeds"]
+            v15, v50 = "actor/ratio/vif15", "actor/ratio/vif50"
+            lines.append(
+                f"| `{loss}` | {bands.get(loss)} | {diff} | {share} | {seeds} | {vif(loss, v15, False)} | "
+                f"{vif(loss, v15, True)} | {vif(loss, v50, True)} |"
+            )
         lines += ["", *warm_verdict(compare, gain), ""]
     return lines
 
 
 def warm_verdict(compare: list[dict], gain: float) -> list[str]:
     """What the warm-started model's comparison supports, read from its intervals."""
-    rows = [r for r in compare if r["comparison"] == "vs_grpo" and r["metric"] == "final_reward"]
-    if not rows:
+    if not compare:
         return []
     if not gain > 0:
         return [f"`{BASELINE}` did not learn here (mean gain {gain:+.3f}): the differences say nothing."]
     out = []
-    for r in rows:
+    seeds = min(int(_f(r["seeds"])) for r in compare)
+    if seeds < MIN_SEEDS:
+        out.append(
+            f"- {seeds} seeds paired (under {MIN_SEEDS}: a percentile interval is too narrow, so each line below is "
+            "a lead, not a finding)."
+        )
+    for r in compare:
         d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
         if _yes(r["interval_excludes_0"]):
             side = "above" if d > 0 else "below"

@@ -178,9 +178,59 @@ def initial_reward(model_path: str, length: int, seed: int = 0, groups: int = 8,
     }
 
 
+def drift_correlation(
+    model_path: str, length: int, seed: int = 0, updates: int = 1, lr: float = 1e-3, groups: int = 8, n: int = 4
+) -> dict:
+    """How the token log-ratios of ``model_path``'s own responses move under RL: ``groups`` x ``n`` responses to the
+    task's prompts, then ``updates`` Adam steps (``lr``) on grpo's token-level policy gradient with the task's
+    group-normalised rewards, then delta = log pi_new - log pi_old over the sampled tokens; its lag-1 and VIF(n)
+    (``maspo_verl.core.correlation``: 1 = independent) and sd."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from maspo_verl.core.correlation import correlation_metrics, correlation_sums
+    from maspo_verl.lab.learn_tasks import score, sentence
+
+    rng = random.Random(f"{TASK}-drift-{seed}")
+    targets = [sentence("speech", rng, length) for _ in range(groups)]
+    prompts = [prompt_ids(t) for t in targets for _ in range(n)]
+    responses = sample(model_path, prompts, length, seed)
+    rewards = torch.tensor([score("speech", r, targets[i // n])[0] for i, r in enumerate(responses)]).view(groups, n)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    ids = torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
+    cut = len(prompts[0])
+
+    def token_logp(model):
+        logits = model(input_ids=ids).logits[:, cut - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, cut:, None])[..., 0]
+
+    threads, cpu_rng = torch.get_num_threads(), torch.random.get_rng_state()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        with torch.no_grad():
+            old = token_logp(model)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(updates):
+            loss = -(adv * token_logp(model)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            delta = (token_logp(model) - old).double()
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(cpu_rng)
+    sums = correlation_sums(delta, torch.ones_like(delta, dtype=torch.bool))
+    metrics = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="")
+    return {"updates": updates, "lr": lr, "delta_sd": float(delta.std())} | metrics
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m maspo_verl.local.speechwarm --seeds 0 1 --length 96 --out initial.csv``: each seed's warm-started
-    model and the untrained embedded one, their initial reward and group spread (``initial_reward``) as CSV."""
+    model and the untrained embedded one, their initial reward and group spread (``initial_reward``), and with
+    ``--drift-updates 1 4`` the correlation of their drift log-ratios (``drift_correlation``), as CSV."""
     import argparse
     import csv
     import sys
@@ -192,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length", type=int, default=96)
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--n", type=int, default=4)
+    p.add_argument("--drift-updates", nargs="*", type=int, default=[], help="also drift_correlation at these updates")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate of the drift updates")
     p.add_argument("--out", default=None, help="CSV file (default: standard output)")
     args = p.parse_args(argv)
     rows = []
@@ -199,7 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         models = {"warm": ensure_model(seed=seed, length=args.length), "untrained": ensure_assets(seed=seed)["model"]}
         for name, path in models.items():
             got = initial_reward(path, args.length, seed=seed, groups=args.groups, n=args.n)
-            rows.append({"model": name, "seed": seed, "length": args.length} | got)
+            row = {"model": name, "seed": seed, "length": args.length} | got
+            for updates in args.drift_updates:  # the drift of its own responses after that many updates
+                drift = drift_correlation(path, args.length, seed=seed, updates=updates, lr=args.lr)
+                row |= {f"u{updates}_{k}": v for k, v in drift.items() if k not in ("updates", "lr")}
+            rows.append(row)
     f = open(args.out, "w", newline="") if args.out else sys.stdout
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
