@@ -453,7 +453,14 @@ def warm_section(root: Path) -> list[str]:
                 f"| `{loss}` | {bands.get(loss)} | {diff} | {share} | {seeds} | {vif(loss, v15, False)} | "
                 f"{vif(loss, v15, True)} | {vif(loss, v50, True)} |"
             )
-        lines += ["", *warm_verdict(compare, gain), ""]
+        lines += [
+            "",
+            *warm_verdict(compare, gain),
+            "- Not isolated: the presets differ in their clip band as well as in how the ratio is shared (the bands "
+            "are the table-policy grid's choices, not tuned for this model), so a gap here is not granularity alone; "
+            "one task, one cell, one model size, 20 steps.",
+            "",
+        ]
     return lines
 
 
