@@ -172,3 +172,13 @@ def test_warm_model_starts_with_a_reward_and_a_spread():
     got = sw.initial_reward(sw.ensure_model(seed=0, length=96), 96, seed=0, groups=16, n=4)
     assert got["reward"] >= 0.2 and got["spread"] >= 0.05
     assert 3 <= got["words"] <= 8
+
+
+def test_drift_correlation_measures_the_models_own_update(tmp_path):
+    """No update: delta is 0 (nothing to correlate, no metric); one update moves the log-probs of the sampled
+    tokens, and the metrics are those of the core's correlation on them."""
+    path = sw.ensure_model(seed=1, length=8, cache_dir=tmp_path, train_settings=TINY)
+    still = sw.drift_correlation(path, 8, seed=0, updates=0, groups=2, n=2)
+    assert still["delta_sd"] == 0.0 and "vif5" not in still
+    moved = sw.drift_correlation(path, 8, seed=0, updates=1, lr=1e-2, groups=2, n=2)
+    assert moved["delta_sd"] > 0 and moved["vif5"] > 0 and -1 <= moved["corr_lag1"] <= 1
