@@ -60,7 +60,14 @@ KEYS = (
     "actor/pg_loss",
     "response_length/mean",
     "timing_s/step",
+    # the loss's drift correlation of the per-token log-ratios (maspo_verl.core.correlation; 1 = independent)
+    "actor/ratio/corr_lag1",
+    "actor/ratio/vif5",
+    "actor/ratio/vif15",
+    "actor/ratio/vif50",
+    "actor/ratio/vif_segments",
 )
+CORRELATION_PREFIX = "actor/ratio/"  # averaged over steps per run, reported per loss and cell
 # verl's training-inference mismatch diagnostics (decoupled mode only: verl skips them in bypass mode)
 DIAGNOSTIC_PREFIXES = ("rollout_corr/", "training/rollout_")
 NO_MISMATCH = "none"
@@ -71,7 +78,10 @@ FP32 = "fp32"
 
 def add_arguments(p) -> None:
     p.add_argument(
-        "--tasks", nargs="+", default=["text", "speech"], help="text, speech, turns<N> (N turns of LENGTH tokens)"
+        "--tasks",
+        nargs="+",
+        default=["text", "speech"],
+        help="text, speech, speechwarm (speech on the warm-started model), turns<N> (N turns of LENGTH tokens)",
     )
     p.add_argument(
         "--losses",
@@ -80,6 +90,7 @@ def add_arguments(p) -> None:
         help=f"loss presets {preset_names()}, each optionally +CREDIT (credit presets {preset_names('credit')})",
     )
     p.add_argument("--seeds", type=int, default=2, help="seeds per (task, cell, loss): model init and data order")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+SEEDS-1 (e.g. tuning seeds apart)")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--batch", type=int, default=8, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=4, help="responses per prompt")
@@ -104,6 +115,14 @@ def add_arguments(p) -> None:
     p.add_argument("--last", type=int, default=3, help="final reward = mean of the last K steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out's learn_runs.csv")
+    p.add_argument(
+        "--bands",
+        nargs="+",
+        default=[],
+        metavar="PRESET=WIDTH",
+        help="a preset's clip band scaled by WIDTH (a number > 0, or inf: no clip), as lab regimes_tuned scales it",
+    )
+    p.add_argument("--no-adjust", action="store_true", help="presets as shipped (without learn.ADJUSTMENTS)")
 
 
 # -- cells --------------------------------------------------------------------------------------
@@ -212,10 +231,58 @@ def cells_of(args) -> list[Cell]:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def loss_overrides(loss: str) -> list[str]:
-    """``PRESET`` or ``PRESET+CREDIT`` -> the trainer's overrides (the preset's adjustment for these tasks too)."""
+def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool = True) -> list[str]:
+    """``PRESET`` or ``PRESET+CREDIT`` -> the trainer's overrides (the preset's adjustment for these tasks too,
+    unless ``adjust`` is off; its clip band scaled where ``bands`` names the preset)."""
     preset, _, credit = loss.partition(CREDIT_SEP)
-    return [f"loss={preset}", *ADJUSTMENTS.get(preset, []), *([f"credit={credit}"] if credit else [])]
+    adjustments = ADJUSTMENTS.get(preset, []) if adjust else []
+    widened = band_overrides(preset, bands[preset]) if bands and preset in bands else []
+    return [f"loss={preset}", *adjustments, *widened, *([f"credit={credit}"] if credit else [])]
+
+
+def parse_bands(items: list[str]) -> dict[str, str]:
+    """``--bands PRESET=WIDTH ...`` -> {preset: width}; WIDTH a number > 0 or ``inf``."""
+    from maspo_verl.lab.regimes_tuned import UNCLIPPED
+
+    presets, out = preset_names(), {}
+    for item in items:
+        preset, eq, width = item.partition("=")
+        try:
+            ok = bool(eq) and (width == UNCLIPPED or (math.isfinite(float(width)) and float(width) > 0))
+        except ValueError:
+            ok = False
+        if not ok or preset not in presets or preset in out:
+            raise SystemExit(
+                f"--bands {item!r}: allowed PRESET=WIDTH once per preset, PRESET in {presets}, WIDTH a number > 0 "
+                f"or {UNCLIPPED} (e.g. grpo=4 gspo={UNCLIPPED})"
+            )
+        out[preset] = width
+    return out
+
+
+SHIPPED = "shipped"  # a run's band column where --bands did not scale its preset's
+
+
+def bands_of(runs: list[dict]) -> dict[str, str]:
+    """{preset: width} of the runs whose band was scaled (their ``band`` column)."""
+    return {r["loss"].partition(CREDIT_SEP)[0]: r["band"] for r in runs if r.get("band") not in (None, "", SHIPPED)}
+
+
+def band_overrides(preset: str, width: str) -> list[str]:
+    """The overrides that scale ``preset``'s clip band by ``width`` (``regimes_tuned.widen``: the log-space band
+    where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
+    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.regimes_tuned import widen
+
+    shipped = discover_presets([preset])[0]
+    wide = widen(shipped, width)
+    out = [f"actor_rollout_ref.actor.{k}={v!r}" for k, v in wide.actor.items() if v != shipped.actor[k]]
+    out += [
+        f"actor_rollout_ref.actor.policy_loss.{k}={v!r}"
+        for k, v in wide.policy_loss.items()
+        if v != shipped.policy_loss[k]
+    ]
+    return out
 
 
 def check_losses(losses: list[str]) -> None:
@@ -257,12 +324,13 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"data.val_files={data['val']}",
         f"data.max_prompt_length={prompt_room(data['sentence'])}",
         f"data.max_response_length={cell.length}",
+        *([f"actor_rollout_ref.model.path={data['model']}"] if "model" in data else []),
         "reward.reward_manager.source=importlib",
         "reward.reward_manager.name=LearnRewardManager",
         f"reward.reward_manager.module.path={learn_tasks.__file__}",
     ]
     return [
-        *loss_overrides(loss),
+        *loss_overrides(loss, parse_bands(args.bands), adjust=not args.no_adjust),
         *task_data,
         f"data.train_batch_size={args.batch}",
         "actor_rollout_ref.rollout.ignore_eos=true",
@@ -313,7 +381,9 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
     # collapse: the run failed, a loss or gradient went non-finite, or the reward fell by COLLAPSE_DROP from
     # its best K-step mean (learned, then lost it)
     reason = "failed" if not ok else "non-finite" if nonfinite else "drop" if final < best - COLLAPSE_DROP else ""
-    diagnostics = sorted({key for s in trained for key in steps[s] if key.startswith(DIAGNOSTIC_PREFIXES)})
+    diagnostics = sorted(
+        {key for s in trained for key in steps[s] if key.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))}
+    )
     return {
         "ok": ok,
         "exit_code": code,
@@ -368,7 +438,9 @@ def summarise(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 row["collapses"] = sum(r["collapsed"] for r in mine)
                 row["s_per_step"] = _mean([r["s_per_step"] for r in ok])
                 base_time = row["s_per_step"] if loss == BASELINE else base_time
-                for key in sorted({k for r in ok for k in r if k.startswith(DIAGNOSTIC_PREFIXES)}):
+                for key in sorted(
+                    {k for r in ok for k in r if k.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))}
+                ):
                     row[key] = _mean([r.get(key) for r in ok])
                 out.append(row)
             for row in out[-len(args.losses) :]:
@@ -504,6 +576,7 @@ def run(args, argv) -> None:
     from maspo_verl.lab import learn_tasks
 
     check_losses(args.losses)
+    parse_bands(args.bands)
     unknown = [task for task in args.tasks if not learn_tasks.known(task)]
     if unknown:
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
@@ -521,10 +594,13 @@ def run(args, argv) -> None:
             )
     else:
         prepare_out(out, argv)
+    # resumed: the losses run before stay in the study (a preset added later with --losses X --resume joins it)
+    args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
+    bands = parse_bands(args.bands)
     done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
     logs = Path(tempfile.mkdtemp(prefix="maspo_learn_logs_"))
     lengths = sorted({c.length for c in cells})
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for task in args.tasks:
             data = {
                 length: learn_tasks.write_dataset(logs / f"data_seed{seed}_L{length}", task, seed=seed, length=length)
@@ -540,6 +616,7 @@ def run(args, argv) -> None:
                     steps, code, wall = result.steps, result.returncode, result.wall_s
                     key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
                     key |= {"updates": cell.updates, "loss": loss, "seed": seed}
+                    key["band"] = bands.get(loss.partition(CREDIT_SEP)[0], SHIPPED)
                     for s in sorted(steps):
                         if "critic/score/mean" in steps[s]:
                             step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
@@ -572,7 +649,7 @@ def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], run
 
 
 INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
-TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse")
+TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band")
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -690,13 +767,31 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
     return True
 
 
+def _short(override: str) -> str:
+    """``a.b.key=value`` -> ``key=value``."""
+    key, _, value = override.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}={value}"
+
+
+def per_seed(args, runs: list[dict]) -> list[dict]:
+    """One row per task, cell and seed: each loss's reward at step 1 -> final (failed runs marked)."""
+    out = {}
+    for r in runs:
+        row = out.setdefault(
+            (r["task"], r["cell"], r["seed"]), {"task": r["task"], "cell": r["cell"], "seed": r["seed"]}
+        )
+        text = f"{r['first_reward']:.3f} -> {r['final_reward']:.3f}"
+        row[r["loss"]] = text if r["ok"] else f"{text} (failed)"
+    return [out[k] | {loss: out[k].get(loss, "") for loss in args.losses} for k in sorted(out)]
+
+
 def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: bool) -> str:
     cmd = "python -m maspo_verl.lab learn " + " ".join(
         [f"--tasks {' '.join(args.tasks)}", f"--seeds {args.seeds}", f"--steps {args.steps}"]
     )
     target = f"reward {args.target:g}" if args.target is not None else f"step 1's reward + {args.gain:g}"
     cols = ["task", "cell", "loss", "seeds_ok", *SUMMARY_METRICS, "reached", "collapses", "time_vs_grpo"]
-    cols += sorted({k for r in summary for k in r if k.startswith(DIAGNOSTIC_PREFIXES)})
+    cols += sorted({k for r in summary for k in r if k.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))})
     diagnostics = any(k.startswith(DIAGNOSTIC_PREFIXES) for r in runs for k in r)
     planned = len(args.tasks) * len(cells) * len(args.losses) * args.seeds
     partial = (
@@ -729,7 +824,17 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             ),
             f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"
             " initialisation and data order, so runs of one seed start alike."
-            + "".join(f" `{p}` with `{' '.join(o.rsplit('.', 1)[-1] for o in ov)}`." for p, ov in ADJUSTMENTS.items()),
+            + (
+                " Presets as shipped (no adjustment)."
+                if args.no_adjust
+                else "".join(
+                    f" `{p}` with `{' '.join(o.rsplit('.', 1)[-1] for o in ov)}`." for p, ov in ADJUSTMENTS.items()
+                )
+            )
+            + "".join(
+                f" `{p}`'s clip band x {w} (`{' '.join(_short(o) for o in band_overrides(p, w))}`)."
+                for p, w in bands_of(runs).items()
+            ),
             "",
             "A cell is `L<response tokens>/<mismatch>/U<updates per batch>`. Mismatch: the local rollout"
             " server's test instrument (`maspo.local_mismatch`): `bf16` runs its model in bfloat16, a number"
@@ -773,6 +878,9 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             " change minus grpo's (> 0: degrades less than grpo).",
             "",
             markdown_table(comparisons, COMPARE_COLUMNS),
+            "## Per seed: reward at step 1 -> final",
+            "",
+            markdown_table(per_seed(args, runs), ["task", "cell", "seed", *args.losses]),
             "Files: `learn_steps.csv` (verl's metrics per step and run), `learn_runs.csv`, `learn_summary.csv`,"
             " `learn_compare.csv`, `learn_reward.png` (reward per step)"
             + (", `learn_sigma.png` (final reward vs sigma per loss)." if sigma_plot else "."),

@@ -14,6 +14,11 @@ the prompt would take far longer. The response is decoded into words:
   words, no word twice in a row, so a word lasts ``length / SPEECH_WORDS`` frames (3 at the default
   length; longer responses are a higher frame rate, as a codec's, for the same content).
 
+``speechwarm`` is ``speech`` (its decoding, reward and sentences) on a policy that has learned speech: the
+embedded model warm-started on the task's unit sequences (``maspo_verl.local.speechwarm``, one per seed and
+length, built into the local cache on first use), so its responses already hold about ``SPEECH_WORDS``
+words and the reward starts above 0.2 with a spread within each group; the run's sentence is left to RL.
+
 A third family, ``turns<N>`` (``turns2``, ``turns8``, ``turns24``, ...), is the local mode's multi-turn toy
 environment (``task=turns``, maspo_verl/local/turns.py): N assistant turns of ``length`` tokens with
 masked environment observations between them, the reward the mean of the turns' scores. Its data,
@@ -39,7 +44,8 @@ NUM_CODES = 256
 RESPONSE_TOKENS = 12
 SPEECH_WORDS = 4  # words of the speech-like sentence, at any length: longer responses hold each word longer
 FRAMES_PER_WORD = RESPONSE_TOKENS // SPEECH_WORDS  # at the default length
-TASKS = ("text", "speech")
+WARM = "speechwarm"  # the speech task on the warm-started model (maspo_verl.local.speechwarm)
+TASKS = ("text", "speech", WARM)
 DATA_SOURCE = "maspo_learn_{task}"
 TURNS = "turns"  # turns<N>: the local mode's multi-turn task with N turns
 
@@ -63,7 +69,7 @@ def decode(task: str, ids: list[int]) -> list[tuple[str, int, int]]:
         if not 0 <= token < NUM_CODES:
             continue
         word = WORDS[token // BLOCK]
-        if task == "speech" and words and words[-1][0] == word and words[-1][2] == t:
+        if task != "text" and words and words[-1][0] == word and words[-1][2] == t:
             words[-1] = (word, words[-1][1], t + 1)
         else:
             words.append((word, t, t + 1))
@@ -131,10 +137,17 @@ def rows(task: str, n: int, target: str, split: str) -> list[dict]:
 
 
 def write_dataset(
-    folder: str | Path, task: str, seed: int = 0, n_train: int = 256, n_val: int = 16, length: int = RESPONSE_TOKENS
+    folder: str | Path,
+    task: str,
+    seed: int = 0,
+    n_train: int = 256,
+    n_val: int = 16,
+    length: int = RESPONSE_TOKENS,
+    cache_dir: str | Path | None = None,
 ) -> dict:
     """The task's train and val parquet in ``folder`` (paths and the run's sentence); for ``turns<N>``
-    nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn."""
+    nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn; for
+    ``speechwarm`` also the warm-started model's path (built in ``cache_dir`` on first use)."""
     n_turns = turns_of(task)
     if n_turns is not None:
         return {"overrides": [f"task={TURNS}", f"maspo.turns={n_turns}", f"maspo.turn_tokens={length}"]}
@@ -144,6 +157,10 @@ def write_dataset(
     folder.mkdir(parents=True, exist_ok=True)
     target = sentence(task, random.Random(f"{task}-{seed}"), length)
     paths = {"sentence": target}
+    if task == WARM:
+        from maspo_verl.local.speechwarm import ensure_model
+
+        paths["model"] = ensure_model(seed=seed, length=length, cache_dir=cache_dir)
     for split, n in (("train", n_train), ("val", n_val)):
         paths[split] = str(folder / f"{task}_{split}.parquet")
         pd.DataFrame(rows(task, n, target, split)).to_parquet(paths[split], index=False)

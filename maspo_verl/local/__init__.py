@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import tempfile
+from pathlib import Path
 
 # Nothing of verl or of the plugin at import time: a Ray worker may import this package first (to
 # unpickle the HF rollout actor), and ``import verl`` then runs ``autoload``, which needs ``activate``.
@@ -250,10 +251,15 @@ def prepare_task(config) -> None:
     task = maspo.get("task")
     if task is None:
         return
-    if task != turns.TASK:
+    from maspo_verl.local import speechwarm
+
+    if task not in (turns.TASK, speechwarm.TASK):
         raise FieldError("maspo.task", f"maspo.task={task!r} is invalid: allowed {preset_names('task')} (task=<name>)")
     if not maspo.get("local"):
         raise FieldError("maspo.task", f"task={task} is a toy task of the local mode: add local=cpu")
+    if task == speechwarm.TASK:
+        _prepare_speechwarm(config)
+        return
     n, tokens = turns.check_settings(maspo.get("turns"), maspo.get("turn_tokens"))
     data = config.data
     what = f"maspo.turns={n} turns of maspo.turn_tokens={tokens} tokens"
@@ -277,6 +283,43 @@ def prepare_task(config) -> None:
                 data.train_files = paths["train"]
             if _is_unset(data.val_files):
                 data.val_files = paths["val"]
+
+
+def _prepare_speechwarm(config) -> None:
+    """``task=speechwarm``: the warm-started model (``actor_rollout_ref.model.path`` null) and the task's data (the
+    data paths null) of ``maspo.local_seed`` at ``data.max_response_length`` frames, built into the local cache."""
+    from omegaconf import open_dict
+
+    from maspo_verl.lab import learn_tasks
+    from maspo_verl.local import speechwarm
+    from maspo_verl.util import atomic_build, default_cache_dir
+    from maspo_verl.validation import FieldError
+
+    seed = int(config.maspo.get("local_seed", 0) or 0)
+    cache = config.maspo.get("local_cache_dir")
+    length = config.data.max_response_length
+    if _is_unset(length) or int(length) < learn_tasks.SPEECH_WORDS:
+        raise FieldError(
+            "data.max_response_length",
+            f"data.max_response_length={length}: allowed >= {learn_tasks.SPEECH_WORDS} with task=speechwarm "
+            "(frames per response; each of its words is held over a quarter of them)",
+        )
+    length = int(length)
+    with open_dict(config):
+        if _is_unset(config.actor_rollout_ref.model.path):
+            config.actor_rollout_ref.model.path = speechwarm.ensure_model(seed=seed, length=length, cache_dir=cache)
+            _fit_tokenval_to_embedded(config.actor_rollout_ref.actor.policy_loss)
+        if _is_unset(config.data.train_files) or _is_unset(config.data.val_files):
+            root = Path(cache) if cache else default_cache_dir()
+            folder = root / f"{speechwarm.TASK}-data-seed{seed}-L{length}"
+            atomic_build(
+                folder,
+                lambda tmp: learn_tasks.write_dataset(tmp, learn_tasks.WARM, seed, length=length, cache_dir=cache),
+            )
+            if _is_unset(config.data.train_files):
+                config.data.train_files = str(folder / f"{learn_tasks.WARM}_train.parquet")
+            if _is_unset(config.data.val_files):
+                config.data.val_files = str(folder / f"{learn_tasks.WARM}_val.parquet")
 
 
 def prepare(config) -> dict:

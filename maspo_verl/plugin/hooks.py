@@ -20,7 +20,8 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   (the v1 trainer's samples do, as ``global_steps``), else the count of updates in this worker; both,
   and the rank, are read only when the loss asks (on inspected runs).
 - ``verl_losses``: verl's own policy losses (``vanilla``, ``gspo``, ...) in its registry are wrapped so
-  that with ``inspect_dir`` set they write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
+  that they report the ratio correlation (``actor/ratio/...``) as ours do, and with ``inspect_dir`` set they
+  write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
   it unset the wrapper only tests the setting.
 - ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
   every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
@@ -391,8 +392,26 @@ def install_update_step_hook() -> str | None:
     return patch("update_step", TrainingWorker, "train_mini_batch", _with_update_scope)
 
 
+def verl_loss_correlation(old_log_prob, log_prob, response_mask) -> dict[str, float]:
+    """The ratio correlation metrics (``maspo_verl.core.correlation``) of verl's own losses, whose metrics are host
+    floats already: the sums of this micro-batch in one transfer (verl averages the metrics over micro-batches,
+    where our losses add the sums)."""
+    from maspo_verl.core.correlation import correlation_metrics, correlation_sums
+
+    with torch.no_grad():
+        delta = (log_prob.detach() - old_log_prob.detach()).double()
+        sums = correlation_sums(delta, response_mask.bool())
+        names = list(sums)
+        flat = torch.cat([sums[k] for k in names]).tolist()
+    out, start = {}, 0
+    for k in names:
+        out[k], start = flat[start : start + sums[k].numel()], start + sums[k].numel()
+    return correlation_metrics(out)
+
+
 def inspected_verl_loss(name: str, fn: Callable) -> Callable:
-    """verl's policy loss ``fn``, which also writes samples on inspected steps (``inspect_dir`` set)."""
+    """verl's policy loss ``fn``, which also reports the ratio correlation (``verl_loss_correlation``) and writes
+    samples on inspected steps (``inspect_dir`` set)."""
     if getattr(fn, "__maspo_original__", None) is not None:
         return fn
     from maspo_verl.core.losses import inspect_verl_loss
@@ -400,11 +419,13 @@ def inspected_verl_loss(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def loss(*args, **kwargs):
         out = fn(*args, **kwargs)
-        config = kwargs["config"] if "config" in kwargs else (args[5] if len(args) > 5 else None)
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        a = bound.arguments
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            out[1].update(verl_loss_correlation(a["old_log_prob"], a["log_prob"], a["response_mask"]))
+        config = a.get("config")
         if getattr(getattr(config, "policy_loss", None), "inspect_dir", None) is not None:
-            bound = inspect.signature(fn).bind(*args, **kwargs)
             bound.apply_defaults()
-            a = bound.arguments
             inspect_verl_loss(
                 name, a["old_log_prob"], a["log_prob"], a["advantages"], a["response_mask"],
                 a["loss_agg_mode"], config, a.get("rollout_is_weights"),

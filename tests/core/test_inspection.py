@@ -66,7 +66,8 @@ def test_bad_inspect_settings_name_the_field(field, value, allowed):
 @pytest.mark.parametrize("loss_mode", ["maspo", "vanilla"])
 def test_off_and_uninspected_steps_add_no_op_and_no_transfer(loss_mode, inputs, tmp_path):
     """The same aten ops and host transfers with inspect_dir unset and on a step that is not inspected;
-    an inspected step adds exactly one transfer (verl's vanilla: 3 item() of its own)."""
+    an inspected step adds exactly one transfer (verl's vanilla: 3 item() of its own, and one tolist of the ratio
+    correlation the wrapper adds, as our losses report it in their one transfer)."""
     extra = {"segment_rule": "tokenval", "min_segment_len": 3} if loss_mode == "maspo" else {}
     off = actor_config(loss_mode=loss_mode, **extra)
     on = actor_config(loss_mode=loss_mode, inspect_dir=str(tmp_path), inspect_every=2, **extra)
@@ -77,7 +78,7 @@ def test_off_and_uninspected_steps_add_no_op_and_no_transfer(loss_mode, inputs, 
             call(cfg, inputs, step)
         counts[name] = (syncs["by"], ops.ops)
     assert counts["other step"] == counts["off"]
-    base = {"item": 3} if loss_mode == "vanilla" else {"tolist": 1}
+    base = {"item": 3, "tolist": 1} if loss_mode == "vanilla" else {"tolist": 1}
     assert counts["off"][0] == base
     assert counts["inspected"][0] == {**base, "tolist": base.get("tolist", 0) + 1}
     assert [p.name for p in tmp_path.iterdir()] == ["step_000002.json"]

@@ -8,6 +8,7 @@ import math
 import random
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -285,3 +286,53 @@ def test_a_run_does_not_inherit_an_earlier_runs_tracking_paths(tmp_path, monkeyp
     with pytest.raises(Stop):
         runs.run_local(["loss=grpo"], tmp_path / "run", own_ray_dir=False)
     assert "VERL_FILE_LOGGER_PATH" not in seen and "TENSORBOARD_DIR" not in seen
+
+
+def test_bands_scale_a_presets_clip_as_the_tuned_grid_does():
+    """grpo's ratio band 0.2 x 4; maspo_fixed's log-space band 0.2 x 16; inf opens gspo's band."""
+    assert learn.band_overrides("grpo", "4") == [
+        "actor_rollout_ref.actor.clip_ratio_low=0.8",
+        "actor_rollout_ref.actor.clip_ratio_high=0.8",
+    ]
+    assert learn.band_overrides("maspo_fixed", "16") == [
+        "actor_rollout_ref.actor.policy_loss.log_clip_low=3.2",
+        "actor_rollout_ref.actor.policy_loss.log_clip_high=3.2",
+    ]
+    assert "actor_rollout_ref.actor.clip_ratio_high=1000000000.0" in learn.band_overrides("gspo", "inf")
+    assert learn.parse_bands(["grpo=4", "gspo=inf"]) == {"grpo": "4", "gspo": "inf"}
+    for bad in (["grpo"], ["grpo=0"], ["grpo=x"], ["chess=4"], ["grpo=4", "grpo=16"]):
+        with pytest.raises(SystemExit, match=r"--bands .* allowed PRESET=WIDTH"):
+            learn.parse_bands(bad)
+    assert learn.loss_overrides("maspo_fixed", adjust=False) == ["loss=maspo_fixed"]
+    assert learn.loss_overrides("maspo_fixed")[1:] == learn.ADJUSTMENTS["maspo_fixed"]
+
+
+def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
+    """``--losses X --resume`` runs X for the seeds already run and summarises it beside the losses run before
+    (the earlier runs are not run again); each run records its band."""
+    from maspo_verl.lab.runs import LocalRun
+
+    calls = []
+
+    def fake_run(overrides, run_dir, timeout_s=900):
+        loss = next(o for o in overrides if o.startswith("loss=")).removeprefix("loss=")
+        seed = int(next(o for o in overrides if o.startswith("data.seed=")).removeprefix("data.seed="))
+        calls.append((loss, seed))
+        rewards = [0.3, 0.4 + 0.01 * seed + (0.05 if loss == "gspo" else 0.0)]
+        return LocalRun(0, "", 1.0, Path(run_dir), _steps(rewards))
+
+    monkeypatch.setattr(learn, "run_local", fake_run)
+    out = str(tmp_path / "out")
+    first = ["--tasks", "speech", "--steps", "2", "--last", "1", "--seeds", "2", "--out", out]
+    learn.run(_args(*first, "--losses", "grpo", "--bands", "grpo=4"), [])
+    assert calls == [("grpo", 0), ("grpo", 1)]
+    args = _args(*first, "--losses", "gspo", "--resume")
+    learn.run(args, [])
+    assert calls[2:] == [("gspo", 0), ("gspo", 1)] and args.losses == ["grpo", "gspo"]
+    runs = learn.load_rows(Path(out) / "learn_runs.csv")
+    assert [(r["loss"], r["band"]) for r in runs] == [("grpo", "4")] * 2 + [("gspo", "shipped")] * 2
+    gap = [c for c in learn.compare(args, learn.cells_of(args), runs) if c["loss"] == "gspo"]
+    assert gap and gap[0]["vs"] == "grpo" and gap[0]["diff"] == pytest.approx(0.05)
+    readme = (Path(out) / "README.md").read_text()
+    assert "| speech | L12/none/U2 | 1 | 0.300 -> 0.410 | 0.300 -> 0.460 |" in readme  # per seed, both losses
+    assert "`grpo`'s clip band x 4 (`clip_ratio_low=0.8 clip_ratio_high=0.8`)" in readme

@@ -127,7 +127,7 @@ def test_prepare_task_refuses_what_cannot_run(tmp_path):
         local.prepare_task(short)
     with pytest.raises(FieldError, match="task=turns is a toy task of the local mode: add local=cpu"):
         local.prepare_task(compose_config("task=turns"))
-    with pytest.raises(FieldError, match=r"maspo.task='chess' is invalid: allowed \['turns'\]"):
+    with pytest.raises(FieldError, match=r"maspo.task='chess' is invalid: allowed \['speechwarm', 'turns'\]"):
         local.prepare_task(compose_config("local=cpu", "task=turns", "maspo.task=chess"))
     mine = compose_config("local=cpu", "task=turns", "data.train_files=a.parquet", "data.val_files=b.parquet")
     local.prepare_task(mine)
