@@ -58,19 +58,10 @@ def correlation_sums(
     tokens = torch.stack(
         [n_tokens, n_tokens - (lengths > 0).sum(), (x * x).sum(), has_prev.to(x.dtype).sum(), (x * x_prev).sum()]
     )
-    # windows: position among the row's valid tokens // n, whole windows only
-    position = torch.cumsum(mask, -1) - 1
-    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1)
     windows = []
     for n in WINDOWS:  # three sizes, not a loop over tokens
-        slots = mask.shape[-1] // n + 1
-        count = torch.div(lengths, n, rounding_mode="floor")  # whole windows per row [B, 1]
-        whole = mask & (position // n < count)
-        index = torch.where(whole, rows * slots + position // n, torch.zeros_like(position))
-        window_sum = torch.zeros(mask.shape[0] * slots, dtype=x.dtype, device=x.device)
-        window_sum.scatter_add_(0, index.reshape(-1), (x * whole.to(x.dtype)).reshape(-1))
-        expected = (count * n * (1.0 - n / lengths.clamp(min=1.0))).sum()
-        windows.append(torch.stack([(window_sum * window_sum).sum(), expected]))
+        window_sum, expected = window_sums(x, mask, lengths, n)
+        windows.append(torch.stack([(window_sum * window_sum).sum(), expected.sum()]))
     parts = {"corr_tokens": tokens, "corr_windows": torch.cat(windows)}
     if segment_ids is not None:
         ids = torch.where(mask, segment_ids.long(), torch.zeros_like(segment_ids, dtype=torch.long))
@@ -79,6 +70,26 @@ def correlation_sums(
         expected = seg_len * (1.0 - seg_len / lengths.clamp(min=1.0))
         parts["corr_segments"] = torch.stack([(seg_sum * seg_sum).sum(), expected.sum()])
     return parts
+
+
+def window_sums(
+    x: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, n: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VIF(n) window sums of centred log-ratios ``x`` [B, T] (zero outside ``mask``, a bool mask; ``lengths``
+    [B, 1] its valid tokens per row): each window's sum of x, windows of ``n`` consecutive valid tokens from each
+    row's first, whole windows only, as a flat tensor [B * slots] (row b's windows at b * slots ...), and each
+    row's expectation under independence, sum over its windows of n (1 - n/L) [B, 1]. ``n``: one window length,
+    or one per row ([B, 1] integers >= 1)."""
+    per_row = isinstance(n, torch.Tensor)
+    slots = mask.shape[-1] + 1 if per_row else mask.shape[-1] // n + 1
+    position = torch.cumsum(mask, -1) - 1  # position among the row's valid tokens
+    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1)
+    count = torch.div(lengths, n, rounding_mode="floor")  # whole windows per row [B, 1]
+    whole = mask & (position // n < count)
+    index = torch.where(whole, rows * slots + position // n, torch.zeros_like(position))
+    window_sum = torch.zeros(mask.shape[0] * slots, dtype=x.dtype, device=x.device)
+    window_sum.scatter_add_(0, index.reshape(-1), (x * whole.to(x.dtype)).reshape(-1))
+    return window_sum, count * n * (1.0 - n / lengths.clamp(min=1.0))
 
 
 def correlation_metrics(sums: Mapping[str, Sequence[float]], prefix: str = PREFIX) -> dict[str, float]:

@@ -195,7 +195,8 @@ def granular_policy_loss(
     )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
-        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask)
+        delta = ratios.token_log_ratios(log_prob, old_log_prob, step.mask)[0]  # for rules that read it
+        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask, delta)
         rows = inspection.record(
             inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses, ids
         )
