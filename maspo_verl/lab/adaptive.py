@@ -44,6 +44,11 @@ def _f(v) -> float:
         return float("nan")
 
 
+def _mean(values) -> float:
+    finite = [v for v in map(_f, values) if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
 def window_of(loss: str) -> int | None:
     return int(loss[len(FIXED) :]) if loss.startswith(FIXED) else None
 
@@ -80,9 +85,9 @@ def grid_rows(runs: list[dict], tune: int) -> list[dict]:
                 "best_window": window_of(best["loss"]),
                 "best_window_band": best["best_band"],
                 "adaptive_band": own["best_band"],
-                "adaptive_len": float(np.nanmean([_f(r.get("adaptive_len")) for r in at_band])),
-                "adaptive_vif": float(np.nanmean([_f(r.get("adaptive_vif")) for r in at_band])),
-                "drift_vif15": float(np.nanmean([_f(r.get("drift_vif15")) for r in grpo_runs])),
+                "adaptive_len": _mean(r.get("adaptive_len") for r in at_band),
+                "adaptive_vif": _mean(r.get("adaptive_vif") for r in at_band),
+                "drift_vif15": _mean(r.get("drift_vif15") for r in grpo_runs),
                 "vs_fixed": vs_fixed.get("diff", math.nan),
                 "vs_fixed_low": vs_fixed.get("low", math.nan),
                 "vs_fixed_high": vs_fixed.get("high", math.nan),
@@ -152,8 +157,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     lines = [
         "# Adaptive segment length against the best fixed window, untuned",
         "",
-        f"Made by `COMMAND.txt` from the `regimes_tuned` run in `{args.grid_name or grid_dir.name}` "
-        f"(its command and machine are in `grid_COMMAND.txt`). Every preset's clip band is chosen per cell on tuning "
+        f"Made by `COMMAND.txt` from the `regimes_tuned` run in `{args.grid_name or grid_dir.name}/` "
+        f"(its command, machine and time in its `COMMAND.txt`). Every preset's clip band is chosen per cell on tuning "
         f"seeds 0-{args.tune_seeds - 1}; the best fixed window W* per cell is the `maspo_fixed@segment_window=W` "
         "with the best tuning mean at its chosen band; `maspo_adaptive` runs as shipped (its length is not tuned) "
         "at its own chosen band. Differences of final reward on the held-out seeds, paired by seed, with 95 % "
@@ -176,9 +181,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         lines += [
             "## SmolLM2-135M gradient quality",
             "",
-            f"From `{args.smollm2_name or args.smollm2}` (`smollm2_COMMAND.txt`): each preset's band calibrated to "
-            "the same clip fraction, cosine of its policy gradient to the on-policy GRPO gradient of the whole "
-            "batch over resampled half-batches (mean, sd) and relative variance; `segment_len` and `adaptive_len` "
+            f"From the `smollm2` run in `{args.smollm2_name or args.smollm2}/` (its `COMMAND.txt`): each preset's "
+            "band calibrated to the same clip fraction, cosine of its policy gradient to the on-policy GRPO "
+            "gradient of the whole batch over resampled half-batches (mean, sd) and relative variance; `segment_len` and `adaptive_len` "
             "are the loss's mean segment length and adaptive's mean chosen n on the whole batch.",
             "",
             markdown_table(sm),
