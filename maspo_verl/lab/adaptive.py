@@ -183,7 +183,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             "",
             f"From the `smollm2` run in `{args.smollm2_name or args.smollm2}/` (its `COMMAND.txt`): each preset's "
             "band calibrated to the same clip fraction, cosine of its policy gradient to the on-policy GRPO "
-            "gradient of the whole batch over resampled half-batches (mean, sd) and relative variance; `segment_len` and `adaptive_len` "
+            "gradient of the whole batch over resampled half-batches (mean, sd) and relative variance; "
+            "`segment_len` and `adaptive_len` "
             "are the loss's mean segment length and adaptive's mean chosen n on the whole batch.",
             "",
             markdown_table(sm),
