@@ -420,7 +420,8 @@ def length_stats(seg_ids: torch.Tensor, mask: torch.Tensor) -> dict:
 def sweep(corpus: Corpus, settings: dict, variant: Variant, refs, tolerances: list[int]) -> list[dict]:
     rows = []
     for value in variant.grid:
-        value = int(value) if variant.field == "segment_window" else float(value)
+        # integer settings (a window, adaptive's longest length) stay integers
+        value = int(value) if variant.field == "segment_window" or isinstance(value, int | np.integer) else float(value)
         ids = segment_ids(corpus, settings, **variant.fixed, **{variant.field: value})
         row = {"rule": variant.label, "field": variant.field, "threshold": value, **length_stats(ids, corpus.mask)}
         if refs is not None:
