@@ -378,6 +378,12 @@ def tuned_lengths(root: Path) -> str:
 ADAPTIVE = "adaptive"  # docs/results/adaptive/: maspo_adaptive against the best fixed window (lab adaptive)
 
 
+def _length(value) -> str:
+    """A mean segment length, or "token" for a loss without segments (verl's vanilla: one ratio per token)."""
+    n = _f(value)
+    return f"n {n:.1f}" if math.isfinite(n) else "token"
+
+
 def adaptive_section(root: Path) -> list[str]:
     """``maspo_adaptive`` (untuned) against the best fixed window per cell (lab adaptive), and its SmolLM2
     gradients; nothing where the study has not been committed."""
@@ -416,7 +422,7 @@ def adaptive_section(root: Path) -> list[str]:
         for name in dict.fromkeys(r["preset"] for r in sm):
             by = {r["mismatch"]: r for r in sm if r["preset"] == name}
             cells = [
-                f"{_f(by[d]['cos_mean']):+.3f} (n {_f(by[d]['segment_len']):.1f})" if d in by else "—" for d in drift
+                f"{_f(by[d]['cos_mean']):+.3f} ({_length(by[d]['segment_len'])})" if d in by else "—" for d in drift
             ]
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
         lines.append("")
