@@ -498,6 +498,60 @@ def tuned_lengths(root: Path) -> str:
     return ", ".join(str(n) for n in lengths) or "no"
 
 
+ADAPTIVE = "adaptive"  # docs/results/adaptive/: maspo_adaptive against the best fixed window (lab adaptive)
+
+
+def _length(value) -> str:
+    """A mean segment length, or "token" for a loss without segments (verl's vanilla: one ratio per token)."""
+    n = _f(value)
+    return f"n {n:.1f}" if math.isfinite(n) else "token"
+
+
+def adaptive_section(root: Path) -> list[str]:
+    """``maspo_adaptive`` (untuned) against the best fixed window per cell (lab adaptive), and its SmolLM2
+    gradients; nothing where the study has not been committed."""
+    grid = _read(root / RESULTS / ADAPTIVE / "grid.csv")
+    if not grid:
+        return []
+    lines = [
+        "## Adaptive segment length (`maspo_adaptive`)",
+        "",
+        f"[`{ADAPTIVE}/`](results/{ADAPTIVE}/README.md): the same grid protocol; the best fixed window W* per cell "
+        "chosen on tuning seeds among `maspo_fixed` windows, `maspo_adaptive` as shipped (its length not tuned), "
+        "each at its own tuned band; held-out final reward differences, paired by seed, 95 % interval.",
+        "",
+        "| cell | W* | adaptive's mean n | drift VIF(15) | adaptive − W* | adaptive − grpo |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in grid:
+        vs_fixed = f"{_f(r['vs_fixed']):+.3f} [{_f(r['vs_fixed_low']):+.3f}, {_f(r['vs_fixed_high']):+.3f}]"
+        vs_grpo = f"{_f(r['vs_grpo']):+.3f} [{_f(r['vs_grpo_low']):+.3f}, {_f(r['vs_grpo_high']):+.3f}]"
+        lines.append(
+            f"| {r['cell']} | {r['best_window']} | {_f(r['adaptive_len']):.2f} | {_f(r['drift_vif15']):.2f} | "
+            f"{vs_fixed} | {vs_grpo} |"
+        )
+    within = sum(_yes(r["within"]) for r in grid)
+    lines += ["", f"Within the best fixed window's interval in {within} of {len(grid)} cells.", ""]
+    sm = _read(root / RESULTS / ADAPTIVE / "smollm2.csv")
+    drift = sorted({r["mismatch"] for r in sm if r["mismatch"].startswith("drift")})
+    if sm and drift:
+        lines += [
+            "SmolLM2-135M under drift (cosine to the on-policy gradient, mean over resamples; n: mean segment "
+            f"length): {', '.join(drift)}.",
+            "",
+            "| preset | " + " | ".join(drift) + " |",
+            "|---|" + "---|" * len(drift),
+        ]
+        for name in dict.fromkeys(r["preset"] for r in sm):
+            by = {r["mismatch"]: r for r in sm if r["preset"] == name}
+            cells = [
+                f"{_f(by[d]['cos_mean']):+.3f} ({_length(by[d]['segment_len'])})" if d in by else "—" for d in drift
+            ]
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def render(root: Path) -> str:
     names = presets(root) + [n for n in sorted({r["loss"] for r in _read(root / GRID_CSV)}) if n not in presets(root)]
     warm = warm_section(root)
@@ -548,6 +602,7 @@ def render(root: Path) -> str:
         "",
         *tuned_section(root, names),
         *(["## A policy that has learned speech, in verl's trainer", "", *warm] if warm else []),
+        *adaptive_section(root),
         "## What this evidence does not show",
         "",
         (

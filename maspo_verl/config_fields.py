@@ -13,6 +13,8 @@ class GranularLossFields:
     segment_rule: str
     min_segment_len: int
     max_segment_len: int
+    adaptive_min_len: int
+    adaptive_max_len: int
     delimiters: list[str]
     step_markers: list[str]
     segment_window: int

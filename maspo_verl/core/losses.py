@@ -70,7 +70,11 @@ def granular_policy_loss(
     )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
-        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask)
+        # delta as loss_body computed it, for rules that read it (adaptive)
+        dtype = torch.promote_types(log_prob.dtype, torch.float32)
+        delta = (log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        delta = torch.where(step.mask, delta, 0.0)
+        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask, delta)
         rows = inspection.record(
             inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses, ids
         )

@@ -58,7 +58,7 @@ def reference_loss(
     both_kept = kept[:, :, None] & kept[:, None, :]
     position = torch.arange(T, device=log_prob.device)
     if policy_loss.loss_mode == "maspo":
-        ids = reference_segment_ids(kept, policy_loss, old_log_prob=old_log_prob)
+        ids = reference_segment_ids(kept, policy_loss, old_log_prob=old_log_prob, log_ratio=delta)
         member = both_kept & (ids[:, :, None] == ids[:, None, :])
         alpha = policy_loss.length_exponent
     elif policy_loss.loss_mode == "pgspo":

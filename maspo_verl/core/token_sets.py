@@ -55,8 +55,11 @@ class TokenSet:
         """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
         raise NotImplementedError
 
-    def segment_ids(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments)."""
+    def segment_ids(
+        self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments); ``delta``: the
+        token log-ratios, for rules that read them (without them such a rule fails, naming what it needs)."""
         return None
 
     def token_level(self, policy_loss: Any) -> bool:
@@ -92,14 +95,16 @@ class Segments(TokenSet):
 
     def sums(self, policy_loss, old_log_prob, mask, delta):
         metrics: dict[str, torch.Tensor] = {}
-        ids = segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob, metrics=metrics)
+        ids = segments.compute_segment_ids(
+            mask, policy_loss, old_log_prob=old_log_prob, metrics=metrics, log_ratio=delta.detach()
+        )
         # per segment id (indexed like the tokens): the sum of delta (zero outside mask), the number of tokens
         total = torch.zeros_like(delta).scatter_add_(-1, ids, delta)
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids, metrics)
 
-    def segment_ids(self, policy_loss, old_log_prob, mask):
-        return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob)
+    def segment_ids(self, policy_loss, old_log_prob, mask, delta=None):
+        return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob, log_ratio=delta)
 
     def segment_rules(self, policy_loss):
         return segments.rules_in_use(policy_loss)
@@ -137,5 +142,5 @@ class WholeResponse(TokenSet):
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids)
 
-    def segment_ids(self, policy_loss, old_log_prob, mask):
+    def segment_ids(self, policy_loss, old_log_prob, mask, delta=None):
         return torch.zeros(mask.shape, dtype=torch.long, device=mask.device)

@@ -31,6 +31,10 @@ COMMANDS = [
     ("regimes_tuned", "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds"),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
+    (
+        "adaptive",
+        "maspo_adaptive (untuned) against the best fixed window per cell, from a regimes_tuned and a smollm2 run",
+    ),
     ("smollm2", "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch"),
     ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
 ]

@@ -87,6 +87,12 @@ TASKS = ("speech", "text")
 NO_WORD = -1
 # the alignment control of the words rule (``shuffled_runs``): maspo_words fed its runs in a random order
 CONTROL = "maspo_words~shuffled"
+# the segment lengths a job records (mean over its loss calls, pooled over seeds): column -> the loss's metric
+LENGTH_METRICS = {
+    "segment_len": "actor/ratio/segment_len_mean",
+    "adaptive_len": "actor/ratio/adaptive_len",
+    "adaptive_vif": "actor/ratio/adaptive_vif",
+}
 
 
 # ------------------------------------------------------------------ presets as a user configures them
@@ -393,6 +399,7 @@ def run_job(job: Job, args) -> dict:
     index = np.repeat(np.arange(S * G), n)
     rewards, grads, clipfracs, kls, spreads, finite = [], [], [], [], [], torch.ones(S, dtype=torch.bool, device=device)
     drift = seen = None  # correlation sums: after each batch's updates; in each loss call
+    lengths = {name: [] for name in LENGTH_METRICS}  # segment lengths per loss call (nan: not reported)
     for _ in range(args.steps):
         if kind == "stale":
             rollout = history[max(0, len(history) - 1 - int(value))]
@@ -423,6 +430,8 @@ def run_job(job: Job, args) -> dict:
             history = (history + [theta.detach().clone()])[-(int(value) + 1 if kind == "stale" else 1) :]
             step_clip.append(float(metrics.get("actor/pg_clipfrac", float("nan"))))
             step_kl.append(float(metrics.get("actor/ppo_kl", float("nan"))))
+            for name, key in LENGTH_METRICS.items():
+                lengths[name].append(float(metrics.get(key, float("nan"))))
         with torch.no_grad():  # the drift after the batch's updates, on all its responses
             drift = _add(drift, drift_sums(gather(torch.log_softmax(theta, -1), y) - old, units))
         grads.append(torch.stack(step_grad).mean(0))
@@ -452,6 +461,7 @@ def run_job(job: Job, args) -> dict:
                 "logratio_sd": float(spread[i].mean()),
                 "clipfrac": float(np.mean(clipfracs)),
                 "ppo_kl": float(np.mean(kls)),
+                **{name: float(np.mean(values)) for name, values in lengths.items()},
                 **correlation,
             }
         )

@@ -82,10 +82,34 @@ def parse_cell(text: str) -> tuple[int, str, int, float | None]:
     return int(m.group(1)), m.group(2), int(m.group(3)), float(m.group(4)) if m.group(4) else None
 
 
+def variant(name: str) -> regimes.Preset:
+    """A preset with policy-loss fields changed: ``<preset>@<field>=<value>[,<field>=<value>...]`` (values as
+    YAML, e.g. ``maspo_fixed@segment_window=4``), checked as the trainer checks them."""
+    import yaml
+
+    from maspo_verl.config import actor_config
+
+    base, _, changes = name.partition("@")
+    fields = {}
+    for item in changes.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise SystemExit(f"--presets {name!r}: <preset>@<field>=<value>[,...], e.g. maspo_fixed@segment_window=4")
+        fields[key.strip()] = yaml.safe_load(value)
+    (p,) = regimes.discover_presets([base])
+    policy_loss = {**p.policy_loss, **fields}
+    try:
+        actor_config(**policy_loss)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--presets {name!r}: {exc}") from exc
+    return replace(p, name=name, policy_loss=policy_loss)
+
+
 def presets_of(names: list[str]) -> list[regimes.Preset]:
-    """The presets as shipped (grpo first), and the shuffled-runs control where maspo_words is in."""
-    shipped = regimes.discover_presets([n for n in names if n != CONTROL])
-    out = list(shipped)
+    """The presets as shipped (grpo first), the variants named ``<preset>@<field>=<value>`` (``variant``), and the
+    shuffled-runs control where maspo_words is in."""
+    shipped = regimes.discover_presets([n for n in names if n != CONTROL and "@" not in n])
+    out = list(shipped) + [variant(n) for n in names if "@" in n]
     if CONTROL in names:
         words = next((p for p in regimes.discover_presets(["maspo_words"])), None)
         out.append(replace(words, name=CONTROL, control="shuffled"))

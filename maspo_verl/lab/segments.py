@@ -50,6 +50,7 @@ import torch
 from maspo_verl import fsq, inspection
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.core import segments
+from maspo_verl.core.ratios import token_log_ratios
 from maspo_verl.core.segments.rules import logprob, tokenval
 from maspo_verl.core.token_sets import inputs_needed
 from maspo_verl.lab import common
@@ -77,6 +78,8 @@ class Corpus:
     source: str
     dumped_segment_ids: list[list[int] | None] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # the token log-ratios log pi - log pi_old as the loss computed them (inspect files only; ``adaptive`` reads them)
+    log_ratio: torch.Tensor | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -107,7 +110,7 @@ def _files(path: str) -> tuple[list[str], list[str]]:
 
 def read_dumps(files: list[str]) -> Corpus:
     """The responses of inspect files (``maspo_verl.inspection``), with the run's policy-loss settings."""
-    ids, masks, olds, words, dumped = [], [], [], [], []
+    ids, masks, olds, news, words, dumped = [], [], [], [], [], []
     settings, notes, has_words = None, [], False
     for path in files:
         with open(path) as f:
@@ -122,20 +125,23 @@ def read_dumps(files: list[str]) -> Corpus:
             ids.append(r.get("response_ids") or [0] * n)
             masks.append(r["mask"])
             olds.append([-math.inf if x is None else x for x in r["old_log_probs"]])
+            news.append([-math.inf if x is None else x for x in r.get("log_probs") or [0.0] * n])
             has_words = has_words or "word_ids" in r
             words.append(r.get("word_ids") or [NO_WORD] * n)
             dumped.append(r.get("segment_ids") if segmented else None)
     if not masks:
         raise SystemExit("segments: the inspect files hold no response")
+    mask, old = _pad(masks, 0, torch.long).bool(), _pad(olds, 0.0, torch.float32)
     return Corpus(
         token_ids=_pad(ids, 0, torch.long),
-        mask=_pad(masks, 0, torch.long).bool(),
-        old_log_prob=_pad(olds, 0.0, torch.float32),
+        mask=mask,
+        old_log_prob=old,
         word_ids=_pad(words, NO_WORD, torch.long) if has_words else None,
         settings=settings,
         source=f"{len(files)} inspect file(s) of loss_mode={settings.get('loss_mode')!r}",
         dumped_segment_ids=dumped,
         notes=notes,
+        log_ratio=token_log_ratios(_pad(news, 0.0, torch.float32), old, mask)[0],
     )
 
 
@@ -322,7 +328,7 @@ def variants(corpus: Corpus, settings: dict, rules: list[str]) -> tuple[list[Var
         if not want(name):
             continue
         config = loss_config(settings, segment_rule=name)
-        inputs = segments.RuleInputs(corpus.mask, name, corpus.old_log_prob, corpus.token_ids)
+        inputs = segments.RuleInputs(corpus.mask, name, corpus.old_log_prob, corpus.token_ids, corpus.log_ratio)
         try:
             declared = rule.sweeps(config, packed, inputs)
         except (ValueError, RuntimeError) as exc:  # an input the corpus does not have
@@ -346,7 +352,7 @@ def segment_ids(corpus: Corpus, settings: dict, **changes) -> torch.Tensor:
         batch[WORD_IDS_KEY] = corpus.word_ids
     with micro_batch_scope(batch):
         return segments.compute_segment_ids(
-            corpus.mask, cfg, old_log_prob=corpus.old_log_prob, token_ids=corpus.token_ids
+            corpus.mask, cfg, old_log_prob=corpus.old_log_prob, token_ids=corpus.token_ids, log_ratio=corpus.log_ratio
         )
 
 
@@ -414,7 +420,8 @@ def length_stats(seg_ids: torch.Tensor, mask: torch.Tensor) -> dict:
 def sweep(corpus: Corpus, settings: dict, variant: Variant, refs, tolerances: list[int]) -> list[dict]:
     rows = []
     for value in variant.grid:
-        value = int(value) if variant.field == "segment_window" else float(value)
+        # integer settings (a window, adaptive's longest length) stay integers
+        value = int(value) if variant.field == "segment_window" or isinstance(value, int | np.integer) else float(value)
         ids = segment_ids(corpus, settings, **variant.fixed, **{variant.field: value})
         row = {"rule": variant.label, "field": variant.field, "threshold": value, **length_stats(ids, corpus.mask)}
         if refs is not None:

@@ -282,6 +282,8 @@ def _loss(fn, cfg, old, lp, adv, resp):
 def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -> list[dict]:
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
+    from maspo_verl.lab.regimes import LENGTH_METRICS
+
     gen = torch.Generator().manual_seed(args.seed + 1)
     picks = []  # the same resamples for every preset
     for _ in range(args.resamples):
@@ -295,6 +297,7 @@ def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -
             fn = get_policy_loss_fn(preset.loss_mode)
             scale, frac = calibrate(fn, preset, old, lp, full_adv, parts["resp"], args.clipfrac)
             cfg = scaled(preset, scale)
+            _, whole = loss_weights(fn, cfg, old, lp, full_adv, parts["resp"])  # the segment lengths it chose
             grads = []
             for rows in picks:
                 c, _ = loss_weights(fn, cfg, old[rows], lp[rows], adv_of(rows), parts["resp"][rows])
@@ -315,6 +318,7 @@ def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -
                 "cos_sd": float(cos.std()),
                 "cos_of_mean": float(torch.nn.functional.cosine_similarity(mean, ref.double(), dim=0)),
                 "rel_var": float(((G - mean) ** 2).sum(1).mean() / (mean**2).sum()),
+                **{name: whole.get(key, float("nan")) for name, key in LENGTH_METRICS.items()},
             }
         )
         log(f"smollm2: {name} {preset.name}: cos {out[-1]['cos_mean']:.3f} ({time.time() - t0:.0f}s)")
@@ -342,6 +346,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 
     if args.group < 2 or args.group % 2:
@@ -407,7 +412,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     grad, notes = [], []
     if not args.no_gradient:
         t0 = time.time()
-        presets = discover_presets(args.presets)
+        # shipped presets, and variants <preset>@<field>=<value> (``regimes_tuned.variant``)
+        presets = presets_of(args.presets) if args.presets else discover_presets()
         grpo = discover_presets(["grpo"])[0]
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
 

@@ -393,7 +393,7 @@ def install_update_step_hook() -> str | None:
 
 
 def verl_loss_correlation(old_log_prob, log_prob, response_mask) -> dict[str, float]:
-    """The ratio correlation metrics (``maspo_verl.core.losses.correlation_sums``) of verl's own losses, whose metrics are host
+    """The ratio correlation metrics (``core.losses.correlation_sums``) of verl's own losses, whose metrics are host
     floats already: the sums of this micro-batch in one transfer (verl averages the metrics over micro-batches,
     where our losses add the sums)."""
     from maspo_verl.core.losses import correlation_metrics, correlation_sums

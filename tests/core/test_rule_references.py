@@ -95,7 +95,15 @@ def random_inputs(config, g: random.Random):
                 words[b, t : t + run] = word
                 word += 1
             t += run
-    return mask, old, {"responses": ids, WORD_IDS_KEY: words}
+    # log-ratios (multiples of 1/16): independent, in runs of equal values (correlated), or all zero
+    kind = g.choice(["white", "runs", "zero"])
+    delta = (torch.randint(-32, 33, (B, T), generator=gen) / 16).double()
+    if kind == "runs":
+        run = torch.randint(1, 9, (B, 1), generator=gen)
+        delta = delta.gather(-1, (torch.arange(T) // run * run).clamp(max=T - 1))
+    elif kind == "zero":
+        delta.zero_()
+    return mask, old, delta, {"responses": ids, WORD_IDS_KEY: words}
 
 
 def lengths(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -107,10 +115,10 @@ def lengths(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 def test_rule_equals_its_reference(name, seed):
     g = random.Random(f"{name}-{seed}")
     config = random_config(name, g)
-    mask, old, data = random_inputs(config, g)
+    mask, old, delta, data = random_inputs(config, g)
     with micro_batch_scope(data, TEXTS):
-        got = compute_segment_ids(mask, config, old_log_prob=old)
-        want = reference_segment_ids(mask, config, old_log_prob=old)
+        got = compute_segment_ids(mask, config, old_log_prob=old, log_ratio=delta)
+        want = reference_segment_ids(mask, config, old_log_prob=old, log_ratio=delta)
     if not torch.equal(got, want):
         row = next(b for b in range(mask.shape[0]) if not torch.equal(got[b], want[b]))
         settings = {s.name: getattr(config, s.name) for rule in rules_in_use(config) for s in rule.settings}
@@ -119,7 +127,7 @@ def test_rule_equals_its_reference(name, seed):
             f"min/max_segment_len {config.min_segment_len}/{config.max_segment_len}: segment lengths "
             f"{lengths(got, mask)[row]} (vectorised) vs {lengths(want, mask)[row]} (reference); mask "
             f"{mask[row].int().tolist()}, old log-probs {old[row].tolist()}, ids {data['responses'][row].tolist()}, "
-            f"word ids {data[WORD_IDS_KEY][row].tolist()}"
+            f"word ids {data[WORD_IDS_KEY][row].tolist()}, log-ratios {delta[row].tolist()}"
         )
 
 

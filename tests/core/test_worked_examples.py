@@ -9,7 +9,15 @@ import torch
 
 from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.core.segments import OLD_LOG_PROB, RESPONSE_IDS, SEGMENT_RULES, TOKENIZER, WORD_IDS, compute_segment_ids
+from maspo_verl.core.segments import (
+    LOG_RATIO,
+    OLD_LOG_PROB,
+    RESPONSE_IDS,
+    SEGMENT_RULES,
+    TOKENIZER,
+    WORD_IDS,
+    compute_segment_ids,
+)
 from maspo_verl.core.segments.reference import reference_segment_ids
 from maspo_verl.core.surrogates import SURROGATES
 
@@ -58,6 +66,8 @@ def test_rule_example(name, index, dtype):
     inputs = example.inputs
     old = inputs.get(OLD_LOG_PROB)
     old = None if old is None else torch.tensor(old, dtype=dtype)
+    delta = inputs.get(LOG_RATIO)
+    delta = None if delta is None else torch.tensor(delta, dtype=dtype)
     data = {}
     if RESPONSE_IDS in inputs:
         data["responses"] = torch.tensor(inputs[RESPONSE_IDS])
@@ -65,8 +75,8 @@ def test_rule_example(name, index, dtype):
         data[WORD_IDS_KEY] = torch.tensor(inputs[WORD_IDS])
     tokenizer = list(inputs[TOKENIZER]) if TOKENIZER in inputs else None
     with micro_batch_scope(data, tokenizer):
-        ids = compute_segment_ids(mask, config, old_log_prob=old)
-        plain = reference_segment_ids(mask, config, old_log_prob=old)
+        ids = compute_segment_ids(mask, config, old_log_prob=old, log_ratio=delta)
+        plain = reference_segment_ids(mask, config, old_log_prob=old, log_ratio=delta)
     assert segment_lengths(ids, mask) == [tuple(row) for row in example.lengths], example.why
     assert segment_lengths(plain, mask) == [tuple(row) for row in example.lengths], f"reference: {example.why}"
     assert (ids[~mask] == 0).all()

@@ -27,6 +27,7 @@ from maspo_verl.core.segments.registry import (
 )
 from maspo_verl.core.segments.rule import (
     FROM_MICRO_BATCH,
+    LOG_RATIO,
     OLD_LOG_PROB,
     RESPONSE_IDS,
     TOKENIZER,
@@ -44,6 +45,7 @@ discover()
 
 __all__ = [
     "FROM_MICRO_BATCH",
+    "LOG_RATIO",
     "OLD_LOG_PROB",
     "RESPONSE_IDS",
     "SEGMENT_RULES",

@@ -48,6 +48,7 @@ def compute_segment_ids(
     old_log_prob: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     metrics: dict[str, torch.Tensor] | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The segment ids [B, T] (int64) of the rule ``config.segment_rule`` (with ``min_segment_len`` /
     ``max_segment_len``): the public entry point of the segmentation, for the loss and anything else that
@@ -60,12 +61,14 @@ def compute_segment_ids(
     - ``token_ids`` [B, T]: the response ids; without them rules that read ids take them from the verl
       micro-batch in scope (``maspo_verl.batch``), as do rules that read word ids or the tokenizer.
     - ``metrics``: a dict that receives the rule's metrics (name -> 0-d tensor), if given.
+    - ``log_ratio`` [B, T]: the detached token log-ratios log pi - log pi_old, needed by rules that read them
+      (``adaptive``); the loss gives them.
 
     Returns ids counted from 0 in each row in token order over the valid tokens (padding: 0), on
     ``mask``'s device. No host sync.
     """
     packed = Packed(mask)
-    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
+    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids, log_ratio)
     # 1. the rule's candidates on the packed rows (the configured rule: inputs name it in errors)
     rule = SEGMENT_RULES.get(config.segment_rule) or configured_rule(config)  # (which names the allowed ones)
     found = rule.candidates(config, packed, inputs)

@@ -11,7 +11,16 @@ import torch
 
 from maspo_verl import vocab
 from maspo_verl.core.segments.registry import configured_rule, rules_in_use
-from maspo_verl.core.segments.rule import FORCED, OLD_LOG_PROB, RESPONSE_IDS, TOKENIZER, WORD_IDS, Row, RuleInputs
+from maspo_verl.core.segments.rule import (
+    FORCED,
+    LOG_RATIO,
+    OLD_LOG_PROB,
+    RESPONSE_IDS,
+    TOKENIZER,
+    WORD_IDS,
+    Row,
+    RuleInputs,
+)
 
 
 def plain_boundaries(strengths: list[float | None], min_len: int, max_len: int) -> list[bool]:
@@ -41,12 +50,17 @@ def plain_boundaries(strengths: list[float | None], min_len: int, max_len: int) 
 
 
 def reference_segment_ids(
-    mask: torch.Tensor, config: Any, *, old_log_prob: torch.Tensor | None = None, token_ids: torch.Tensor | None = None
+    mask: torch.Tensor,
+    config: Any,
+    *,
+    old_log_prob: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``compute_segment_ids``'s result (same arguments; ids, word ids and the tokenizer also from the micro-batch
     in scope), computed one row at a time with the rule's plain loop."""
     needs = set().union(*(rule.needs for rule in rules_in_use(config)))
-    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids)
+    inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids, log_ratio)
 
     def rows_of(name: str, dtype=None) -> list | None:
         if name not in needs:
@@ -56,6 +70,7 @@ def reference_segment_ids(
 
     log_probs = rows_of(OLD_LOG_PROB, torch.float32)  # the rules read log-probs in float32
     ids, words = rows_of(RESPONSE_IDS), rows_of(WORD_IDS)
+    deltas = rows_of(LOG_RATIO, torch.float64)  # the rules read log-ratios in float64
     texts = vocab.vocabulary_texts(inputs.get(TOKENIZER)) if TOKENIZER in needs else None
     rule = configured_rule(config)
     out = torch.zeros(mask.shape, dtype=torch.long)
@@ -69,6 +84,7 @@ def reference_segment_ids(
             None if ids is None else [ids[b][t] for t in cols],
             None if words is None else [words[b][t] for t in cols],
             texts,
+            None if deltas is None else [deltas[b][t] for t in cols],
         )
         starts = plain_boundaries(rule.reference(config, row), config.min_segment_len, config.max_segment_len)
         segment = -1

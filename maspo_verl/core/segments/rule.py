@@ -6,7 +6,8 @@ A rule (one module in ``maspo_verl/core/segments/rules/``) subclasses ``SegmentR
   what it does (the README's rules table shows it);
 - ``settings``: its policy-loss fields (``Setting``: name, default, allowed values, one line each). The config
   dataclass, its validation, the Hydra defaults and the docs table are built from them;
-- ``needs``: the inputs it reads besides the mask (``OLD_LOG_PROB``, ``RESPONSE_IDS``, ``WORD_IDS``, ``TOKENIZER``);
+- ``needs``: the inputs it reads besides the mask (``OLD_LOG_PROB``, ``LOG_RATIO``, ``RESPONSE_IDS``, ``WORD_IDS``,
+  ``TOKENIZER``);
 - ``limits``: settings under which it ends a segment at every valid token (``"token"``: GRPO's ratio) or never
   (``"sequence"``: GSPO's), for any inputs; the limit tests run each one it declares, and ``token_level`` asks
   the first;
@@ -41,6 +42,8 @@ from maspo_verl.validation import Setting
 # and the actor's tokenizer from the verl micro-batch in scope (``maspo_verl.batch``), which the plugin's hooks
 # provide.
 OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS, TOKENIZER = "old_log_prob", "response_ids", "word_ids", "tokenizer"
+# the detached token log-ratios log pi - log pi_old: given by the loss (``Segments.sums``) and nothing else
+LOG_RATIO = "log_ratio"
 FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
 LIMITS = ("token", "sequence")
 # the quantiles of a corpus statistic a calibration sweep tries as thresholds
@@ -122,13 +125,14 @@ class Row:
     """One row's valid tokens in order, as Python values: what a rule's ``reference`` reads. ``positions``: each
     token's column in the [B, T] row (a gap between two is a hole); ``old_log_prob`` as float32 values (the
     precision the rules compute in); ``response_ids``, ``word_ids``; ``texts``: the text of each vocabulary id (the
-    tokenizer's). An input the rule does not read is None."""
+    tokenizer's); ``log_ratio``: the token log-ratios as float64 values. An input the rule does not read is None."""
 
     positions: list[int]
     old_log_prob: list[float] | None = None
     response_ids: list[int] | None = None
     word_ids: list[int] | None = None
     texts: list[str] | None = None
+    log_ratio: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,10 +174,10 @@ class RuleInputs:
     first asks for it. ``configured`` names the configured rule in errors; ``for_rule`` gives the view a rule
     reads through, which names the rule that asked too when it is another (a fallback)."""
 
-    def __init__(self, mask: torch.Tensor, configured: str, old_log_prob=None, response_ids=None):
+    def __init__(self, mask: torch.Tensor, configured: str, old_log_prob=None, response_ids=None, log_ratio=None):
         self.mask = mask
         self.configured = configured
-        self._given = {OLD_LOG_PROB: old_log_prob, RESPONSE_IDS: response_ids}
+        self._given = {OLD_LOG_PROB: old_log_prob, RESPONSE_IDS: response_ids, LOG_RATIO: log_ratio}
         self._asking = configured
 
     def for_rule(self, rule: SegmentRule) -> RuleInputs:
@@ -194,6 +198,11 @@ class RuleInputs:
             return value
         if name == OLD_LOG_PROB:
             raise ValueError(f"{self.who} needs old_log_prob")
+        if name == LOG_RATIO:
+            raise ValueError(
+                f"{self.who} needs log_ratio, the token log-ratios log pi - log pi_old, which only the loss has "
+                "(compute_segment_ids(..., log_ratio=...))"
+            )
         if name == RESPONSE_IDS:
             value = current_response_ids(self.mask, self.who)
         elif name == WORD_IDS:
