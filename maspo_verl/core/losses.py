@@ -70,10 +70,7 @@ def granular_policy_loss(
     )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
-        # delta as loss_body computed it, for rules that read it (adaptive)
-        dtype = torch.promote_types(log_prob.dtype, torch.float32)
-        delta = (log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        delta = torch.where(step.mask, delta, 0.0)
+        delta = token_log_ratios(log_prob, old_log_prob, step.mask)  # for rules that read it (adaptive)
         ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask, delta)
         rows = inspection.record(
             inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses, ids
@@ -87,6 +84,15 @@ def granular_policy_loss(
             RuntimeWarning,
         )
     return step.loss, metrics
+
+
+def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """delta_t = clamp(log pi - log pi_old, +-20), detached, at least float32, zero outside ``mask`` (the tokens in
+    the loss, finite ones only): what ``loss_body`` computes inline, for the inspected step and the lab."""
+    dtype = torch.promote_types(log_prob.dtype, torch.float32)
+    delta = log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)
+    kept = mask.bool() & torch.isfinite(delta)
+    return torch.where(kept, delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
 
 
 @dataclass

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
-from maspo_verl.lab.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.lab.runs import run_local
+from maspo_verl.local.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
 
 BASELINE = "grpo"
@@ -306,7 +306,7 @@ def prompt_room(sentence: str) -> int:
 
 
 def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell) -> list[str]:
-    from maspo_verl.lab import learn_tasks
+    from maspo_verl.local import learn_tasks
 
     rows = args.batch * args.n  # responses per step
     mini = args.batch // cell.updates
@@ -572,8 +572,18 @@ def statements(args, cells: list[Cell], summary: list[dict], comparisons: list[d
 # -- the command ------------------------------------------------------------------------------
 
 
+def task_data(folder: Path, task: str, seed: int, length: int) -> dict:
+    """``learn_tasks.write_dataset``'s paths, with the warm-started model's (``model``) for ``speechwarm``."""
+    from maspo_verl.local import learn_tasks, speechwarm
+
+    data = learn_tasks.write_dataset(folder, task, seed=seed, length=length)
+    if task == learn_tasks.WARM:
+        data["model"] = speechwarm.ensure_model(seed=seed, length=length)
+    return data
+
+
 def run(args, argv) -> None:
-    from maspo_verl.lab import learn_tasks
+    from maspo_verl.local import learn_tasks
 
     check_losses(args.losses)
     parse_bands(args.bands)
@@ -602,10 +612,7 @@ def run(args, argv) -> None:
     lengths = sorted({c.length for c in cells})
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for task in args.tasks:
-            data = {
-                length: learn_tasks.write_dataset(logs / f"data_seed{seed}_L{length}", task, seed=seed, length=length)
-                for length in lengths
-            }
+            data = {length: task_data(logs / f"data_seed{seed}_L{length}", task, seed, length) for length in lengths}
             for cell in cells:
                 for loss in args.losses:
                     if (task, cell.label, loss, seed) in done:
@@ -809,7 +816,7 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             "",
             "Every run is `python -m maspo_verl.main local=cpu loss=<preset>` (verl's trainer, Ray, FSDP2,"
             " agent-loop rollout) on the embedded tiny random Qwen2 (byte-level, ~91k parameters) with the"
-            " toy tasks of `maspo_verl/lab/learn_tasks.py`: word k of 4 is the id block [64k, 64k+64); each"
+            " toy tasks of `maspo_verl/local/learn_tasks.py`: word k of 4 is the id block [64k, 64k+64); each"
             " run has one sentence (from the seed) that every prompt asks for; *text-like*: each token is a"
             " word (as many words as tokens); *speech-like*: a run of tokens in one block is a word (tied"
             f" neighbours), {SPEECH_WORDS} words at any length (3 frames each at 12 tokens, 24 at 96: a higher"

@@ -50,7 +50,7 @@ import torch
 from maspo_verl import fsq, inspection
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.core import segments
-from maspo_verl.core.ratios import token_log_ratios
+from maspo_verl.core.losses import token_log_ratios
 from maspo_verl.core.segments.rules import logprob, tokenval
 from maspo_verl.core.token_sets import inputs_needed
 from maspo_verl.lab import common
@@ -141,7 +141,7 @@ def read_dumps(files: list[str]) -> Corpus:
         source=f"{len(files)} inspect file(s) of loss_mode={settings.get('loss_mode')!r}",
         dumped_segment_ids=dumped,
         notes=notes,
-        log_ratio=token_log_ratios(_pad(news, 0.0, torch.float32), old, mask)[0],
+        log_ratio=token_log_ratios(_pad(news, 0.0, torch.float32), old, mask),
     )
 
 

@@ -290,8 +290,7 @@ def _prepare_speechwarm(config) -> None:
     data paths null) of ``maspo.local_seed`` at ``data.max_response_length`` frames, built into the local cache."""
     from omegaconf import open_dict
 
-    from maspo_verl.lab import learn_tasks
-    from maspo_verl.local import speechwarm
+    from maspo_verl.local import learn_tasks, speechwarm
     from maspo_verl.util import atomic_build, default_cache_dir
     from maspo_verl.validation import FieldError
 
@@ -314,7 +313,7 @@ def _prepare_speechwarm(config) -> None:
             folder = root / f"{speechwarm.TASK}-data-seed{seed}-L{length}"
             atomic_build(
                 folder,
-                lambda tmp: learn_tasks.write_dataset(tmp, learn_tasks.WARM, seed, length=length, cache_dir=cache),
+                lambda tmp: learn_tasks.write_dataset(tmp, learn_tasks.WARM, seed, length=length),
             )
             if _is_unset(config.data.train_files):
                 config.data.train_files = str(folder / f"{learn_tasks.WARM}_train.parquet")

@@ -4,7 +4,7 @@ by supervised next-token training on the speech-like task's unit sequences (``ta
 
 The random embedded model (``assets.write_model``) writes ~one "word" per token at 96 tokens, so its reward
 on the speech-like task is near 0 and a group of its responses barely differs. Here it is trained, before
-any RL, on responses with the task's structure (``maspo_verl.lab.learn_tasks``: word k is the id block
+any RL, on responses with the task's structure (``maspo_verl.local.learn_tasks``: word k is the id block
 ``[64 k, 64 k + 64)``, a word is held over ``length / SPEECH_WORDS`` frames, each frame's id uniform in its
 block, ``SPEECH_WORDS`` words with no word twice in a row) after prompts "Say: <sentence>" in the chat
 template. Each response's sentence is drawn independently of its prompt's, so the model learns how speech
@@ -43,7 +43,7 @@ def prompt_ids(sentence: str) -> list[int]:
 def response_ids(sentence: str, length: int, rng: random.Random) -> list[int]:
     """``length`` frames speaking ``sentence``: word i held over frames [i L / n, (i + 1) L / n), each frame an id
     drawn uniformly from the word's block."""
-    from maspo_verl.lab.learn_tasks import BLOCK, WORDS
+    from maspo_verl.local.learn_tasks import BLOCK, WORDS
 
     words = sentence.split()
     out = []
@@ -55,7 +55,7 @@ def response_ids(sentence: str, length: int, rng: random.Random) -> list[int]:
 
 def example(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids): a random prompt sentence and an independent random spoken sentence."""
-    from maspo_verl.lab.learn_tasks import sentence
+    from maspo_verl.local.learn_tasks import sentence
 
     return prompt_ids(sentence("speech", rng, length)), response_ids(sentence("speech", rng, length), length, rng)
 
@@ -119,8 +119,8 @@ def ensure_model(
     seed: int = 0, length: int = 96, cache_dir: str | os.PathLike | None = None, train_settings: dict | None = None
 ) -> str:
     """Path of the warm-started model for responses of ``length`` frames; built on first use."""
-    from maspo_verl.lab.learn_tasks import SPEECH_WORDS
     from maspo_verl.local.assets import ASSET_VERSION, MODEL_SHAPE, MODEL_VOCAB
+    from maspo_verl.local.learn_tasks import SPEECH_WORDS
 
     if int(length) < SPEECH_WORDS:
         raise ValueError(f"length={length}: allowed >= {SPEECH_WORDS} frames (one per word at least)")
@@ -160,7 +160,7 @@ def initial_reward(model_path: str, length: int, seed: int = 0, groups: int = 8,
     and the mean number of decoded words."""
     import statistics
 
-    from maspo_verl.lab.learn_tasks import score, sentence
+    from maspo_verl.local.learn_tasks import score, sentence
 
     rng = random.Random(f"{TASK}-measure-{seed}")
     targets = [sentence("speech", rng, length) for _ in range(groups)]
@@ -189,7 +189,7 @@ def drift_correlation(
     from transformers import Qwen2ForCausalLM
 
     from maspo_verl.core.losses import correlation_metrics, correlation_sums
-    from maspo_verl.lab.learn_tasks import score, sentence
+    from maspo_verl.local.learn_tasks import score, sentence
 
     rng = random.Random(f"{TASK}-drift-{seed}")
     targets = [sentence("speech", rng, length) for _ in range(groups)]

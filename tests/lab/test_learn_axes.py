@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl.lab import learn
-from maspo_verl.lab import learn_tasks as lt
 from maspo_verl.lab.common import bootstrap_ci
+from maspo_verl.local import learn_tasks as lt
 from maspo_verl.util import config_dir, preset_names
 
 

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from maspo_verl.lab import learn_tasks as lt
 from maspo_verl.lab.learn import steps_to
 from maspo_verl.lab.runs import parse_steps
+from maspo_verl.local import learn_tasks as lt
 
 
 def test_decode_text_and_speech():
@@ -74,7 +74,7 @@ def test_parse_verl_step_lines():
 
 
 def test_word_ids_follow_the_decoded_words():
-    from maspo_verl.lab.learn_tasks import decode, word_ids
+    from maspo_verl.local.learn_tasks import decode, word_ids
 
     ids = [0, 1, 64, 65, 65, 999, 130]  # block 0 twice, block 1 three times, an unknown id, block 2
     assert word_ids(decode("speech", ids), len(ids)) == [0, 0, 1, 1, 1, -1, 2]

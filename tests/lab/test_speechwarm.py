@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from maspo_verl.lab import learn_tasks as lt
+from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
 
 TINY = {"steps": 3, "batch": 2, "lr": 1e-3, "warmup": 1}
@@ -120,7 +120,7 @@ def test_lab_learn_selects_the_warm_model(tmp_path, monkeypatch):
     from maspo_verl.lab import learn
 
     monkeypatch.setattr(sw, "ensure_model", lambda seed, length, cache_dir=None: f"/cache/warm-{seed}-{length}")
-    data = lt.write_dataset(tmp_path, lt.WARM, seed=3, n_train=4, n_val=2, length=96)
+    data = learn.task_data(tmp_path, lt.WARM, 3, 96)
     assert data["model"] == "/cache/warm-3-96" and len(data["sentence"].split()) == lt.SPEECH_WORDS
     args = SimpleNamespace(
         batch=8, n=4, bypass=True, fp32_trainer=True, lr=1e-3, steps=2, bands=["grpo=4"], no_adjust=True

@@ -143,11 +143,10 @@ def write_dataset(
     n_train: int = 256,
     n_val: int = 16,
     length: int = RESPONSE_TOKENS,
-    cache_dir: str | Path | None = None,
 ) -> dict:
     """The task's train and val parquet in ``folder`` (paths and the run's sentence); for ``turns<N>``
-    nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn; for
-    ``speechwarm`` also the warm-started model's path (built in ``cache_dir`` on first use)."""
+    nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn (the
+    warm-started model of ``speechwarm``: ``maspo_verl.local.speechwarm.ensure_model``)."""
     n_turns = turns_of(task)
     if n_turns is not None:
         return {"overrides": [f"task={TURNS}", f"maspo.turns={n_turns}", f"maspo.turn_tokens={length}"]}
@@ -157,10 +156,6 @@ def write_dataset(
     folder.mkdir(parents=True, exist_ok=True)
     target = sentence(task, random.Random(f"{task}-{seed}"), length)
     paths = {"sentence": target}
-    if task == WARM:
-        from maspo_verl.local.speechwarm import ensure_model
-
-        paths["model"] = ensure_model(seed=seed, length=length, cache_dir=cache_dir)
     for split, n in (("train", n_train), ("val", n_val)):
         paths[split] = str(folder / f"{task}_{split}.parquet")
         pd.DataFrame(rows(task, n, target, split)).to_parquet(paths[split], index=False)
