@@ -218,8 +218,8 @@ def metric_sums(
 
     ``mask``: the tokens in the loss; ``delta_sum``: the sum of their token log-ratios; ``num_segments``:
     each row's number of segments [B, 1] (None: not segments); ``response``: verl's response mask (``mask``
-    plus the dropped non-finite tokens); ``rule_metrics``: more 0-d tensors to report under their own names
-    (the segmentation rule's); ``correlation``: ``correlation_sums`` of the token log-ratios.
+    plus the dropped non-finite tokens); ``rule_metrics``: more 0-d tensors, or (sum, count) pairs, to report
+    under their own names (the segmentation rule's); ``correlation``: ``correlation_sums`` of the token log-ratios.
     """
     mask = mask.bool()
     clips = [c & mask for c in (token_losses.clipped_low, token_losses.clipped_high, token_losses.clipped_dual)]
@@ -301,7 +301,9 @@ def metrics_from_sums(host: list[float], layout: tuple[tuple[str, int], ...]) ->
         metrics["actor/ratio/segments_per_seq"] = num_segments / max(raw["rows"][0], 1.0)
         metrics["actor/ratio/segment_len_mean"] = n / max(num_segments, 1.0)
     metrics.update(correlation_metrics({name: raw[name] for name in SUM_NAMES if name in raw}))
-    metrics.update((name, values[0]) for name, values in raw.items() if name not in RAW_SUMS)
+    for name, values in raw.items():  # the rule's metrics: a value, or a (sum, count) pair
+        if name not in RAW_SUMS and (len(values) == 1 or values[1] > 0):
+            metrics[name] = values[0] if len(values) == 1 else values[0] / values[1]
     return metrics
 
 

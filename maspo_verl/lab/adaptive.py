@@ -104,6 +104,14 @@ def grid_rows(runs: list[dict], tune: int) -> list[dict]:
     return out
 
 
+def _number(text: str):
+    """A CSV cell as a float where it is one (so the table rounds it), else as it is."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
 def smollm2_rows(path: Path) -> list[dict]:
     keep = ("mismatch", "preset", "clipfrac", "cos_mean", "cos_sd", "rel_var", "segment_len", "adaptive_len")
     return [
@@ -195,7 +203,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             "`segment_len` and `adaptive_len` "
             "are the loss's mean segment length and adaptive's mean chosen n on the whole batch.",
             "",
-            markdown_table(sm),
+            markdown_table([{k: _number(v) for k, v in r.items()} for r in sm]),
         ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 

@@ -124,3 +124,15 @@ def test_the_loss_reports_the_chosen_length_and_its_statistic():
     assert metrics["actor/ratio/adaptive_window"] == 16
     assert metrics["actor/ratio/adaptive_measured_frac"] == 1.0
     assert metrics["actor/ratio/segments_per_seq"] == pytest.approx((T / choice.length.double()).ceil().mean().item())
+
+
+def test_a_micro_batch_with_no_measured_row_reports_no_statistic():
+    """All-equal log-ratios (verl's first on-policy update): the rows take adaptive_min_len, and VIF(M) and M are
+    left out (verl averages a metric over the micro-batches that report it) rather than reported as 0."""
+    B, T = 3, 64
+    old = torch.full((B, T), -1.0, dtype=torch.float64)
+    new = old.clone().requires_grad_()
+    config = actor_config(loss_mode="maspo", segment_rule="adaptive", adaptive_min_len=2)
+    _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
+    assert metrics["actor/ratio/adaptive_len"] == 2.0 and metrics["actor/ratio/adaptive_measured_frac"] == 0.0
+    assert "actor/ratio/adaptive_vif" not in metrics and "actor/ratio/adaptive_window" not in metrics

@@ -106,9 +106,10 @@ def float_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.
 class Candidates:
     """What a rule proposes on the packed rows: boundaries, their strength for min-length
     suppression, the boundaries that must stay whatever their neighbours (None: only the first valid
-    token), and metrics of the rule (name -> 0-d tensor, moved to the host with the loss's other
-    metrics). Boundaries stand on valid tokens only; scores are finite. The tensors are the rule's
-    own: the segmentation modifies them in place."""
+    token), and metrics of the rule (name -> 0-d tensor, or a (sum, count) pair reported as their ratio and
+    left out where the count is 0; moved to the host with the loss's other metrics). Boundaries stand on
+    valid tokens only; scores are finite. The tensors are the rule's own: the segmentation modifies them
+    in place."""
 
     boundaries: torch.Tensor
     scores: torch.Tensor

@@ -197,16 +197,17 @@ class AdaptiveRule(SegmentRule):
 
 
 def metrics(choice: Choice, packed) -> dict[str, torch.Tensor]:
-    """The chosen lengths and what chose them, as 0-d tensors: ``len`` the mean chosen n (at most the row's
-    length) over rows with tokens; ``vif`` and ``window`` the mean VIF(M) and M over measured rows (0 when
-    none); ``measured_frac`` the share of rows with tokens that are measured."""
+    """The chosen lengths and what chose them: ``len`` the mean chosen n (at most the row's length) over rows with
+    tokens; ``vif`` and ``window`` the mean VIF(M) and M over measured rows, as (sum, count) pairs (not reported
+    where no row is measured, rather than as 0); ``measured_frac`` the share of rows with tokens that are
+    measured."""
     rows = (packed.lengths > 0).to(torch.float64)
     measured = choice.measured.to(torch.float64)
     per_row = torch.minimum(choice.length, packed.lengths.long()).to(torch.float64)
     n_rows, n_measured = rows.sum().clamp(min=1.0), measured.sum()
     return {
         f"{PREFIX}len": (per_row * rows).sum() / n_rows,
-        f"{PREFIX}vif": (choice.vif * measured).sum() / n_measured.clamp(min=1.0),
-        f"{PREFIX}window": (choice.window * measured).sum() / n_measured.clamp(min=1.0),
+        f"{PREFIX}vif": torch.stack([(choice.vif * measured).sum(), n_measured]),
+        f"{PREFIX}window": torch.stack([(choice.window * measured).sum(), n_measured]),
         f"{PREFIX}measured_frac": n_measured / n_rows,
     }
