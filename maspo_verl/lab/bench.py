@@ -107,7 +107,10 @@ def surrogate_entries(entries: list[Entry]) -> list[Entry]:
 
 
 def loss_fn(e: Entry):
-    return get_policy_loss_fn(e.loss_mode)
+    """The loss from verl's registry; verl's own as verl ships them (without the wrapper through which the plugin
+    adds their ratio-correlation metrics, one more transfer a call), so the baseline is verl's."""
+    fn = get_policy_loss_fn(e.loss_mode)
+    return getattr(fn, "__maspo_original__", fn)
 
 
 def entry_config(e: Entry):
