@@ -70,11 +70,10 @@ def granular_policy_loss(
     )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
-        delta = token_log_ratios(log_prob, old_log_prob, step.mask)  # for rules that read it (adaptive)
-        ids = TOKEN_SETS[loss_mode].segment_ids(policy_loss, old_log_prob, step.mask, delta)
         rows = inspection.record(
-            inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses, ids
-        )
+            inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses,
+            step.segment_ids,
+        )  # fmt: skip
         inspection.write(inspected, rows, policy_loss, actor, loss_mode)
     metrics = metrics_from_sums(step.metric_sums.tolist(), step.layout)  # the one device-to-host transfer
     if metrics["actor/ratio/nonfinite_tokens"]:
@@ -86,13 +85,16 @@ def granular_policy_loss(
     return step.loss, metrics
 
 
-def token_log_ratios(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """delta_t = clamp(log pi - log pi_old, +-20), detached, at least float32, zero outside ``mask`` (the tokens in
-    the loss, finite ones only): what ``loss_body`` computes inline, for the inspected step and the lab."""
+def token_log_ratios(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, kept): delta_t = clamp(log pi - log pi_old, +-20), detached, at least float32, zero outside ``kept``,
+    the tokens of ``mask`` whose difference is finite. What ``loss_body`` computes inline, for verl's own losses'
+    correlation metrics (``maspo_verl.plugin.hooks``) and the lab."""
     dtype = torch.promote_types(log_prob.dtype, torch.float32)
     delta = log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)
     kept = mask.bool() & torch.isfinite(delta)
-    return torch.where(kept, delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+    return torch.where(kept, delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0), kept
 
 
 @dataclass
@@ -106,6 +108,7 @@ class LossStep:
     mask: torch.Tensor  # the tokens in the loss
     ratio: torch.Tensor  # each token's shared ratio (a value)
     token_losses: TokenLosses
+    segment_ids: torch.Tensor | None  # the token set's segment ids (None: not segments)
 
 
 def loss_body(
@@ -198,7 +201,7 @@ def loss_body(
         mask, delta_sum, ratio, token_losses, num_segments, policy_loss.position_buckets, response, rule_metrics,
         correlation,
     )  # fmt: skip
-    return LossStep(loss, sums, layout, mask, ratio, token_losses)
+    return LossStep(loss, sums, layout, mask, ratio, token_losses, ids)
 
 
 def metric_sums(
@@ -379,6 +382,16 @@ def correlation_sums(
         expected = seg_len * (1.0 - seg_len / lengths.clamp(min=1.0))
         parts["corr_segments"] = torch.stack([(seg_sum * seg_sum).sum(), expected.sum()])
     return parts
+
+
+def host_sums(sums: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """``correlation_sums``'s tensors (or sums of several) on the host, in one transfer."""
+    names = list(sums)
+    flat = torch.cat([sums[k].reshape(-1).double() for k in names]).tolist() if names else []
+    out, start = {}, 0
+    for k in names:
+        out[k], start = flat[start : start + sums[k].numel()], start + sums[k].numel()
+    return out
 
 
 def correlation_metrics(sums: Mapping[str, Sequence[float]], prefix: str = PREFIX) -> dict[str, float]:

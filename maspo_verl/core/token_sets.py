@@ -55,11 +55,9 @@ class TokenSet:
         """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
         raise NotImplementedError
 
-    def segment_ids(
-        self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments); ``delta``: the
-        token log-ratios, for rules that read them (without them such a rule fails, naming what it needs)."""
+    def segment_ids(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments); a rule that reads
+        the token log-ratios fails here, naming them (only ``sums`` has them)."""
         return None
 
     def token_level(self, policy_loss: Any) -> bool:
@@ -103,8 +101,8 @@ class Segments(TokenSet):
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids, metrics)
 
-    def segment_ids(self, policy_loss, old_log_prob, mask, delta=None):
-        return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob, log_ratio=delta)
+    def segment_ids(self, policy_loss, old_log_prob, mask):
+        return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob)
 
     def segment_rules(self, policy_loss):
         return segments.rules_in_use(policy_loss)
@@ -142,5 +140,5 @@ class WholeResponse(TokenSet):
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
         return SharedSums(total, sizes, policy_loss.length_exponent, ids)
 
-    def segment_ids(self, policy_loss, old_log_prob, mask, delta=None):
+    def segment_ids(self, policy_loss, old_log_prob, mask):
         return torch.zeros(mask.shape, dtype=torch.long, device=mask.device)

@@ -19,13 +19,12 @@ Writes to ``--out``: ``grid.csv`` (per cell), ``smollm2.csv``, ``adaptive_vs_fix
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab.common import markdown_table, prepare_out, write_csv
+from maspo_verl.lab.common import markdown_table, number, prepare_out, read_csv, write_csv
 
 OUT = "adaptive"
 ADAPTIVE = "maspo_adaptive"
@@ -33,18 +32,16 @@ FIXED = "maspo_fixed@segment_window="
 
 
 def _rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _f(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return float("nan")
+    rows = read_csv(path)
+    if not rows:
+        raise SystemExit(f"lab adaptive: {path} is missing or holds no rows")
+    return rows
 
 
 def _mean(values) -> float:
+    """The mean of the finite values among CSV cells (NaN when none)."""
+    from maspo_verl.lab.regimes_tuned import _f
+
     finite = [v for v in map(_f, values) if math.isfinite(v)]
     return float(np.mean(finite)) if finite else math.nan
 
@@ -102,14 +99,6 @@ def grid_rows(runs: list[dict], tune: int) -> list[dict]:
             }
         )
     return out
-
-
-def _number(text: str):
-    """A CSV cell as a float where it is one (so the table rounds it), else as it is."""
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return text
 
 
 def smollm2_rows(path: Path) -> list[dict]:
@@ -203,7 +192,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             "`segment_len` and `adaptive_len` "
             "are the loss's mean segment length and adaptive's mean chosen n on the whole batch.",
             "",
-            markdown_table([{k: _number(v) for k, v in r.items()} for r in sm]),
+            markdown_table([{k: number(v) for k, v in r.items()} for r in sm]),
         ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 

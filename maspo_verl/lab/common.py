@@ -85,6 +85,17 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def number(text: str):
+    """A CSV cell as an int or a float where it reads as one, else as it is."""
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        try:
+            return float(text)
+        except (TypeError, ValueError):
+            return text
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return

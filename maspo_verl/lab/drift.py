@@ -221,7 +221,7 @@ def measure(model, c: Condition, args, repeat: int) -> tuple[dict, float]:
 
 
 def run_condition(c: Condition, args, warm_cache: dict) -> dict:
-    from maspo_verl.core.losses import correlation_metrics
+    from maspo_verl.core.losses import correlation_metrics, host_sums
 
     t0 = time.time()
     if c.warm_key not in warm_cache:
@@ -234,7 +234,7 @@ def run_condition(c: Condition, args, warm_cache: dict) -> dict:
         sums, sd = measure(model, c, args, r)
         total = sums if total is None else {k: total[k] + v for k, v in sums.items()}
         sds.append(sd)
-    m = correlation_metrics({k: v.tolist() for k, v in total.items()}, prefix="")
+    m = correlation_metrics(host_sums(total), prefix="")
     return {
         **asdict(c),
         "warm_loss": warm_loss,
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         import csv
 
         with open(Path(args.out) / "drift.csv", newline="") as f:
-            rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
+            rows = [{k: common.number(v) for k, v in r.items()} for r in csv.DictReader(f)]
         write_report(Path(args.out), rows, args)
         return common.report_written(Path(args.out))
     try:
@@ -324,16 +324,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         f.write(f"machine load at the end: {machine_load()}\n")
     write_report(out, rows, args)
     common.report_written(out)
-
-
-def _number(v: str):
-    try:
-        return int(v)
-    except ValueError:
-        try:
-            return float(v)
-        except ValueError:
-            return v
 
 
 def write_report(out: Path, rows: list[dict], args) -> None:

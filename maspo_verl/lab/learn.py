@@ -67,9 +67,10 @@ KEYS = (
     "actor/ratio/vif50",
     "actor/ratio/vif_segments",
 )
-CORRELATION_PREFIX = "actor/ratio/"  # averaged over steps per run, reported per loss and cell
 # verl's training-inference mismatch diagnostics (decoupled mode only: verl skips them in bypass mode)
 DIAGNOSTIC_PREFIXES = ("rollout_corr/", "training/rollout_")
+# averaged over steps per run, reported per loss and cell: those and the loss's ratio metrics (the correlation too)
+REPORTED_PREFIXES = (*DIAGNOSTIC_PREFIXES, "actor/ratio/")
 NO_MISMATCH = "none"
 MISMATCH_DTYPE = "bf16"  # the knob's one non-default dtype (maspo_verl.local.mismatch validates it in the trainer)
 COLLAPSE_DROP = 0.1
@@ -381,9 +382,7 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
     # collapse: the run failed, a loss or gradient went non-finite, or the reward fell by COLLAPSE_DROP from
     # its best K-step mean (learned, then lost it)
     reason = "failed" if not ok else "non-finite" if nonfinite else "drop" if final < best - COLLAPSE_DROP else ""
-    diagnostics = sorted(
-        {key for s in trained for key in steps[s] if key.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))}
-    )
+    diagnostics = sorted({key for s in trained for key in steps[s] if key.startswith(REPORTED_PREFIXES)})
     return {
         "ok": ok,
         "exit_code": code,
@@ -438,9 +437,7 @@ def summarise(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 row["collapses"] = sum(r["collapsed"] for r in mine)
                 row["s_per_step"] = _mean([r["s_per_step"] for r in ok])
                 base_time = row["s_per_step"] if loss == BASELINE else base_time
-                for key in sorted(
-                    {k for r in ok for k in r if k.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))}
-                ):
+                for key in sorted({k for r in ok for k in r if k.startswith(REPORTED_PREFIXES)}):
                     row[key] = _mean([r.get(key) for r in ok])
                 out.append(row)
             for row in out[-len(args.losses) :]:
@@ -586,7 +583,7 @@ def run(args, argv) -> None:
     from maspo_verl.local import learn_tasks
 
     check_losses(args.losses)
-    parse_bands(args.bands)
+    bands = parse_bands(args.bands)
     unknown = [task for task in args.tasks if not learn_tasks.known(task)]
     if unknown:
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
@@ -606,7 +603,6 @@ def run(args, argv) -> None:
         prepare_out(out, argv)
     # resumed: the losses run before stay in the study (a preset added later with --losses X --resume joins it)
     args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
-    bands = parse_bands(args.bands)
     done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
     logs = Path(tempfile.mkdtemp(prefix="maspo_learn_logs_"))
     lengths = sorted({c.length for c in cells})
@@ -798,7 +794,7 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
     )
     target = f"reward {args.target:g}" if args.target is not None else f"step 1's reward + {args.gain:g}"
     cols = ["task", "cell", "loss", "seeds_ok", *SUMMARY_METRICS, "reached", "collapses", "time_vs_grpo"]
-    cols += sorted({k for r in summary for k in r if k.startswith((*DIAGNOSTIC_PREFIXES, CORRELATION_PREFIX))})
+    cols += sorted({k for r in summary for k in r if k.startswith(REPORTED_PREFIXES)})
     diagnostics = any(k.startswith(DIAGNOSTIC_PREFIXES) for r in runs for k in r)
     planned = len(args.tasks) * len(cells) * len(args.losses) * args.seeds
     partial = (

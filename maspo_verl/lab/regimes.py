@@ -344,9 +344,9 @@ def drift_sums(delta: torch.Tensor, units: torch.Tensor) -> dict:
 
 def drift_metrics(sums: dict | None, prefix: str = "drift_") -> dict:
     """lag-1, VIF(5/15/50) and VIF over the units of ``drift_sums`` pooled (NaN where not defined)."""
-    from maspo_verl.core.losses import correlation_metrics
+    from maspo_verl.core.losses import correlation_metrics, host_sums
 
-    m = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="") if sums else {}
+    m = correlation_metrics(host_sums(sums), prefix="") if sums else {}
     names = {"corr_lag1": "lag1", "vif5": "vif5", "vif15": "vif15", "vif50": "vif50", "vif_segments": "vif_units"}
     return {prefix + new: m.get(old, float("nan")) for old, new in names.items()}
 

@@ -141,7 +141,7 @@ def read_dumps(files: list[str]) -> Corpus:
         source=f"{len(files)} inspect file(s) of loss_mode={settings.get('loss_mode')!r}",
         dumped_segment_ids=dumped,
         notes=notes,
-        log_ratio=token_log_ratios(_pad(news, 0.0, torch.float32), old, mask),
+        log_ratio=token_log_ratios(_pad(news, 0.0, torch.float32), old, mask)[0],
     )
 
 

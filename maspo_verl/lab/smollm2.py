@@ -202,31 +202,34 @@ def loss_weights(fn, cfg, old, lp, adv, resp) -> tuple[torch.Tensor, dict]:
     return c, metrics
 
 
-def calibrate(fn, preset, old, lp, adv, resp, target: float) -> tuple[float, float]:
-    """The band scale whose clip fraction on this batch is ``target`` (bisection in log scale), and that fraction;
-    (1.0, fraction) where no scale in [1e-4, 1e4] reaches it (e.g. on-policy: no ratio leaves 1)."""
+def calibrate(fn, preset, old, lp, adv, resp, target: float) -> tuple[float, dict]:
+    """The band scale whose clip fraction (``actor/pg_clipfrac``) on this batch is ``target`` (bisection in log
+    scale), and the loss's metrics at that scale; scale 1.0 where no scale in [1e-4, 1e4] reaches it (e.g.
+    on-policy: no ratio leaves 1)."""
+
+    def metrics_at(scale: float) -> dict:
+        return loss_weights(fn, scaled(preset, scale), old, lp, adv, resp)[1]
 
     def frac(scale: float) -> float:
-        _, metrics = loss_weights(fn, scaled(preset, scale), old, lp, adv, resp)
-        return float(metrics.get("actor/pg_clipfrac", float("nan")))
+        return float(metrics_at(scale).get("actor/pg_clipfrac", float("nan")))
 
     lo, hi = -4.0, 4.0  # log10 of the scale: a narrower band clips more
     if not frac(10**lo) >= target >= frac(10**hi):
-        return 1.0, frac(1.0)
+        return 1.0, metrics_at(1.0)
     for _ in range(25):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if frac(10**mid) > target else (lo, mid)
-    return 10 ** ((lo + hi) / 2), frac(10 ** ((lo + hi) / 2))
+    return 10 ** ((lo + hi) / 2), metrics_at(10 ** ((lo + hi) / 2))
 
 
 # ------------------------------------------------------------------ the study
 
 
 def correlation_row(name: str, delta: torch.Tensor) -> dict:
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums
+    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums
 
     sums = correlation_sums(delta.double(), torch.ones_like(delta, dtype=torch.bool))
-    m = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="")
+    m = correlation_metrics(host_sums(sums), prefix="")
     return {
         "mismatch": name,
         "responses": delta.shape[0],
@@ -295,9 +298,10 @@ def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -
         t0 = time.time()
         try:
             fn = get_policy_loss_fn(preset.loss_mode)
-            scale, frac = calibrate(fn, preset, old, lp, full_adv, parts["resp"], args.clipfrac)
+            # ``whole``: the metrics on the whole batch at the calibrated band (its clip fraction, segment lengths)
+            scale, whole = calibrate(fn, preset, old, lp, full_adv, parts["resp"], args.clipfrac)
+            frac = float(whole.get("actor/pg_clipfrac", float("nan")))
             cfg = scaled(preset, scale)
-            _, whole = loss_weights(fn, cfg, old, lp, full_adv, parts["resp"])  # the segment lengths it chose
             grads = []
             for rows in picks:
                 c, _ = loss_weights(fn, cfg, old[rows], lp[rows], adv_of(rows), parts["resp"][rows])

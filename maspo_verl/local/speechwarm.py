@@ -16,6 +16,7 @@ Deterministic (seeded init, data and order; one torch thread) and built once int
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,6 +61,22 @@ def example(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
     return prompt_ids(sentence("speech", rng, length)), response_ids(sentence("speech", rng, length), length, rng)
 
 
+@contextlib.contextmanager
+def deterministic(seed: int):
+    """One torch thread (the same sums in the same order) and torch's global generator seeded with ``seed``; both
+    as they were afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_num_threads(1)
+            torch.manual_seed(seed)
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train(model, length: int, seed: int, steps: int, batch: int, lr: float, warmup: int) -> list[float]:
     """Next-token training of ``model`` on the response tokens of ``example``s; the loss per step."""
     import torch
@@ -100,15 +117,9 @@ def write_warm_model(path: Path, seed: int, length: int, train_settings: dict) -
     from maspo_verl.local.assets import write_model, write_tokenizer
 
     write_model(path, seed)
-    threads, cpu_rng = torch.get_num_threads(), torch.random.get_rng_state()
-    try:
-        torch.set_num_threads(1)  # one thread: the same sums in the same order, the same weights
-        torch.manual_seed(seed)
+    with deterministic(seed):  # the same weights every build
         model = Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
         losses = train(model, length, seed, **train_settings)
-    finally:
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(cpu_rng)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     record = {"seed": seed, "length": length, "train": train_settings, "loss_first": losses[0], "loss": losses[-1]}
@@ -188,7 +199,7 @@ def drift_correlation(
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums
+    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums
     from maspo_verl.local.learn_tasks import score, sentence
 
     rng = random.Random(f"{TASK}-drift-{seed}")
@@ -204,10 +215,7 @@ def drift_correlation(
         logits = model(input_ids=ids).logits[:, cut - 1 : -1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[:, cut:, None])[..., 0]
 
-    threads, cpu_rng = torch.get_num_threads(), torch.random.get_rng_state()
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(seed)
+    with deterministic(seed):
         model = Qwen2ForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
         with torch.no_grad():
             old = token_logp(model)
@@ -219,11 +227,8 @@ def drift_correlation(
             opt.step()
         with torch.no_grad():
             delta = (token_logp(model) - old).double()
-    finally:
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(cpu_rng)
     sums = correlation_sums(delta, torch.ones_like(delta, dtype=torch.bool))
-    metrics = correlation_metrics({k: v.tolist() for k, v in sums.items()}, prefix="")
+    metrics = correlation_metrics(host_sums(sums), prefix="")
     return {"updates": updates, "lr": lr, "delta_sd": float(delta.std())} | metrics
 
 

@@ -395,18 +395,11 @@ def install_update_step_hook() -> str | None:
 def verl_loss_correlation(old_log_prob, log_prob, response_mask) -> dict[str, float]:
     """The ratio correlation metrics (``core.losses.correlation_sums``) of verl's own losses, whose metrics are host
     floats already: the sums of this micro-batch in one transfer (verl averages the metrics over micro-batches,
-    where our losses add the sums)."""
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums
+    where our losses add the sums). delta as the loss takes it: clamped, non-finite tokens left out."""
+    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums, token_log_ratios
 
-    with torch.no_grad():
-        delta = (log_prob.detach() - old_log_prob.detach()).double()
-        sums = correlation_sums(delta, response_mask.bool())
-        names = list(sums)
-        flat = torch.cat([sums[k] for k in names]).tolist()
-    out, start = {}, 0
-    for k in names:
-        out[k], start = flat[start : start + sums[k].numel()], start + sums[k].numel()
-    return correlation_metrics(out)
+    delta, kept = token_log_ratios(log_prob, old_log_prob, response_mask)
+    return correlation_metrics(host_sums(correlation_sums(delta.double(), kept)))
 
 
 def inspected_verl_loss(name: str, fn: Callable) -> Callable:

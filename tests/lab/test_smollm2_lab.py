@@ -77,7 +77,8 @@ def test_calibrated_band_reaches_the_clip_fraction():
     resp = torch.randint(3, 40, (8, 64))
     for preset in discover_presets(["grpo", "maspo_fixed"]):
         fn = get_policy_loss_fn(preset.loss_mode)
-        scale, frac = study.calibrate(fn, preset, old, lp, adv, resp, target=0.1)
+        scale, at_scale = study.calibrate(fn, preset, old, lp, adv, resp, target=0.1)
+        frac = at_scale["actor/pg_clipfrac"]
         assert abs(frac - 0.1) < 0.02, (preset.name, scale, frac)
         _, metrics = study.loss_weights(fn, study.scaled(preset, scale * 4), old, lp, adv, resp)
         assert metrics["actor/pg_clipfrac"] < frac  # a wider band clips less
