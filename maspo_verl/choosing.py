@@ -121,11 +121,11 @@ def agreement(grid: list[dict], trainer: list[dict]) -> list[str]:
             ),
             None,
         )
-        here = f"{float(r['diff']):+.3f} [{float(r['low']):+.3f}, {float(r['high']):+.3f}] ({r['seeds']} seeds)"
+        here = f"{_span(r)} ({r['seeds']} seeds)"
         if g is None:
             lines.append(f"- `{r['loss']}` {r['task']} {r['cell']}: trainer {here}; the grid has no such cell.")
             continue
-        there = f"{float(g['diff']):+.3f} [{float(g['low']):+.3f}, {float(g['high']):+.3f}]"
+        there = _span(g)
         t_sup, g_sup = _yes(r["interval_excludes_0"]), _yes(g["supported"])
         same_sign = (float(r["diff"]) > 0) == (float(g["diff"]) > 0)
         if t_sup and g_sup:
@@ -160,9 +160,16 @@ def _f(v) -> float:
         return float("nan")
 
 
+def _span(r: dict, key: str = "diff") -> str:
+    """``+0.012 [+0.003, +0.020]``: a row's ``key`` and its interval (``low``/``high`` for ``diff``, else
+    ``<key>_low``/``<key>_high``)."""
+    low, high = ("low", "high") if key == "diff" else (f"{key}_low", f"{key}_high")
+    return f"{_f(r[key]):+.3f} [{_f(r[low]):+.3f}, {_f(r[high]):+.3f}]"
+
+
 def _interval(r: dict) -> str:
-    """``+0.012 [+0.003, +0.020]``, bold where the 95 % interval excludes 0, ‡ where the 99.9 % one does too."""
-    text = f"{_f(r['diff']):+.3f} [{_f(r['low']):+.3f}, {_f(r['high']):+.3f}]"
+    """``_span``, bold where the 95 % interval excludes 0, ‡ where the 99.9 % one does too."""
+    text = _span(r)
     if _yes(r["supported"]):
         return f"**{text}**" + ("‡" if _yes(r["supported_999"]) else "")
     return text
@@ -313,10 +320,7 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
         if not m:
             continue
         needed = "a trust region is needed" if _yes(m["trust_region_needed"]) else "no clip does as well"
-        trust = (
-            f"grpo clipped minus unclipped {_f(m['clip_minus_noclip']):+.3f} [{_f(m['clip_minus_noclip_low']):+.3f}, "
-            f"{_f(m['clip_minus_noclip_high']):+.3f}]: {needed}"
-        )
+        trust = f"grpo clipped minus unclipped {_span(m, 'clip_minus_noclip')}: {needed}"
         meta.append(
             f"- {h}: grpo gains {_f(m['grpo_gain']):.3f} (held out, at its chosen width x{m['grpo_band']}); drift δ "
             f"lag-1 {_f(m['drift_lag1']):+.3f}, VIF(15) {_f(m['drift_vif15']):.2f} (independent: "
@@ -445,8 +449,7 @@ def warm_section(root: Path) -> list[str]:
                 diff, share, seeds = "—", "—", str(len(grpo))
             else:
                 d, lo, hi = _f(r["diff"]), _f(r["low"]), _f(r["high"])
-                diff = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-                diff = f"**{diff}**" if _yes(r["interval_excludes_0"]) else diff
+                diff = f"**{_span(r)}**" if _yes(r["interval_excludes_0"]) else _span(r)
                 share = f"{d / gain:+.2f} [{lo / gain:+.2f}, {hi / gain:+.2f}]" if gain > 0 else "—"
                 seeds = r["seeds"]
             v15, v50 = "actor/ratio/vif15", "actor/ratio/vif50"
@@ -507,9 +510,14 @@ def _length(value) -> str:
     return f"n {n:.1f}" if math.isfinite(n) else "token"
 
 
+def _criterion(name: str) -> str:
+    """An adaptive variant's criterion: the shipped preset's, or the one its name sets."""
+    return name.partition("adaptive_criterion=")[2] or "band (shipped)"
+
+
 def adaptive_section(root: Path) -> list[str]:
-    """``maspo_adaptive`` (untuned) against the best fixed window per cell (lab adaptive), and its SmolLM2
-    gradients; nothing where the study has not been committed."""
+    """``maspo_adaptive`` and its variants (untuned lengths) against the best fixed window per cell (lab adaptive),
+    on the warm-started model, and their SmolLM2 gradients; nothing where the study has not been committed."""
     grid = _read(root / RESULTS / ADAPTIVE / "grid.csv")
     if not grid:
         return []
@@ -517,21 +525,41 @@ def adaptive_section(root: Path) -> list[str]:
         "## Adaptive segment length (`maspo_adaptive`)",
         "",
         f"[`{ADAPTIVE}/`](results/{ADAPTIVE}/README.md): the same grid protocol; the best fixed window W* per cell "
-        "chosen on tuning seeds among `maspo_fixed` windows, `maspo_adaptive` as shipped (its length not tuned), "
-        "each at its own tuned band; held-out final reward differences, paired by seed, 95 % interval.",
+        "chosen on tuning seeds among `maspo_fixed` windows, `maspo_adaptive` as shipped (`band` criterion) and "
+        "with the `correlation` criterion (their lengths not tuned), each at its own tuned band; held-out final "
+        "reward differences, paired by seed, 95 % interval.",
         "",
-        "| cell | W* | adaptive's mean n | drift VIF(15) | adaptive − W* | adaptive − grpo |",
-        "|---|---|---|---|---|---|",
+        "| cell | criterion | W* | adaptive's mean n | drift VIF(15) | adaptive − W* | adaptive − grpo |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in grid:
-        vs_fixed = f"{_f(r['vs_fixed']):+.3f} [{_f(r['vs_fixed_low']):+.3f}, {_f(r['vs_fixed_high']):+.3f}]"
-        vs_grpo = f"{_f(r['vs_grpo']):+.3f} [{_f(r['vs_grpo_low']):+.3f}, {_f(r['vs_grpo_high']):+.3f}]"
         lines.append(
-            f"| {r['cell']} | {r['best_window']} | {_f(r['adaptive_len']):.2f} | {_f(r['drift_vif15']):.2f} | "
-            f"{vs_fixed} | {vs_grpo} |"
+            f"| {r['cell']} | {_criterion(r['adaptive'])} | {r['best_window']} | {_f(r['adaptive_len']):.2f} | "
+            f"{_f(r['drift_vif15']):.2f} | {_span(r, 'vs_fixed')} | {_span(r, 'vs_grpo')} |"
         )
-    within = sum(_yes(r["within"]) for r in grid)
-    lines += ["", f"Within the best fixed window's interval in {within} of {len(grid)} cells.", ""]
+    lines.append("")
+    for name in dict.fromkeys(r["adaptive"] for r in grid):
+        mine = [r for r in grid if r["adaptive"] == name]
+        lines.append(
+            f"`{_criterion(name)}`: within the best fixed window's interval in "
+            f"{sum(_yes(r['within']) for r in mine)} of {len(mine)} cells."
+        )
+    lines.append("")
+    warm = _read(root / RESULTS / ADAPTIVE / "warm.csv")
+    if warm:
+        lines += [
+            f"On the warm-started speech model in verl's trainer ([`{WARM}/`](results/{WARM}/README.md), "
+            f"L96/stale2/U4; W* = {warm[0]['best_window']} chosen on tuning seeds of this model):",
+            "",
+            "| criterion | seeds | mean n | adaptive − W* | adaptive − grpo |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {_criterion(r['adaptive'])} | {r['seeds']} | {_f(r['adaptive_len']):.1f} | "
+                f"{_span(r, 'vs_fixed')} | {_span(r, 'vs_grpo')} |"
+                for r in warm
+            ),
+            "",
+        ]
     sm = _read(root / RESULTS / ADAPTIVE / "smollm2.csv")
     drift = sorted({r["mismatch"] for r in sm if r["mismatch"].startswith("drift")})
     if sm and drift:

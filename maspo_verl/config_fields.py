@@ -15,6 +15,7 @@ class GranularLossFields:
     max_segment_len: int
     adaptive_min_len: int
     adaptive_max_len: int
+    adaptive_criterion: str
     delimiters: list[str]
     step_markers: list[str]
     segment_window: int

@@ -96,10 +96,29 @@ def number(text: str):
             return text
 
 
+def finite_mean(values) -> float:
+    """The mean of the finite numbers among ``values`` (numbers or CSV cells), NaN when there are none: a metric
+    a loss call did not report (NaN) does not count, as verl averages a metric over the calls that report it."""
+    import math
+
+    finite = [float(v) for v in values if _finite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _finite(v) -> bool:
+    import math
+
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
+    """The rows under the union of their keys, in order of first appearance (a key a row lacks: empty)."""
     if not rows:
         return
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()

@@ -35,6 +35,7 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ from maspo_verl.local.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
 
 BASELINE = "grpo"
-# a loss of ``--losses`` is a loss preset (``loss=<name>``) or PRESET+CREDIT with a credit preset (``credit=``)
+# a loss of ``--losses`` is a loss preset (``loss=<name>``) or PRESET+CREDIT with a credit preset (``credit=``);
+# PRESET may be a variant PRESET@field=value[,field=value] (``regimes_tuned.variant``: policy-loss fields changed)
 CREDIT_SEP = "+"
+VARIANT_SEP = "@"
 # maspo_fixed's window (15 tokens, a syllable at 50 Hz) is longer than these responses' words: W = 3 tokens
 ADJUSTMENTS = {"maspo_fixed": ["actor_rollout_ref.actor.policy_loss.segment_window=3"]}
 # every loss preset, the baseline first, and MASPO fixed windows with span credit (the per-token scores travel)
@@ -88,7 +91,8 @@ def add_arguments(p) -> None:
         "--losses",
         nargs="+",
         default=DEFAULT_LOSSES,
-        help=f"loss presets {preset_names()}, each optionally +CREDIT (credit presets {preset_names('credit')})",
+        help=f"loss presets {preset_names()}, each optionally +CREDIT (credit presets {preset_names('credit')}) "
+        f"or a variant PRESET{VARIANT_SEP}field=value[,...] (e.g. maspo_fixed@segment_window=4)",
     )
     p.add_argument("--seeds", type=int, default=2, help="seeds per (task, cell, loss): model init and data order")
     p.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+SEEDS-1 (e.g. tuning seeds apart)")
@@ -234,25 +238,39 @@ def cells_of(args) -> list[Cell]:
 
 def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool = True) -> list[str]:
     """``PRESET`` or ``PRESET+CREDIT`` -> the trainer's overrides (the preset's adjustment for these tasks too,
-    unless ``adjust`` is off; its clip band scaled where ``bands`` names the preset)."""
-    preset, _, credit = loss.partition(CREDIT_SEP)
+    unless ``adjust`` is off; a variant's changed fields; its clip band scaled where ``bands`` names it)."""
+    name, _, credit = loss.partition(CREDIT_SEP)
+    preset = name.partition(VARIANT_SEP)[0]
     adjustments = ADJUSTMENTS.get(preset, []) if adjust else []
-    widened = band_overrides(preset, bands[preset]) if bands and preset in bands else []
-    return [f"loss={preset}", *adjustments, *widened, *([f"credit={credit}"] if credit else [])]
+    changed = []
+    if VARIANT_SEP in name:
+        shipped, fields = preset_of(preset).policy_loss, preset_of(name).policy_loss
+        changed = [f"actor_rollout_ref.actor.policy_loss.{k}={v!r}" for k, v in fields.items() if v != shipped.get(k)]
+    widened = band_overrides(name, bands[name]) if bands and name in bands else []
+    return [f"loss={preset}", *adjustments, *changed, *widened, *([f"credit={credit}"] if credit else [])]
+
+
+def preset_of(name: str):
+    """A preset as the regime labs compose it (``regimes.Preset``), or a variant ``PRESET@field=value[,...]`` of
+    one (``regimes_tuned.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
+    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.regimes_tuned import variant
+
+    return variant(name, "--losses") if VARIANT_SEP in name else discover_presets([name])[0]
 
 
 def parse_bands(items: list[str]) -> dict[str, str]:
-    """``--bands PRESET=WIDTH ...`` -> {preset: width}; WIDTH a number > 0 or ``inf``."""
+    """``--bands PRESET=WIDTH ...`` -> {preset: width}; WIDTH a number > 0 or ``inf``; PRESET may be a variant."""
     from maspo_verl.lab.regimes_tuned import UNCLIPPED
 
     presets, out = preset_names(), {}
     for item in items:
-        preset, eq, width = item.partition("=")
+        preset, eq, width = item.rpartition("=")
         try:
             ok = bool(eq) and (width == UNCLIPPED or (math.isfinite(float(width)) and float(width) > 0))
         except ValueError:
             ok = False
-        if not ok or preset not in presets or preset in out:
+        if not ok or preset.partition(VARIANT_SEP)[0] not in presets or preset in out:
             raise SystemExit(
                 f"--bands {item!r}: allowed PRESET=WIDTH once per preset, PRESET in {presets}, WIDTH a number > 0 "
                 f"or {UNCLIPPED} (e.g. grpo=4 gspo={UNCLIPPED})"
@@ -272,10 +290,9 @@ def bands_of(runs: list[dict]) -> dict[str, str]:
 def band_overrides(preset: str, width: str) -> list[str]:
     """The overrides that scale ``preset``'s clip band by ``width`` (``regimes_tuned.widen``: the log-space band
     where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
-    from maspo_verl.lab.regimes import discover_presets
     from maspo_verl.lab.regimes_tuned import widen
 
-    shipped = discover_presets([preset])[0]
+    shipped = preset_of(preset)
     wide = widen(shipped, width)
     out = [f"actor_rollout_ref.actor.{k}={v!r}" for k, v in wide.actor.items() if v != shipped.actor[k]]
     out += [
@@ -294,11 +311,19 @@ def check_losses(losses: list[str]) -> None:
         raise SystemExit(f"learn.ADJUSTMENTS: {stale} are not loss presets (hydra_configs/loss/: {presets})")
     for loss in losses:
         preset, plus, credit = loss.partition(CREDIT_SEP)
-        if preset not in presets or (plus and credit not in credits):
+        if VARIANT_SEP in preset:
+            preset_of(preset)
+        if preset.partition(VARIANT_SEP)[0] not in presets or (plus and credit not in credits):
             raise SystemExit(
                 f"--losses {loss!r}: allowed a loss preset {presets}, optionally {CREDIT_SEP}CREDIT with a credit "
                 f"preset {credits} (e.g. maspo_fixed{CREDIT_SEP}span)"
             )
+
+
+def slug(text: str) -> str:
+    """``text`` as a Hydra override value and a folder name: a variant's ``@``, ``=`` and ``,``, and the cell's
+    ``/``, become ``_``."""
+    return re.sub(r"[^\w.+-]", "_", text)
 
 
 def prompt_room(sentence: str) -> int:
@@ -347,7 +372,7 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"trainer.total_training_steps={args.steps}",
         # enough epochs for the steps whatever the task's data size (the steps stop the run)
         f"trainer.total_epochs={args.steps}",
-        f"trainer.experiment_name=learn_{task}_{loss}_{seed}_{cell.label.replace('/', '_')}",
+        f"trainer.experiment_name={slug(f'learn_{task}_{loss}_{seed}_{cell.label}')}",
         *extra,
     ]
 
@@ -613,7 +638,7 @@ def run(args, argv) -> None:
                 for loss in args.losses:
                     if (task, cell.label, loss, seed) in done:
                         continue
-                    name = f"{task}_{cell.label.replace('/', '_')}_{loss}_{seed}"
+                    name = slug(f"{task}_{cell.label}_{loss}_{seed}")
                     overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
                     result = run_local(overrides, logs / name, timeout_s=args.timeout)
                     steps, code, wall = result.steps, result.returncode, result.wall_s

@@ -92,6 +92,7 @@ LENGTH_METRICS = {
     "segment_len": "actor/ratio/segment_len_mean",
     "adaptive_len": "actor/ratio/adaptive_len",
     "adaptive_vif": "actor/ratio/adaptive_vif",
+    "adaptive_bias": "actor/ratio/adaptive_bias",
 }
 
 
@@ -382,6 +383,7 @@ def run_job(job: Job, args) -> dict:
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
 
     import maspo_verl.plugin  # noqa: F401  (registers our losses)
+    from maspo_verl.lab.common import finite_mean
 
     torch.set_num_threads(1)
     device = torch.device(getattr(args, "device", "cpu"))
@@ -461,7 +463,7 @@ def run_job(job: Job, args) -> dict:
                 "logratio_sd": float(spread[i].mean()),
                 "clipfrac": float(np.mean(clipfracs)),
                 "ppo_kl": float(np.mean(kls)),
-                **{name: float(np.mean(values)) for name, values in lengths.items()},
+                **{name: finite_mean(values) for name, values in lengths.items()},
                 **correlation,
             }
         )

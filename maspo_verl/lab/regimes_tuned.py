@@ -82,7 +82,7 @@ def parse_cell(text: str) -> tuple[int, str, int, float | None]:
     return int(m.group(1)), m.group(2), int(m.group(3)), float(m.group(4)) if m.group(4) else None
 
 
-def variant(name: str) -> regimes.Preset:
+def variant(name: str, flag: str = "--presets") -> regimes.Preset:
     """A preset with policy-loss fields changed: ``<preset>@<field>=<value>[,<field>=<value>...]`` (values as
     YAML, e.g. ``maspo_fixed@segment_window=4``), checked as the trainer checks them."""
     import yaml
@@ -94,14 +94,14 @@ def variant(name: str) -> regimes.Preset:
     for item in changes.split(","):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise SystemExit(f"--presets {name!r}: <preset>@<field>=<value>[,...], e.g. maspo_fixed@segment_window=4")
+            raise SystemExit(f"{flag} {name!r}: <preset>@<field>=<value>[,...], e.g. maspo_fixed@segment_window=4")
         fields[key.strip()] = yaml.safe_load(value)
     (p,) = regimes.discover_presets([base])
     policy_loss = {**p.policy_loss, **fields}
     try:
         actor_config(**policy_loss)
     except (ValueError, TypeError) as exc:
-        raise SystemExit(f"--presets {name!r}: {exc}") from exc
+        raise SystemExit(f"{flag} {name!r}: {exc}") from exc
     return replace(p, name=name, policy_loss=policy_loss)
 
 

@@ -1,6 +1,8 @@
-"""The ``adaptive`` rule's statistic (``adaptive_choice``): against a float64 plain loop, on AR(1) log-ratios of
-known correlation, on independent ones, on all-equal ones; the rule without log-ratios; its metrics in the loss.
-Its worked examples, its reference on random rows and its limits against verl run in the discovered tests."""
+"""The ``adaptive`` rule's two criteria (``adaptive_choice``): against a float64 plain loop; correlation on AR(1)
+log-ratios of known correlation, on independent ones, on all-equal ones; band on drifted rows against the length
+worked out by hand, on zero-mean ones, at its limits; the rule without log-ratios; refused settings; its metrics in
+the loss. Its worked examples, its reference on random rows and its limits against verl run in the discovered
+tests."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from maspo_verl.config import actor_config
 from maspo_verl.core.losses import policy_loss_fn
 from maspo_verl.core.segments import compute_segment_ids
-from maspo_verl.core.segments.rules.adaptive import MIN_WINDOWS, adaptive_choice, plain_choice
+from maspo_verl.core.segments.rules.adaptive import BAND, MIN_WINDOWS, UNBOUNDED, adaptive_choice, plain_choice
 from tests.helpers import random_mask
 
 
@@ -136,3 +138,95 @@ def test_a_micro_batch_with_no_measured_row_reports_no_statistic():
     _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
     assert metrics["actor/ratio/adaptive_len"] == 2.0 and metrics["actor/ratio/adaptive_measured_frac"] == 0.0
     assert "actor/ratio/adaptive_vif" not in metrics and "actor/ratio/adaptive_window" not in metrics
+
+
+SHIPPED_BAND = (0.2, 0.2, -0.5)  # maspo_adaptive's log_clip_low/high and clip_exponent
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_band_choice_equals_a_float64_loop(seed):
+    """Drifted noisy rows (a per-row bias, either sign) with holes and padding, sides of different widths: the
+    vectorised band choice equals the plain loop's, row by row."""
+    g = torch.Generator().manual_seed(100 + seed)
+    B, T = 16, 200
+    mask = random_mask(B, T, ["right", "left", "holes"][seed % 3], g)
+    delta = 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    delta += 0.04 * torch.randn(B, 1, generator=g, dtype=torch.float64)
+    band = (0.2, 0.35, -0.5) if seed % 2 else (0.3, 0.1, -0.25)
+    got = adaptive_choice(delta, mask, 1 + seed % 2, 64, band)
+    lengths = set()
+    for b in range(B):
+        row = delta[b][mask[b]].tolist()
+        n, window, _ = plain_choice(row, 1 + seed % 2, 64, band)
+        assert min(int(got.length[b]), len(row)) == min(n, len(row)), b
+        assert float(got.bias[b]) == pytest.approx(sum(row) / max(len(row), 1), abs=1e-15)
+        lengths.add(n)
+    assert len(lengths) >= 3  # the rows chose different lengths
+
+
+@pytest.mark.parametrize(("bias", "want"), [(0.01, 64), (0.02, 16), (0.024, 16), (0.03, 8), (0.05, 4), (0.08, 1)])
+def test_band_length_is_the_longest_power_of_two_whose_half_band_holds_the_drift(bias, want):
+    """A row drifted by ``bias`` per token (either sign), under the shipped band 0.2 / sqrt(n): the longest power of
+    two n <= 64 with bias <= 0.1 / sqrt(n), i.e. n <= (0.1 / bias)^2, worked out by hand (0.01: 100 -> 64;
+    0.02: 25 -> 16; 0.024: 17.4 -> 16; 0.03: 11.1 -> 8; 0.05: 4 -> 4; 0.08: 1.56 -> 1)."""
+    rows = torch.tensor([[bias] * 256, [-bias] * 256], dtype=torch.float64)
+    rows += 0.5 * torch.tensor([1.0, -1.0]).repeat(128)  # zero-mean wiggle: only the mean counts
+    choice = adaptive_choice(rows, torch.ones(rows.shape, dtype=torch.bool), 1, 64, SHIPPED_BAND)
+    assert choice.length.flatten().tolist() == [want, want]
+
+
+def test_band_gives_zero_mean_rows_the_longest_window_and_drifted_rows_shorter_ones():
+    """White zero-mean log-ratios of any spread (no drift): the band holds the mean at every n, so n = the max;
+    the same rows shifted by -KL-like drift 0.04 shorten to 4 ((0.1 / 0.04)^2 = 6.25); the correlation criterion
+    gives both n ~ 1."""
+    white = 0.3 * torch.randn(64, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    white -= white.mean(-1, keepdim=True)
+    mask = torch.ones(white.shape, dtype=torch.bool)
+    assert (adaptive_choice(white, mask, 1, 64, SHIPPED_BAND).length == 64).all()
+    assert (adaptive_choice(white - 0.04, mask, 1, 64, SHIPPED_BAND).length == 4).all()
+    assert adaptive_choice(white, mask, 1, 64).length.double().mean() < 1.2
+
+
+def test_band_limits_are_the_token_and_the_sequence_ratio():
+    """adaptive_min_len = adaptive_max_len = 1: a segment per token; both 2^30: one per row (segment ids), as the
+    correlation criterion's limits, which the discovered tests hold equal to verl's losses."""
+    delta = torch.randn(3, 40, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.01
+    mask = torch.ones(delta.shape, dtype=torch.bool)
+    mask[2, 30:] = False
+    for lo_hi, want in ((1, torch.arange(40).expand(3, 40)), (UNBOUNDED, torch.zeros(3, 40, dtype=torch.long))):
+        config = actor_config(
+            loss_mode="maspo", segment_rule="adaptive", adaptive_min_len=lo_hi, adaptive_max_len=lo_hi, **BAND
+        ).policy_loss
+        ids = compute_segment_ids(mask, config, log_ratio=delta)
+        assert torch.equal(ids[mask], want[mask]), lo_hi
+
+
+@pytest.mark.parametrize("exponent", [0.5, 0.0])
+def test_band_needs_a_band_that_narrows(exponent):
+    """The band criterion with a log-space band that does not narrow with n (the default clip_exponent 0.5 is
+    CTPO's, which widens) is refused at start-up, naming the field, the allowed values and the exponent; with
+    verl's ratio clip (e.g. for SAPO) it still reads the log-space band, as a drift tolerance."""
+    refused = rf"adaptive_criterion='band'.*clip_exponent < 0 .*now clip_exponent={exponent}"
+    with pytest.raises(ValueError, match=refused):
+        actor_config(loss_mode="maspo", segment_rule="adaptive", adaptive_criterion="band", clip_exponent=exponent)
+    # another rule in use: the field is not read, nothing to refuse
+    actor_config(loss_mode="maspo", segment_rule="fixed", adaptive_criterion="band", clip_exponent=exponent)
+    config = actor_config(
+        loss_mode="maspo", segment_rule="adaptive", **{**BAND, "clip_schedule": "ratio"}, surrogate="sapo"
+    ).policy_loss
+    delta = torch.full((1, 64), 0.04, dtype=torch.float64)  # (0.1 / 0.04)^2 = 6.25: windows of 4
+    assert compute_segment_ids(torch.ones(1, 64, dtype=torch.bool), config, log_ratio=delta).max() == 15
+
+
+def test_the_loss_reports_the_band_choice_and_the_drift_it_read():
+    """Two rows drifted by 0.04 (n = 4) and two by 0.01 (n = 64): adaptive_len and adaptive_bias are their means."""
+    B, T = 4, 128
+    old = torch.full((B, T), -1.0, dtype=torch.float64)
+    wiggle = 0.02 * torch.tensor([1.0, -1.0]).repeat(T // 2)
+    delta = torch.tensor([[0.04], [-0.04], [0.01], [-0.01]], dtype=torch.float64) + wiggle
+    new = (old + delta).requires_grad_()
+    config = actor_config(loss_mode="maspo", segment_rule="adaptive", **BAND)
+    _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
+    assert metrics["actor/ratio/adaptive_len"] == pytest.approx((4 + 4 + 64 + 64) / 4)
+    assert metrics["actor/ratio/adaptive_bias"] == pytest.approx(0.025)
+    assert metrics["actor/ratio/segments_per_seq"] == pytest.approx((32 + 32 + 2 + 2) / 4)

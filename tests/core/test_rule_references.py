@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
-from maspo_verl.config import actor_config
+from maspo_verl.config import LOSS_SETTINGS, actor_config
 from maspo_verl.core.segments import SEGMENT_RULES, compute_segment_ids, rules_in_use
 from maspo_verl.core.segments.reference import reference_segment_ids
 from maspo_verl.validation import Bool, Choice, Float, Int, Ints, Strings
@@ -51,13 +51,20 @@ def draw(setting, g: random.Random):
     return setting.default
 
 
+# the clip band's settings, which a rule may read (adaptive's band criterion)
+CLIP = ("clip_schedule", "clip_exponent", "log_clip_low", "log_clip_high")
+
+
 def random_config(name: str, g: random.Random):
-    """The rule's policy-loss config with random settings (its own, its fallback's, the lengths), redrawn until
-    they pass validation (checks across fields)."""
+    """The rule's policy-loss config with random settings (its own, its fallback's, the lengths, the clip band),
+    redrawn until they pass validation (checks across fields)."""
+    clip = [s for s in LOSS_SETTINGS if s.name in CLIP]
     for _ in range(200):
-        fields = {s.name: draw(s, g) for rule in SEGMENT_RULES.values() for s in rule.settings}
+        fields = {s.name: draw(s, g) for rule in SEGMENT_RULES.values() for s in (*rule.settings, *clip)}
         if "fsq_levels" in fields and g.random() < 0.5:  # a codebook of those levels (tokenval's FSQ distances)
             fields["codec_size"] = math.prod(fields["fsq_levels"])
+        if fields["adaptive_criterion"] == "band" and g.random() < 0.8:  # mostly a band it accepts
+            fields.update(clip_exponent=-abs(fields["clip_exponent"]) or -0.5)
         low = g.choice([0, 0, 0, 2, 3])
         fields.update(min_segment_len=low, max_segment_len=g.choice([0, 0, 0, max(low, 2) + g.randint(0, 4)]))
         try:

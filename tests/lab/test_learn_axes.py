@@ -307,6 +307,28 @@ def test_bands_scale_a_presets_clip_as_the_tuned_grid_does():
     assert learn.loss_overrides("maspo_fixed")[1:] == learn.ADJUSTMENTS["maspo_fixed"]
 
 
+def test_a_variant_runs_with_its_fields_and_band_in_hydras_grammar():
+    """``PRESET@field=value`` (as lab regimes_tuned takes it): every override of its run parses as Hydra parses
+    the command line (the run name too: no ``@``/``=``), composes to the variant's fields at the band given for
+    it, and a misspelt field is refused at start naming --losses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tests.helpers import compose_config
+
+    loss = "maspo_adaptive@adaptive_criterion=correlation,adaptive_max_len=16"
+    learn.check_losses([loss])
+    args = _args("--bands", f"{loss}=4", "--losses", loss)
+    data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
+    ov = learn.overrides_for(args, "speech", loss, 3, data, learn.Cell(96, "none", 4))
+    OverridesParser.create().parse_overrides(ov)
+    policy_loss = compose_config(*learn.loss_overrides(loss, learn.parse_bands([f"{loss}=4"]))).actor_rollout_ref
+    policy_loss = policy_loss.actor.policy_loss
+    assert (policy_loss.adaptive_criterion, policy_loss.adaptive_max_len) == ("correlation", 16)
+    assert policy_loss.log_clip_low == pytest.approx(0.8) and policy_loss.segment_rule == "adaptive"
+    with pytest.raises(SystemExit, match="--losses 'maspo_fixed@segment_windw=4'.*segment_window"):
+        learn.check_losses(["maspo_fixed@segment_windw=4"])
+
+
 def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     """``--losses X --resume`` runs X for the seeds already run and summarises it beside the losses run before
     (the earlier runs are not run again); each run records its band."""

@@ -1,11 +1,17 @@
 """adaptive: each response's segment length read from its own token log-ratios (docs/algorithms.md §3, "adaptive").
 
-The length n of a row is its measured variance inflation VIF(M) (the loss's ``vif<n>`` metric, per row), rounded down
-and kept between 1 and M: the integrated correlation length of the log-ratios delta = log pi - log pi_old over a
-measurement window M. Independent ratios give VIF about 1 (n = 1, GRPO's ratio); ratios that move together over
-many tokens give n up to M. M is the longest power of two with at least ``MIN_WINDOWS`` whole windows in the
-row and at most ``adaptive_max_len``, so each estimate rests on 8 or more windows; a row whose log-ratios carry no
-statistic (fewer than 2 tokens, or all equal, as on verl's first on-policy update) takes ``adaptive_min_len``.
+Two criteria (``adaptive_criterion``), both per row of log-ratios delta = log pi - log pi_old:
+
+- ``band``: the longest power of two n <= ``adaptive_max_len`` whose clip band still holds the row's mean
+  log-ratio twice over, |mean delta| <= eps n^p / 2 (``log_adaptive``'s band exp(-+eps n^p), eps on the side of
+  the mean's sign, p = ``clip_exponent`` < 0). Drift moves a segment's mean by about -KL per token whatever its
+  length while the band narrows with n, so past that n whole segments clip that single tokens would not. It reads
+  that band whatever ``clip_schedule`` clips with (with ``ratio``, or SAPO's gate, it is a drift tolerance only).
+- ``correlation``: the row's measured variance inflation VIF(M) (the loss's ``vif<n>`` metric, per row), rounded
+  down and kept between 1 and M: the integrated correlation length of delta over a measurement window M, the
+  longest power of two with at least ``MIN_WINDOWS`` whole windows in the row and at most ``adaptive_max_len``.
+  A row whose log-ratios carry no statistic (fewer than 2 tokens, or all equal, as on verl's first on-policy
+  update) takes ``adaptive_min_len``.
 
 Per response, not per batch: the choice is the same whatever verl groups into a micro-batch or a rank (the
 gradient stays data-parallel invariant), and a row's reference is a plain loop over that row.
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from maspo_verl.core.segments.rule import LOG_RATIO, Candidates, Example, SegmentRule, Sweep
+from maspo_verl.validation import Choice as OneOf
 from maspo_verl.validation import Int, Setting, fail
 
 # whole measurement windows a row needs for its VIF(M): fewer make the estimate too noisy (independent ratios
@@ -27,17 +34,30 @@ MIN_WINDOWS = 8
 # the setting that gives every response one segment (the sequence limit)
 UNBOUNDED = 1 << 30
 PREFIX = "actor/ratio/adaptive_"
+CRITERIA = ("correlation", "band")
+# the band criterion's (eps_low, eps_high, p): log_adaptive's log-space band is [-eps_low n^p, eps_high n^p]
+Band = tuple[float, float, float]
+# the settings of the band criterion's worked examples: the shipped preset's band
+BAND = {
+    "adaptive_criterion": "band",
+    "clip_schedule": "log_adaptive",
+    "clip_exponent": -0.5,
+    "log_clip_low": 0.2,
+    "log_clip_high": 0.2,
+}
 
 
 @dataclass
 class Choice:
     """Each row's choice [B, 1]: ``length`` n (int64), the measurement ``window`` M (int64), ``vif`` VIF(M)
-    (float64, 0 where not ``measured``), ``measured`` (the row's log-ratios carry a statistic)."""
+    (float64, 0 where not ``measured``), ``measured`` (the row's log-ratios carry a VIF), ``bias`` the row's
+    mean log-ratio (float64, 0 on a row without tokens)."""
 
     length: torch.Tensor
     window: torch.Tensor
     vif: torch.Tensor
     measured: torch.Tensor
+    bias: torch.Tensor
 
 
 def measurement_windows(lengths: torch.Tensor, max_len: int, T: int) -> torch.Tensor:
@@ -69,11 +89,32 @@ def window_sums(x: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, n: t
     return window_sum, count * n * (1.0 - n / lengths.clamp(min=1.0))
 
 
-def adaptive_choice(delta: torch.Tensor, mask: torch.Tensor, min_len: int, max_len: int) -> Choice:
-    """Each row's segment length from its log-ratios ``delta`` [B, T] over ``mask`` (any order, holes allowed).
+def band_halves(band: Band, max_len: int, T: int) -> list[tuple[int, float, float]]:
+    """The band criterion's candidates: (n, eps_low n^p / 2, eps_high n^p / 2) for the powers of two n <=
+    ``max_len``, up to the first that holds ``T`` tokens (longer ones segment every row the same). Python floats,
+    so the vectorised choice and the plain one compare against the same numbers."""
+    eps_low, eps_high, p = band
+    out, n = [], 1
+    while n <= max_len:
+        out.append((n, eps_low * n**p / 2, eps_high * n**p / 2))
+        if n >= T:
+            break
+        n *= 2
+    return out
 
-    VIF(M) = sum over windows of (sum of x)^2 / (sigma^2 sum over windows of M (1 - M/L)), x the row's centred
-    log-ratios and sigma^2 = sum x^2 / (L - 1) (``window_sums``, per row); it is computed on
+
+def adaptive_choice(
+    delta: torch.Tensor, mask: torch.Tensor, min_len: int, max_len: int, band: Band | None = None
+) -> Choice:
+    """Each row's segment length from its log-ratios ``delta`` [B, T] over ``mask`` (any order, holes allowed):
+    by the ``band`` criterion where one is given (its (eps_low, eps_high, p)), else by the correlation one.
+
+    Band: n is the longest candidate of ``band_halves`` whose half band on the side of the row's mean log-ratio
+    holds that mean (the half bands narrow with n, as p < 0), 1 where none does. Also each row's mean log-ratio
+    and its VIF(M), whatever the criterion.
+
+    Correlation: VIF(M) = sum over windows of (sum of x)^2 / (sigma^2 sum over windows of M (1 - M/L)), x the
+    row's centred log-ratios and sigma^2 = sum x^2 / (L - 1) (``window_sums``, per row); it is computed on
     L x = L delta - sum delta (VIF does not change when a row is scaled), exact for dyadic inputs. n =
     max(``min_len``, min(M, max(1, floor VIF(M)))) where measured, else ``min_len``. float64, no host sync."""
     mask = mask.bool()
@@ -88,12 +129,19 @@ def adaptive_choice(delta: torch.Tensor, mask: torch.Tensor, min_len: int, max_l
     measured = (lengths >= 2) & (squared > 0)
     sigma2 = squared / (lengths - 1).clamp(min=1.0)
     vif = torch.where(measured, squares / torch.where(measured, expected * sigma2, 1.0), 0.0)
-    chosen = torch.minimum(vif.floor().clamp(min=1.0).long(), window)
-    length = torch.where(measured, chosen.clamp(min=min_len), min_len)
-    return Choice(length, window, vif, measured)
+    bias = d.sum(-1, keepdim=True) / lengths.clamp(min=1.0)
+    if band is None:
+        chosen = torch.where(measured, torch.minimum(vif.floor().clamp(min=1.0).long(), window), min_len)
+    else:
+        chosen = torch.ones_like(window)
+        for n, low, high in band_halves(band, max_len, mask.shape[-1]):
+            chosen = torch.where(torch.where(bias < 0, -bias <= low, bias <= high), n, chosen)
+    return Choice(chosen.clamp(min=min_len), window, vif, measured, bias)
 
 
-def plain_choice(delta: list[float], min_len: int, max_len: int) -> tuple[int, int, float | None]:
+def plain_choice(
+    delta: list[float], min_len: int, max_len: int, band: Band | None = None
+) -> tuple[int, int, float | None]:
     """``adaptive_choice`` of one row, written plainly (float64): (n, M, VIF(M) or None where not measured)."""
     L = len(delta)
     window = 1
@@ -102,19 +150,29 @@ def plain_choice(delta: list[float], min_len: int, max_len: int) -> tuple[int, i
     total = sum(delta)
     y = [v * L - total for v in delta]
     squared = sum(v * v for v in y)
-    if L < 2 or squared == 0:
+    vif = None
+    if L >= 2 and squared != 0:
+        count = L // window
+        squares = sum(sum(y[w * window : (w + 1) * window]) ** 2 for w in range(count))
+        vif = squares / (count * window * (1.0 - window / L) * squared / (L - 1))
+    if band is not None:
+        bias, (eps_low, eps_high, p), n = total / max(L, 1), band, 1
+        for k in range(64):  # powers of two up to max_len and the first that holds the row
+            m = 2**k
+            if m > max_len or (k and m // 2 >= L):
+                break
+            if (-bias <= eps_low * m**p / 2) if bias < 0 else (bias <= eps_high * m**p / 2):
+                n = m
+        return max(min_len, n), window, vif
+    if vif is None:
         return min_len, window, None
-    count = L // window
-    squares = sum(sum(y[w * window : (w + 1) * window]) ** 2 for w in range(count))
-    expected = count * window * (1.0 - window / L)
-    sigma2 = squared / (L - 1)
-    vif = squares / (expected * sigma2)
     return max(min_len, min(window, max(1, math.floor(vif)))), window, vif
 
 
 class AdaptiveRule(SegmentRule):
-    """Each response's window length read from its own log-ratios: n = its measured VIF(M) rounded down, between
-    `adaptive_min_len` and M ≤ `adaptive_max_len` (independent ratios: 1, GRPO's ratio; correlated: longer)."""
+    """Each response's window length read from its own log-ratios, between `adaptive_min_len` and
+    `adaptive_max_len`: `band`, the longest power of two whose clip band holds the row's mean log-ratio twice over
+    (drift: shorter); `correlation`, its measured VIF(M) rounded down (independent ratios: 1; correlated: longer)."""
 
     name = "adaptive"
     needs = frozenset({LOG_RATIO})
@@ -123,9 +181,15 @@ class AdaptiveRule(SegmentRule):
             "adaptive_min_len",
             1,
             Int(1),
-            "shortest segment (`adaptive`); also the length of rows whose log-ratios are all equal",
+            "shortest segment (`adaptive`); `correlation`: also the length of rows whose log-ratios are all equal",
         ),
         Setting("adaptive_max_len", 64, Int(1), "longest segment and measurement window (`adaptive`; powers of two)"),
+        Setting(
+            "adaptive_criterion",
+            "correlation",
+            OneOf(CRITERIA),
+            "`adaptive`: band (reads log_clip_low/high and clip_exponent < 0) or correlation (docs: algorithms)",
+        ),
     )
     limits = {
         "token": {"adaptive_min_len": 1, "adaptive_max_len": 1},
@@ -167,26 +231,63 @@ class AdaptiveRule(SegmentRule):
             {},
             {LOG_RATIO: ((1.0,) * 5 + (-1.0,) * 5,)},
         ),
+        Example(
+            "band: mean log-ratio 1/16, half band 0.5 n^-0.5 / 2 holds it up to n = 16 (equal there), not at 32",
+            ((1,) * 40,),
+            ((16, 16, 8),),
+            {**BAND, "log_clip_high": 0.5},
+            {LOG_RATIO: ((0.0625,) * 40,)},
+        ),
+        Example(
+            "band: mean -1/16 reads the lower side, eps_low 0.25: half band 0.125 n^-0.5 holds it up to n = 4",
+            ((1,) * 16,),
+            ((4,) * 4,),
+            {**BAND, "log_clip_low": 0.25, "log_clip_high": 4.0},
+            {LOG_RATIO: ((-0.0625,) * 16,)},
+        ),
+        Example(
+            "band: mean 0 (log-ratios +-1) fits every band, so the longest window: one segment; padding ignored",
+            ((1,) * 20 + (0, 0),),
+            ((20,),),
+            BAND,
+            {LOG_RATIO: ((1.0, -1.0) * 10 + (9.0, 9.0),)},
+        ),
+        Example(
+            "band: mean 1 is outside even one token's half band 0.1 (eps 0.2): n = 1",
+            ((1,) * 6,),
+            ((1,) * 6,),
+            BAND,
+            {LOG_RATIO: ((1.0,) * 6,)},
+        ),
     )
 
     def validate(self, config):
+        from maspo_verl.core.segments.registry import rules_in_use  # the registry imports this module
+
         if config.adaptive_min_len > config.adaptive_max_len:
             fail(
                 "adaptive_min_len",
                 config.adaptive_min_len,
                 f"an integer <= adaptive_max_len={config.adaptive_max_len}",
             )
+        if band_of(config) is not None and config.clip_exponent >= 0 and self in rules_in_use(config):
+            fail(
+                "adaptive_criterion",
+                "band",
+                "correlation, or band with clip_exponent < 0 (the log-space band eps n^p it reads must narrow with "
+                f"the segment length; now clip_exponent={config.clip_exponent})",
+            )
 
     def candidates(self, config, packed, inputs):
         delta = packed.pack(inputs.get(LOG_RATIO))
-        choice = adaptive_choice(delta, packed.valid, config.adaptive_min_len, config.adaptive_max_len)
+        choice = adaptive_choice(delta, packed.valid, config.adaptive_min_len, config.adaptive_max_len, band_of(config))
         boundaries = packed.valid & (packed.columns % choice.length == 0)
         return Candidates(
             boundaries, torch.ones(boundaries.shape, device=boundaries.device), None, metrics(choice, packed)
         )
 
     def reference(self, config, row):
-        n, _, _ = plain_choice(row.log_ratio, config.adaptive_min_len, config.adaptive_max_len)
+        n, _, _ = plain_choice(row.log_ratio, config.adaptive_min_len, config.adaptive_max_len, band_of(config))
         return [1.0 if p % n == 0 else None for p in range(len(row.positions))]
 
     def sweeps(self, config, packed, inputs):
@@ -196,11 +297,18 @@ class AdaptiveRule(SegmentRule):
         return [Sweep("adaptive", {"segment_rule": self.name}, "adaptive_max_len", grid)]
 
 
+def band_of(config) -> Band | None:
+    """The band criterion's (eps_low, eps_high, p) from the policy-loss config, or None for the correlation one."""
+    if getattr(config, "adaptive_criterion", "correlation") != "band":
+        return None
+    return (config.log_clip_low, config.log_clip_high, config.clip_exponent)
+
+
 def metrics(choice: Choice, packed) -> dict[str, torch.Tensor]:
     """The chosen lengths and what chose them: ``len`` the mean chosen n (at most the row's length) over rows with
     tokens; ``vif`` and ``window`` the mean VIF(M) and M over measured rows, as (sum, count) pairs (not reported
     where no row is measured, rather than as 0); ``measured_frac`` the share of rows with tokens that are
-    measured."""
+    measured; ``bias`` the mean |mean log-ratio| of rows with tokens (what the band criterion reads)."""
     rows = (packed.lengths > 0).to(torch.float64)
     measured = choice.measured.to(torch.float64)
     per_row = torch.minimum(choice.length, packed.lengths.long()).to(torch.float64)
@@ -210,4 +318,5 @@ def metrics(choice: Choice, packed) -> dict[str, torch.Tensor]:
         f"{PREFIX}vif": torch.stack([(choice.vif * measured).sum(), n_measured]),
         f"{PREFIX}window": torch.stack([(choice.window * measured).sum(), n_measured]),
         f"{PREFIX}measured_frac": n_measured / n_rows,
+        f"{PREFIX}bias": torch.stack([(choice.bias.abs() * rows).sum(), rows.sum()]),
     }
