@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as _dt
+import math
 import os
 import platform
 import shlex
@@ -96,22 +97,19 @@ def number(text: str):
             return text
 
 
+def as_float(v) -> float:
+    """A number or CSV cell as a float, NaN where it does not read as one."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def finite_mean(values) -> float:
     """The mean of the finite numbers among ``values`` (numbers or CSV cells), NaN when there are none: a metric
     a loss call did not report (NaN) does not count, as verl averages a metric over the calls that report it."""
-    import math
-
-    finite = [float(v) for v in values if _finite(v)]
+    finite = [x for x in map(as_float, values) if math.isfinite(x)]
     return sum(finite) / len(finite) if finite else math.nan
-
-
-def _finite(v) -> bool:
-    import math
-
-    try:
-        return math.isfinite(float(v))
-    except (TypeError, ValueError):
-        return False
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from maspo_verl.lab import regimes
+from maspo_verl.lab.common import as_float as _f
 
 OUT = "regimes_tuned"
 BASELINE = regimes.BASELINE
@@ -133,13 +134,6 @@ def jobs_of(args) -> list[regimes.Job]:
 
 
 # ------------------------------------------------------------------ analysis
-
-
-def _f(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return float("nan")
 
 
 def _interval(diffs: np.ndarray, level: float, reps: int = 10000, seed: int = 0) -> tuple[float, float]:

@@ -121,7 +121,8 @@ def adaptive_choice(
     valid = mask.to(torch.float64)
     d = torch.where(mask, delta.double(), 0.0)
     lengths = valid.sum(-1, keepdim=True)  # [B, 1]
-    y = (d * lengths - d.sum(-1, keepdim=True)) * valid
+    total = d.sum(-1, keepdim=True)
+    y = (d * lengths - total) * valid
     squared = (y * y).sum(-1, keepdim=True)
     window = measurement_windows(lengths.long(), max_len, mask.shape[-1])
     sums, expected = window_sums(y, mask, lengths, window)
@@ -129,7 +130,7 @@ def adaptive_choice(
     measured = (lengths >= 2) & (squared > 0)
     sigma2 = squared / (lengths - 1).clamp(min=1.0)
     vif = torch.where(measured, squares / torch.where(measured, expected * sigma2, 1.0), 0.0)
-    bias = d.sum(-1, keepdim=True) / lengths.clamp(min=1.0)
+    bias = total / lengths.clamp(min=1.0)
     if band is None:
         chosen = torch.where(measured, torch.minimum(vif.floor().clamp(min=1.0).long(), window), min_len)
     else:
@@ -156,14 +157,9 @@ def plain_choice(
         squares = sum(sum(y[w * window : (w + 1) * window]) ** 2 for w in range(count))
         vif = squares / (count * window * (1.0 - window / L) * squared / (L - 1))
     if band is not None:
-        bias, (eps_low, eps_high, p), n = total / max(L, 1), band, 1
-        for k in range(64):  # powers of two up to max_len and the first that holds the row
-            m = 2**k
-            if m > max_len or (k and m // 2 >= L):
-                break
-            if (-bias <= eps_low * m**p / 2) if bias < 0 else (bias <= eps_high * m**p / 2):
-                n = m
-        return max(min_len, n), window, vif
+        bias = total / max(L, 1)
+        held = [n for n, low, high in band_halves(band, max_len, L) if (-bias <= low if bias < 0 else bias <= high)]
+        return max(min_len, max(held, default=1)), window, vif
     if vif is None:
         return min_len, window, None
     return max(min_len, min(window, max(1, math.floor(vif)))), window, vif
