@@ -213,6 +213,8 @@ def presets_short(presets: dict) -> list[str]:
         policy_loss = OmegaConf.select(composed, f"{ACTOR}.policy_loss")
         mode = policy_loss.loss_mode
         shared = f"segment (`{policy_loss.segment_rule}`)" if mode == "maspo" else GRANULARITY.get(mode, "–")
+        if policy_loss.get("surrogate", "ppo") != "ppo":
+            shared += f", surrogate `{policy_loss.surrogate}`"
         rows.append(f"| `{name}` | {shared} | `{mode}` |")
     return rows
 

@@ -3,13 +3,14 @@
 
     1. which tokens are in the loss      valid tokens whose log-probs are finite
     2. token log-ratios                  delta_t = clamp(log pi_t - log pi_old_t, +-20), a value
-    3. who shares a ratio                S(t): t's segment (maspo), the prefix {1..t} (ctpo), the response (pgspo)
-    4. the shared log-ratio              l_t = clamp(sum_{u in S(t)} delta_u / |S(t)|^alpha, +-20)
-    5. the ratio, stop-gradient form     r_t = exp(sg[l_t]) exp(log pi_t - sg[log pi_t]): value exp(l_t),
-                                         gradient r_t grad log pi_t
-    6. the clip schedule                 ratio: 1 - eps_low, 1 + eps_high, c; log_adaptive: exp(-+eps n_t^p)
-    7. the surrogate                     its formula (``maspo_verl.core.surrogates``), times the rollout weights
-    8. verl's aggregation                ``agg_loss``; seg-mean-token-mean weights token t by 1 / (|S(t)| K_i)
+    3. the surrogate's per-token step    delta_t as it is (gmpo: clipped by the sign of A_t, gradient mask g_t)
+    4. who shares a ratio                S(t): t's segment (maspo), the prefix {1..t} (ctpo), the response (pgspo)
+    5. the shared log-ratio              l_t = clamp(sum_{u in S(t)} delta_u / |S(t)|^alpha, +-20)
+    6. the ratio, stop-gradient form     r_t = exp(sg[l_t]) exp(g_t (log pi_t - sg[log pi_t])): value exp(l_t),
+                                         gradient r_t g_t grad log pi_t (g_t = 1 but at gmpo's clipped tokens)
+    7. the clip schedule                 ratio: 1 - eps_low, 1 + eps_high, c; log_adaptive: exp(-+eps n_t^p)
+    8. the surrogate                     its formula (``maspo_verl.core.surrogates``), times the rollout weights
+    9. verl's aggregation                ``agg_loss``; seg-mean-token-mean weights token t by 1 / (|S(t)| K_i)
 
 No fast paths: [B, T, T] membership matrices instead of scatters and cumulative sums, clip bounds as per-token
 tensors, no in-place ops. The surrogate's formula is the one the loss runs (each is one formula, pinned by its worked
@@ -54,7 +55,14 @@ def reference_loss(
     # 2. token log-ratios (values; zero outside the kept tokens)
     delta = torch.where(kept, (log_prob.detach() - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
 
-    # 3. who shares a ratio: member[b, t, u] is True when token u is in S(t)
+    # 3. the surrogate's per-token step (its formula, as the loss runs it)
+    surrogate = SURROGATES[policy_loss.surrogate]
+    adv = torch.where(kept, advantages, 0.0)
+    token_clip = surrogate.clip_tokens(policy_loss, actor, delta, adv)
+    delta = token_clip.delta
+    keeps_grad = torch.ones_like(kept) if token_clip.keeps_grad is None else token_clip.keeps_grad
+
+    # 4. who shares a ratio: member[b, t, u] is True when token u is in S(t)
     both_kept = kept[:, :, None] & kept[:, None, :]
     position = torch.arange(T, device=log_prob.device)
     if policy_loss.loss_mode == "maspo":
@@ -71,15 +79,16 @@ def reference_loss(
         raise ValueError(f"reference_loss: no token set {policy_loss.loss_mode!r}")
     set_size = member.sum(-1).to(delta.dtype)  # n_t = |S(t)|
 
-    # 4. the shared log-ratio
+    # 5. the shared log-ratio
     total = (member * delta[:, None, :]).sum(-1)
     shared_log_ratio = (total / set_size.clamp(min=1.0) ** alpha).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
-    # 5. the ratio: value exp(l_t), gradient r_t grad log pi_t
+    # 6. the ratio: value exp(l_t), gradient r_t g_t grad log pi_t
     log_pi = torch.where(kept, log_prob, 0.0)
-    ratio = torch.exp(shared_log_ratio) * torch.exp(log_pi - log_pi.detach())
+    score = torch.where(keeps_grad, log_pi - log_pi.detach(), 0.0)
+    ratio = torch.exp(shared_log_ratio) * torch.exp(score)
 
-    # 6. the clip bounds: lower, upper, dual
+    # 7. the clip bounds: lower, upper, dual
     if policy_loss.clip_schedule == "ratio":
         eps_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
         eps_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
@@ -91,19 +100,17 @@ def reference_loss(
         high = torch.exp(policy_loss.log_clip_high * scale)
         dual = torch.exp(policy_loss.log_clip_dual * scale)
 
-    # 7. the surrogate's formula on r (its gradient is autograd's), zero outside the kept tokens
-    surrogate = SURROGATES[policy_loss.surrogate]
+    # 8. the surrogate's formula on r (its gradient is autograd's), zero outside the kept tokens
     params = surrogate.params(policy_loss, actor, set_size)
-    if isinstance(params, ClipBounds):  # the bounds of step 6, whatever the schedule
+    if isinstance(params, ClipBounds):  # the bounds of step 7, whatever the schedule
         params = ClipBounds(low, high, dual)
-    adv = torch.where(kept, advantages, 0.0)
-    log_r = shared_log_ratio + (log_pi - log_pi.detach())
+    log_r = shared_log_ratio + score
     token_loss = surrogate.loss(ratio, log_r, adv, log_pi, params).loss
     if rollout_is_weights is not None:
         token_loss = token_loss * torch.where(kept, rollout_is_weights, 0.0)
     token_loss = torch.where(kept, token_loss, 0.0)
 
-    # 8. verl's aggregation
+    # 9. verl's aggregation
     if policy_loss.agg_mode == "seg-mean-token-mean":
         earlier = position[None, None, :] < position[None, :, None]
         first_of_set = kept & ~(member & earlier).any(-1)

@@ -11,6 +11,12 @@ exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd 
 | `cispo` | -sg[clip(r, lo, hi)] A log pi_t                                 | weight clipped below / above; none    |
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
 | `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
+| `gmpo`  | ppo's on r, the geometric mean of per-token clipped ratios      | token clipped below / above; dual     |
+
+Every surrogate also sees each token's log-ratio before the token set shares it (``Surrogate.clip_tokens``, step 3
+of the call): all but ``gmpo`` pass it on unchanged. ``gmpo`` (GMPO, "Geometric-Mean Policy Optimization", Zhao et
+al. 2025; verl's ``geo_mean``) clips delta_t in log space by the sign of A_t there and stops the gradient of the
+clipped tokens, so the shared ratio is the geometric mean of the clipped token ratios over each set.
 
 ``ppo``, ``cispo`` and ``tis`` take their bounds from the clip schedule (``policy_loss.clip_schedule``: ``ClipBounds``):
 
@@ -19,6 +25,8 @@ exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd 
   Token Perspective", generalised to any token set): lo_t = exp(-eps_low n_t^p), hi_t = exp(eps_high n_t^p),
   c_t = exp(eps_c n_t^p), n_t = |S(t)| (segment size, prefix length or response length).
 
+``gmpo`` clips each token on its own (n = 1, ``TokenBand``): lo = -eps_low, hi = eps_high in log space, verl's
+``clip_ratio_low/high`` (ratio schedule, as verl's ``geo_mean``) or ``log_clip_low/high`` (log_adaptive).
 ``sapo`` reads the actor's ``tau_pos``/``tau_neg`` (verl's fields) into ``SapoTemperatures``. Each declares worked
 examples (``Example``), which the discovered tests run. A new surrogate: docs/surrogates.md.
 """
@@ -48,6 +56,18 @@ class TokenLosses:
     clipped_low: torch.Tensor
     clipped_high: torch.Tensor
     clipped_dual: torch.Tensor
+
+
+@dataclass
+class TokenClip:
+    """A surrogate's step before sharing (``Surrogate.clip_tokens``): the token log-ratios [B, T] the token set
+    sums, and, where it clips tokens, which keep their gradient and which were clipped below / above (bool [B, T];
+    None: every token keeps its gradient, none clipped)."""
+
+    delta: torch.Tensor
+    keeps_grad: torch.Tensor | None = None
+    below: torch.Tensor | None = None
+    above: torch.Tensor | None = None
 
 
 def unclipped(loss: torch.Tensor) -> TokenLosses:
@@ -105,7 +125,9 @@ class Example:
     ``log_prob`` (-1 each when empty) of one row of tokens, the per-token ``loss`` and ``grad`` (d loss_t /
     d log pi_t), worked out by hand from the surrogate's formula (the test checks autograd's gradient against
     it). ``settings``: policy-loss fields; ``actor``: ``maspo_verl.config.actor_config``'s clip arguments
-    (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``: the set sizes n_t a log-space schedule reads."""
+    (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``: the set sizes n_t a log-space schedule reads.
+    ``token_log_ratio``: where given, the row is one token set of these token log-ratios delta_t, and ``ratio``
+    is the shared ratio the test expects after ``Surrogate.clip_tokens`` (the same value at every token)."""
 
     why: str
     ratio: tuple[float, ...]
@@ -116,6 +138,7 @@ class Example:
     settings: dict[str, Any] = field(default_factory=dict)
     actor: dict[str, Any] = field(default_factory=dict)
     sizes: tuple[float, ...] | None = None
+    token_log_ratio: tuple[float, ...] | None = None
 
 
 # a surrogate's parameters: ``ClipBounds`` for the clipped ones, ``SapoTemperatures`` for SAPO
@@ -147,6 +170,12 @@ class Surrogate(Generic[Params]):
     def check_actor(self, actor: Any) -> None:
         """Check the actor fields this surrogate reads (start-up, on the driver)."""
 
+    def clip_tokens(self, policy_loss: Any, actor: Any, delta: torch.Tensor, adv: torch.Tensor) -> TokenClip:
+        """Step 3 of the call, before the token set shares anything: ``delta`` [B, T] (each token's log-ratio, a
+        value, zero outside the loss) and ``adv`` [B, T] (zero outside the loss) to the log-ratios the set sums
+        (``TokenClip``). By default they pass unchanged and every token keeps its gradient."""
+        return TokenClip(delta)
+
     def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
         """Its parameters from the configs: by default the bounds of ``policy_loss.clip_schedule`` (log_adaptive reads
         ``sizes``, the per-token set sizes n_t; ratio-space bounds are verl's actor scalars ``clip_ratio_low/high``,
@@ -177,7 +206,7 @@ SETTINGS = (
         DEFAULT,
         Choice(lambda: tuple(SURROGATES)),
         "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate, "
-        "truncated IS",
+        "truncated IS, GMPO's geometric mean of per-token clipped ratios",
     ),
 )
 
@@ -313,6 +342,94 @@ class TruncatedIS(Surrogate[ClipBounds]):
         weight = torch.where(truncated, c, r.detach())
         none = torch.zeros_like(truncated)
         return TokenLosses(-(weight * adv) * log_pi, none, truncated, none)
+
+
+@dataclass(frozen=True)
+class TokenBand:
+    """GMPO's band, at n = 1 whatever the schedule: log-space ``low`` (eps_low) and ``high`` (eps_high), and the dual
+    clip's constant ``dual`` (a ratio). ``ratio``: verl's ``clip_ratio_low/high`` (else ``clip_ratio``) as log bounds,
+    as verl's ``geo_mean`` reads them, and ``clip_ratio_c``; ``log_adaptive``: ``log_clip_low/high`` and
+    exp(``log_clip_dual``)."""
+
+    low: float
+    high: float
+    dual: float
+
+
+@register_surrogate
+class GMPO(Surrogate[TokenBand]):
+    """GMPO ("Geometric-Mean Policy Optimization", Zhao et al. 2025; verl's ``geo_mean``): before sharing, each
+    token's log-ratio is clipped by the sign of its advantage, delta'_t = min(delta_t, eps_high) where A_t > 0,
+    max(delta_t, -eps_low) where A_t < 0, 0 where A_t = 0 (verl's sign(A) gives 0), and a clipped token's log pi
+    gets no gradient. The token set then shares the mean (alpha = 1: the geometric mean of the clipped token
+    ratios), and the loss is PPO's on that ratio with the same band and the dual clip: where a set's advantages
+    share one sign the band cannot bind after the token clip, so the loss is -A r_t up to the dual clip at c
+    (A < 0), which also bounds sets of mixed signs and the product (alpha = 0). The band is at n = 1
+    (``TokenBand``): each token is clipped on its own, so ``clip_exponent`` is unused."""
+
+    name = "gmpo"
+    examples = (
+        Example(
+            "one set of 4 tokens, A = 1, band +-0.2: delta (0.5, 0.1, -0.3, 0) -> (0.2, 0.1, -0.3, 0) (only the "
+            "high side binds where A > 0), r = exp(0 / 4) = 1; loss_t -A r, gradient -A r at the kept tokens, 0 at "
+            "the clipped first",
+            token_log_ratio=(0.5, 0.1, -0.3, 0.0),
+            ratio=(1.0, 1.0, 1.0, 1.0),
+            advantage=(1.0, 1.0, 1.0, 1.0),
+            loss=(-1.0, -1.0, -1.0, -1.0),
+            grad=(0.0, -1.0, -1.0, -1.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2},
+        ),
+        Example(
+            "A = -2, band (-0.1, +0.3) in log space: delta (-0.5, 0.4, 0.0) -> (-0.1, 0.4, 0.0) (only the low side "
+            "binds where A < 0), r = exp(0.3 / 3) = exp(0.1); loss 2 r, gradient 2 r at the kept tokens",
+            token_log_ratio=(-0.5, 0.4, 0.0),
+            ratio=(math.exp(0.1),) * 3,
+            advantage=(-2.0, -2.0, -2.0),
+            loss=(2.0 * math.exp(0.1),) * 3,
+            grad=(0.0, 2.0 * math.exp(0.1), 2.0 * math.exp(0.1)),
+            settings={"clip_schedule": "log_adaptive", "log_clip_low": 0.1, "log_clip_high": 0.3, "log_clip_dual": 1.0},
+        ),
+        Example(
+            "at the cutoff: delta = eps_high exactly with A > 0 is not clipped (keeps its gradient); A = 0 "
+            "shares log-ratio 0 (verl's sign(A) = 0); r = exp((0.2 + 0) / 2) = exp(0.1)",
+            token_log_ratio=(0.2, 0.7),
+            ratio=(math.exp(0.1),) * 2,
+            advantage=(1.0, 0.0),
+            loss=(-math.exp(0.1), 0.0),
+            grad=(-math.exp(0.1), 0.0),
+            settings={"clip_schedule": "log_adaptive", "log_clip_low": 0.2, "log_clip_high": 0.2},
+        ),
+        Example(
+            "A < 0 and the shared ratio above the dual constant: delta (2.5, 2.5) -> r = exp(2.5) > c = 3: loss "
+            "-A c, no gradient (as PPO's dual clip)",
+            token_log_ratio=(2.5, 2.5),
+            ratio=(math.exp(2.5),) * 2,
+            advantage=(-1.0, -1.0),
+            loss=(3.0, 3.0),
+            grad=(0.0, 0.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
+        ),
+    )
+
+    def params(self, policy_loss, actor, sizes) -> TokenBand:
+        if policy_loss.clip_schedule == "log_adaptive":
+            pl = policy_loss
+            return TokenBand(float(pl.log_clip_low), float(pl.log_clip_high), math.exp(pl.log_clip_dual))
+        low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        return TokenBand(float(low), float(high), float(actor.get("clip_ratio_c", 3.0)))
+
+    def clip_tokens(self, policy_loss, actor, delta, adv):
+        band = self.params(policy_loss, actor, None)
+        below = (adv < 0) & (delta < -band.low)
+        above = (adv > 0) & (delta > band.high)
+        clipped = torch.where(below, -band.low, torch.where(above, band.high, delta)).masked_fill_(adv == 0, 0.0)
+        return TokenClip(clipped, ~(below | above), below, above)
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        bounds = ClipBounds(math.exp(-params.low), math.exp(params.high), params.dual)
+        return SURROGATES["ppo"].loss(r, log_r, adv, log_pi, bounds)
 
 
 def check_config(policy_loss: Any) -> None:

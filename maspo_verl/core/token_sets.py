@@ -27,19 +27,21 @@ from maspo_verl.validation import Choice, Setting
 
 
 @dataclass
-class SharedSums:
-    """Sums of delta over each token's set S(t) and the set sizes abs(S(t)), in float32 or wider.
+class SetSums:
+    """The sums of delta over each set (``totals``) and the set sizes abs(S) (``sizes``), [B, T], in float32 or
+    wider, indexed by set: by segment id where the sets are segments (``segment_ids`` given: slot k holds segment
+    k), by token where each token has a set of its own (prefixes). ``at_tokens`` reads any such tensor per token."""
 
-    For segments (``segment_ids`` given) both are indexed by segment id (gathered back to the tokens by
-    ``segment_ids``); for prefixes they are already per token.
-    """
-
-    sums: torch.Tensor
+    totals: torch.Tensor
     sizes: torch.Tensor
     alpha: float
     segment_ids: torch.Tensor | None
     # metrics of the segmentation rule (name -> 0-d tensor), reported with the loss's metrics
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def at_tokens(self, per_set: torch.Tensor) -> torch.Tensor:
+        """``per_set`` [B, T], indexed like ``totals``, read at each token's own set: [B, T]."""
+        return per_set if self.segment_ids is None else per_set.gather(-1, self.segment_ids)
 
 
 class TokenSet:
@@ -51,7 +53,7 @@ class TokenSet:
     # the sets partition each response (segment aggregation is defined)
     partition: ClassVar[bool] = True
 
-    def sums(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SharedSums:
+    def sums(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SetSums:
         """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
         raise NotImplementedError
 
@@ -99,7 +101,7 @@ class Segments(TokenSet):
         # per segment id (indexed like the tokens): the sum of delta (zero outside mask), the number of tokens
         total = torch.zeros_like(delta).scatter_add_(-1, ids, delta)
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
-        return SharedSums(total, sizes, policy_loss.length_exponent, ids, metrics)
+        return SetSums(total, sizes, policy_loss.length_exponent, ids, metrics)
 
     def segment_ids(self, policy_loss, old_log_prob, mask):
         return segments.compute_segment_ids(mask, policy_loss, old_log_prob=old_log_prob)
@@ -125,7 +127,7 @@ class Prefixes(TokenSet):
 
     def sums(self, policy_loss, old_log_prob, mask, delta):
         total, sizes = torch.cumsum(delta, dim=-1), torch.cumsum(float_mask(mask, delta.dtype), dim=-1)
-        return SharedSums(total, sizes, 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0, None)
+        return SetSums(total, sizes, 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0, None)
 
 
 @register_token_set
@@ -138,7 +140,7 @@ class WholeResponse(TokenSet):
         ids = self.segment_ids(policy_loss, old_log_prob, mask)  # one segment: sums as in ``Segments``
         total = torch.zeros_like(delta).scatter_add_(-1, ids, delta)
         sizes = torch.zeros_like(delta).scatter_add_(-1, ids, float_mask(mask, delta.dtype))
-        return SharedSums(total, sizes, policy_loss.length_exponent, ids)
+        return SetSums(total, sizes, policy_loss.length_exponent, ids)
 
     def segment_ids(self, policy_loss, old_log_prob, mask):
         return torch.zeros(mask.shape, dtype=torch.long, device=mask.device)

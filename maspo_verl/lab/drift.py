@@ -191,7 +191,7 @@ def token_logprobs(model, seq: torch.Tensor, start: int) -> torch.Tensor:
 
 def measure(model, c: Condition, args, repeat: int) -> tuple[dict, float]:
     """One measurement's correlation sums (``maspo_verl.core.losses``) and delta's sd."""
-    from maspo_verl.core.losses import correlation_sums
+    from maspo_verl.core.metrics import correlation_sums
 
     torch.manual_seed(args.seed + 1 + repeat)
     model.eval()
@@ -221,7 +221,7 @@ def measure(model, c: Condition, args, repeat: int) -> tuple[dict, float]:
 
 
 def run_condition(c: Condition, args, warm_cache: dict) -> dict:
-    from maspo_verl.core.losses import correlation_metrics, host_sums
+    from maspo_verl.core.metrics import correlation_metrics, host_sums
 
     t0 = time.time()
     if c.warm_key not in warm_cache:

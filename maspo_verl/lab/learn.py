@@ -63,7 +63,7 @@ KEYS = (
     "actor/pg_loss",
     "response_length/mean",
     "timing_s/step",
-    # the loss's drift correlation of the per-token log-ratios (core.losses.correlation_sums; 1 = independent)
+    # the loss's drift correlation of the per-token log-ratios (core.metrics.correlation_sums; 1 = independent)
     "actor/ratio/corr_lag1",
     "actor/ratio/vif5",
     "actor/ratio/vif15",

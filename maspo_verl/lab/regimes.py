@@ -336,7 +336,7 @@ def shuffled_runs(words: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def drift_sums(delta: torch.Tensor, units: torch.Tensor) -> dict:
     """Correlation sums (``maspo_verl.core.losses``) of log-ratios ``delta`` [S, N, T]; ``units``: the runs
     of one symbol (the segments of VIF(units))."""
-    from maspo_verl.core.losses import correlation_sums
+    from maspo_verl.core.metrics import correlation_sums
 
     rows = delta.shape[0] * delta.shape[1]
     d, u = delta.reshape(rows, -1).double(), units.reshape(rows, -1)
@@ -345,7 +345,7 @@ def drift_sums(delta: torch.Tensor, units: torch.Tensor) -> dict:
 
 def drift_metrics(sums: dict | None, prefix: str = "drift_") -> dict:
     """lag-1, VIF(5/15/50) and VIF over the units of ``drift_sums`` pooled (NaN where not defined)."""
-    from maspo_verl.core.losses import correlation_metrics, host_sums
+    from maspo_verl.core.metrics import correlation_metrics, host_sums
 
     m = correlation_metrics(host_sums(sums), prefix="") if sums else {}
     names = {"corr_lag1": "lag1", "vif5": "vif5", "vif15": "vif15", "vif50": "vif50", "vif_segments": "vif_units"}
@@ -355,7 +355,7 @@ def drift_metrics(sums: dict | None, prefix: str = "drift_") -> dict:
 def null_correlation(length: int, rows: int = 4096, seed: int = 0) -> dict:
     """The same metrics of independent log-ratios in rows of ``length`` tokens: the reference a measured value is
     read against (centring each row pulls VIF(n) below 1, to about 1 - n / length)."""
-    from maspo_verl.core.losses import correlation_sums
+    from maspo_verl.core.metrics import correlation_sums
 
     d = torch.randn(rows, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     sums = correlation_sums(d, torch.ones_like(d, dtype=torch.bool))

@@ -226,7 +226,7 @@ def calibrate(fn, preset, old, lp, adv, resp, target: float) -> tuple[float, dic
 
 
 def correlation_row(name: str, delta: torch.Tensor) -> dict:
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums
+    from maspo_verl.core.metrics import correlation_metrics, correlation_sums, host_sums
 
     sums = correlation_sums(delta.double(), torch.ones_like(delta, dtype=torch.bool))
     m = correlation_metrics(host_sums(sums), prefix="")

@@ -195,11 +195,11 @@ def drift_correlation(
     """How the token log-ratios of ``model_path``'s own responses move under RL: ``groups`` x ``n`` responses to the
     task's prompts, then ``updates`` Adam steps (``lr``) on grpo's token-level policy gradient with the task's
     group-normalised rewards, then delta = log pi_new - log pi_old over the sampled tokens; its lag-1 and VIF(n)
-    (``maspo_verl.core.losses.correlation_sums``: 1 = independent) and sd."""
+    (``maspo_verl.core.metrics.correlation_sums``: 1 = independent) and sd."""
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums
+    from maspo_verl.core.metrics import correlation_metrics, correlation_sums, host_sums
     from maspo_verl.local.learn_tasks import score, sentence
 
     rng = random.Random(f"{TASK}-drift-{seed}")

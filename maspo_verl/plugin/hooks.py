@@ -393,10 +393,11 @@ def install_update_step_hook() -> str | None:
 
 
 def verl_loss_correlation(old_log_prob, log_prob, response_mask) -> dict[str, float]:
-    """The ratio correlation metrics (``core.losses.correlation_sums``) of verl's own losses, whose metrics are host
+    """The ratio correlation metrics (``core.metrics.correlation_sums``) of verl's own losses, whose metrics are host
     floats already: the sums of this micro-batch in one transfer (verl averages the metrics over micro-batches,
     where our losses add the sums). delta as the loss takes it: clamped, non-finite tokens left out."""
-    from maspo_verl.core.losses import correlation_metrics, correlation_sums, host_sums, token_log_ratios
+    from maspo_verl.core.losses import token_log_ratios
+    from maspo_verl.core.metrics import correlation_metrics, correlation_sums, host_sums
 
     delta, kept = token_log_ratios(log_prob, old_log_prob, response_mask)
     return correlation_metrics(host_sums(correlation_sums(delta.double(), kept)))

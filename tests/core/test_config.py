@@ -40,7 +40,7 @@ def test_cli_overrides_reach_our_dataclass():
 def test_every_preset_passes_verls_validation(preset, capsys):
     section = dry_run(compose_config(f"loss={preset}", *SMALL))
     assert "config valid" in capsys.readouterr().out
-    expected_mode = {"grpo": "vanilla", "gspo": "gspo"}.get(preset, preset.split("_")[0])
+    expected_mode = {"grpo": "vanilla", "gspo": "gspo", "gmpo": "pgspo"}.get(preset, preset.split("_")[0])
     assert section["policy_loss"]["loss_mode"] == expected_mode
 
 
@@ -50,6 +50,8 @@ def test_preset_clip_ranges_follow_the_sources():
     ctpo = compose_config("loss=ctpo").actor_rollout_ref.actor.policy_loss
     assert (ctpo.log_clip_low, ctpo.log_clip_high, ctpo.log_clip_dual, ctpo.clip_exponent) == (0.025, 0.05, 0.05, 0.5)
     assert ctpo.clip_schedule == "log_adaptive" and ctpo.ctpo_mode == "cumprod"
+    gmpo = compose_config("loss=gmpo").actor_rollout_ref.actor.policy_loss  # the GMPO paper's (e^-0.4, e^0.4)
+    assert (gmpo.surrogate, gmpo.log_clip_low, gmpo.log_clip_high, gmpo.length_exponent) == ("gmpo", 0.4, 0.4, 1.0)
 
 
 def test_typo_in_field_is_rejected_at_compose():

@@ -4,7 +4,7 @@ against the closed form of AR(1) log-ratios with a planted correlation."""
 import pytest
 import torch
 
-from maspo_verl.core.losses import WINDOWS, correlation_metrics, correlation_sums
+from maspo_verl.core.metrics import WINDOWS, correlation_metrics, correlation_sums
 
 
 def reference_metrics(delta, mask, segment_ids=None):

@@ -76,3 +76,33 @@ def test_start_up_refuses_the_rule_without_the_ids_hook(even_ids_rule, monkeypat
     monkeypatch.setitem(hooks.PATCHES, "ppo_loss", "ppo_loss has another signature")
     with pytest.raises(RuntimeError, match=rf"segment_rule='{NAME}' is unavailable: ppo_loss has another signature"):
         checks.run_startup_checks(config)
+
+
+@pytest.mark.parametrize(
+    ("example", "problem"),
+    [
+        (
+            segments.Example("ragged", ((1, 1), (1,)), ((2,), (1,))),
+            r"mask rows must all have one length, got lengths \[2, 1\]",
+        ),
+        (segments.Example("lengths off", ((1, 1, 0),), ((1, 2),)), r"row 0: segment lengths \(1, 2\) must be >= 1 and"),
+        (
+            segments.Example("short input", ((1, 1),), ((2,),), inputs={segments.OLD_LOG_PROB: ((-1.0,),)}),
+            r"inputs\['old_log_prob'\] has rows of lengths \[1\]; the mask has 1 rows of 2",
+        ),
+    ],
+)
+def test_a_malformed_example_is_refused_at_registration_naming_it(example, problem):
+    """A worked example whose shapes do not fit fails when the rule registers, naming the rule and the example,
+    not later with a raw torch error."""
+
+    class Malformed(SegmentRule):
+        """A new segment nowhere."""
+
+        name = "test_malformed"
+        examples = (segments.Example("fine", ((1,),), ((1,),)), example)
+
+    message = rf"segment rule 'test_malformed', example 1 \('{example.why}'\): " + problem
+    with pytest.raises(ValueError, match=message):
+        register_segment_rule(Malformed)
+    assert "test_malformed" not in SEGMENT_RULES

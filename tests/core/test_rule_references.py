@@ -4,7 +4,15 @@ settings drawn from what the rule declares, with and without ``min_segment_len``
 
 The worked examples pin what a rule does on the cases its author thought of; this pins the vectorised code to the
 loop on the cases nobody did (long rows, many segments, ties). Log-probs and thresholds are multiples of 1/16, exact
-in float32, so both sides compare the same numbers and ties happen.
+in float32, so both sides compare the same numbers and ties happen. Ties are also drawn on purpose, so that a `>`
+that should be `>=`, a window one off or a floor that should round fails here:
+
+- settings at their bounds (an integer's minimum and maximum, a number's closed ends) and at round values
+  (0, +-1/2, +-1, 2: a z-score of 1, a quantile of 1/2);
+- rows whose values sit exactly at a per-row cutoff: old log-probs alternating between two values, whose drops
+  are +-d with mean 0 and standard deviation d on an odd number of tokens (a z-score of 1 is the drop d itself),
+  and log-ratios constant over the row (every window's mean is the row's);
+- short rows (1 to 3 tokens) next to long ones, and lengths that make q L a half-integer.
 """
 
 from __future__ import annotations
@@ -28,8 +36,13 @@ TEXTS = ["a", "b", " ", ".", "\n", "Step", ". ", "\n\n", "ab", "b.", " S", "tep"
 STRINGS = ["\n", ". ", "Step", "ab", "b.", "a"]  # each occurs in TEXTS, inside a token or across two
 
 
+# round values a number is drawn at a fifth of the time: cutoffs that data in multiples of 1/16 hit exactly
+ROUND = (0.0, 0.5, -0.5, 1.0, -1.0, 2.0)
+
+
 def draw(setting, g: random.Random):
-    """A value of ``setting`` that its allowed values accept: its default a quarter of the time."""
+    """A value of ``setting`` that its allowed values accept: its default a quarter of the time, else often at
+    a bound or a round value (``ROUND``)."""
     allowed = setting.allowed
     if g.random() < 0.25:
         return setting.default
@@ -39,9 +52,17 @@ def draw(setting, g: random.Random):
         return g.choice(allowed.choices)
     if isinstance(allowed, Int):
         top = allowed.minimum + 6 if allowed.maximum is None else min(allowed.maximum, allowed.minimum + 6)
+        if g.random() < 0.2:  # at a bound
+            return allowed.minimum if allowed.maximum is None or g.random() < 0.5 else allowed.maximum
         return g.randint(allowed.minimum, top)
     if isinstance(allowed, Float):
         lo, hi = max(allowed.lo, -2.0), min(allowed.hi, 4.0)
+        ends = [v for v in (allowed.lo, allowed.hi) if math.isfinite(v) and not (v == allowed.lo and allowed.lo_open)]
+        if ends and g.random() < 0.15:
+            return g.choice(ends)
+        inside = [v for v in ROUND if lo <= v <= hi and not (allowed.lo_open and v <= allowed.lo)]
+        if inside and g.random() < 0.25:
+            return g.choice(inside)
         value = round((lo + (hi - lo) * g.random()) * 16) / 16
         return min(max(value, lo + (allowed.lo_open and value <= lo) / 16), hi)
     if isinstance(allowed, Strings):
@@ -78,11 +99,15 @@ def random_inputs(config, g: random.Random):
     """A random [B, T] mask and what the rules in use read: log-probs, response ids (codec codes in slow random
     walks when a rule reads codes, else ids of ``TEXTS``), word ids (runs, gaps, rows without words)."""
     gen = torch.Generator().manual_seed(g.randrange(2**31))
-    B, T = g.randint(1, 4), g.randint(1, 30)
+    B, T = g.randint(1, 4), g.choice([g.randint(1, 3), g.randint(1, 30), g.randint(1, 30)])  # short rows too
     mask = random_mask(B, T, g.choice(["right", "left", "holes"]), gen)
     old = -torch.randint(0, 64, (B, T), generator=gen).float() / 16
-    if g.random() < 0.3:  # runs of equal log-probs: equal drops and surprisals, ties
+    shape = g.random()
+    if shape < 0.3:  # runs of equal log-probs: equal drops and surprisals, ties
         old = old[:, :1].expand(B, T) + (torch.randint(0, 3, (B, T), generator=gen) == 0) * old
+    elif shape < 0.5:  # two values alternating over the valid tokens: drops +-d, at the per-row z = +-1 cutoffs
+        parity = (torch.cumsum(mask, -1) % 2).bool()
+        old = torch.where(parity, old[:, :1], old[:, 1:2] if T > 1 else old[:, :1] - 0.5)
     if any(rule.reads_codec for rule in rules_in_use(config)):
         offset, size = config.codec_offset, config.codec_size
         steps = torch.randint(-3, 4, (B, T), generator=gen) * torch.randint(1, 6, (B, 1), generator=gen) ** 2
@@ -102,14 +127,17 @@ def random_inputs(config, g: random.Random):
                 words[b, t : t + run] = word
                 word += 1
             t += run
-    # log-ratios (multiples of 1/16): independent, in runs of equal values (correlated), or all zero
-    kind = g.choice(["white", "runs", "zero"])
+    # log-ratios (multiples of 1/16): independent, in runs of equal values (correlated), all zero, or one value
+    # per row (every window's mean is the row's: at a band's edge when that value is one)
+    kind = g.choice(["white", "runs", "zero", "constant"])
     delta = (torch.randint(-32, 33, (B, T), generator=gen) / 16).double()
     if kind == "runs":
         run = torch.randint(1, 9, (B, 1), generator=gen)
         delta = delta.gather(-1, (torch.arange(T) // run * run).clamp(max=T - 1))
     elif kind == "zero":
         delta.zero_()
+    elif kind == "constant":
+        delta = delta[:, :1].expand(B, T).clone()
     return mask, old, delta, {"responses": ids, WORD_IDS_KEY: words}
 
 

@@ -94,10 +94,17 @@ def test_surrogate_example(name, index):
     adv = torch.tensor(example.advantage, dtype=torch.float64).reshape(shape)
     log_prob = torch.tensor(example.log_prob or (-1.0,) * shape[1], dtype=torch.float64).reshape(shape).requires_grad_()
     sizes = None if example.sizes is None else torch.tensor(example.sizes, dtype=torch.float64).reshape(shape)
+    score = log_prob - log_prob.detach()  # value 0, gradient grad log pi
+    if example.token_log_ratio is not None:  # the row is one set: step 3 of the call, then its geometric mean
+        delta = torch.tensor(example.token_log_ratio, dtype=torch.float64).reshape(shape)
+        clip = surrogate.clip_tokens(pl, actor, delta, adv)
+        shared = clip.delta.mean(-1, keepdim=True).expand(shape).exp()
+        torch.testing.assert_close(shared, ratio, rtol=1e-12, atol=1e-12, msg=f"shared ratio: {example.why}")
+        if clip.keeps_grad is not None:
+            score = score * clip.keeps_grad
     params = surrogate.params(pl, actor, sizes)
     # the loss's stop-gradient ratio r = exp(sg[l] + log pi - sg[log pi]): value r, gradient r grad log pi
-    moving = log_prob - log_prob.detach()
-    token = surrogate.loss(ratio * moving.exp(), ratio.log() + moving, adv, log_prob, params)
+    token = surrogate.loss(ratio * score.exp(), ratio.log() + score, adv, log_prob, params)
     (grad,) = torch.autograd.grad(token.loss.sum(), log_prob)
     expected_loss = torch.tensor(example.loss, dtype=torch.float64).reshape(shape)
     expected_grad = torch.tensor(example.grad, dtype=torch.float64).reshape(shape)

@@ -169,6 +169,17 @@ def test_ctpo_legacy_trainer(local_run):
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
 
 
+def test_gmpo_trains(local_run):
+    """GMPO (one geometric-mean ratio per response, per-token clip before sharing): trains with a gradient, one set
+    per response, no dual clip."""
+    run = _run(local_run, ["loss=gmpo"])
+    _check_common(run)
+    for step, metrics in run.steps.items():
+        context = f"step {step}\n--- trainer log tail ---\n{run.tail()}"
+        assert metrics["actor/ratio/segments_per_seq"] == pytest.approx(1.0), context
+        assert metrics["actor/ratio/clipfrac_dual"] == 0.0, context
+
+
 @pytest.mark.slow  # (the speech e2e test runs span credit on per-token scores)
 @pytest.mark.parametrize("lam", [0.0, 0.4])
 def test_per_token_scores_reach_the_span_credit_estimator(lam, local_run):

@@ -8,7 +8,7 @@ import inspect
 import pkgutil
 from typing import Any
 
-from maspo_verl.core.segments.rule import LIMITS, SegmentRule
+from maspo_verl.core.segments.rule import LIMITS, TOKENIZER, Example, SegmentRule
 from maspo_verl.validation import fail
 
 SEGMENT_RULES: dict[str, SegmentRule] = {}
@@ -36,8 +36,35 @@ def register_segment_rule(cls: type[SegmentRule]) -> type[SegmentRule]:
             raise ValueError(f"segment rule {name!r}: limit {limit!r} is none of {', '.join(LIMITS)}")
         if cls.fallback_field is None and not set(values) <= declared:
             raise ValueError(f"segment rule {name!r}: limit {limit!r} sets fields it does not declare")
+    for index, example in enumerate(cls.examples):
+        check_example(name, index, example)
     SEGMENT_RULES[name] = cls()
     return cls
+
+
+def check_example(rule: str, index: int, example: Example) -> None:
+    """Refuse a worked example whose shapes do not fit (``ValueError`` naming the rule and the example): a ragged
+    or non-0/1 mask, lengths that do not add up to each row's valid tokens, an input row not shaped like the mask."""
+
+    def refuse(problem: str) -> None:
+        raise ValueError(f"segment rule {rule!r}, example {index} ({example.why!r}): {problem}")
+
+    rows = [tuple(row) for row in example.mask]
+    if not rows or len({len(row) for row in rows}) != 1:
+        refuse(f"mask rows must all have one length, got lengths {[len(row) for row in rows]}")
+    if any(v not in (0, 1) for row in rows for v in row):
+        refuse("mask values must be 0 or 1")
+    if len(example.lengths) != len(rows):
+        refuse(f"{len(example.lengths)} rows of lengths for {len(rows)} mask rows")
+    for r, (row, lengths) in enumerate(zip(rows, example.lengths, strict=True)):
+        if any(n < 1 for n in lengths) or sum(lengths) != sum(row):
+            refuse(f"row {r}: segment lengths {tuple(lengths)} must be >= 1 and add up to its {sum(row)} valid tokens")
+    for name, values in example.inputs.items():
+        if name == TOKENIZER:
+            continue
+        shape = [len(row) for row in values]
+        if len(values) != len(rows) or any(n != len(rows[0]) for n in shape):
+            refuse(f"inputs[{name!r}] has rows of lengths {shape}; the mask has {len(rows)} rows of {len(rows[0])}")
 
 
 def discover() -> None:

@@ -1,12 +1,14 @@
-"""entropy: a segment ends after a token the old policy found surprising (a worked example of a segment rule).
+"""spike: a segment ends after a surprisal spike, a token whose sampled-token surprisal -log pi_old(y_t) exceeds a
+threshold (a worked example of a segment rule). A rule is given the sampled token's old log-prob, not the
+distribution over the vocabulary, so it cannot compute an entropy.
 
 To use it, copy this file into ``maspo_verl/core/segments/rules/``, add a preset
-``hydra_configs/loss/maspo_entropy.yaml``
-(``loss_mode: maspo``, ``segment_rule: entropy``), run ``python -m maspo_verl generate`` and the tests: the rule is
-discovered, its field ``policy_loss.entropy_threshold`` is validated, documented and settable from the CLI, and the
-discovered tests (its worked examples, limits, validation, the reference loss, fuzz, data parallelism, the preset)
-cover it. ``tests/test_example_rule.py``
-does exactly this in a copy of the repository, under a name the code has never seen.
+``hydra_configs/loss/maspo_spike.yaml``
+(``loss_mode: maspo``, ``segment_rule: spike``), run ``python -m maspo_verl generate`` and
+``pytest tests/core --rule spike``: the rule is discovered, its field ``policy_loss.spike_threshold`` is validated,
+documented and settable from the CLI, and the discovered tests (its worked examples, its plain reference on random
+rows with ties, limits, validation, the reference loss, fuzz, data parallelism, the preset) cover it.
+``tests/test_example_rule.py`` does exactly this in a copy of the repository, under a name the code has never seen.
 """
 
 from __future__ import annotations
@@ -20,29 +22,36 @@ from maspo_verl.validation import Float, Setting
 MAX_SURPRISAL = 1e4
 
 
-class EntropyRule(SegmentRule):
-    """A segment ends after a token whose old-policy surprisal −log πold exceeds `entropy_threshold`."""
+class SpikeRule(SegmentRule):
+    """A segment ends after a token whose old-policy surprisal −log πold(y_t) exceeds `spike_threshold`."""
 
-    name = "entropy"  # policy_loss.segment_rule=entropy
+    name = "spike"  # policy_loss.segment_rule=spike
     needs = frozenset({OLD_LOG_PROB})  # what it reads besides the mask
-    settings = (Setting("entropy_threshold", 2.0, Float(), "surprisal (nats) after which a segment ends (`entropy`)"),)
+    settings = (Setting("spike_threshold", 2.0, Float(), "surprisal (nats) after which a segment ends (`spike`)"),)
     # surprisal is clamped to [-MAX_SURPRISAL, MAX_SURPRISAL]: below that every token ends a segment, above it none
-    limits = {"token": {"entropy_threshold": -2 * MAX_SURPRISAL}, "sequence": {"entropy_threshold": 2 * MAX_SURPRISAL}}
+    limits = {"token": {"spike_threshold": -2 * MAX_SURPRISAL}, "sequence": {"spike_threshold": 2 * MAX_SURPRISAL}}
     # required: what the rule does, worked out by hand (the discovered tests run each one)
     examples = (
         Example(
             "surprisals 0.5 3.0 0.1 0.2 2.5 0.3, threshold 2: segments end after the 3.0 and the 2.5",
             mask=((1,) * 6,),
             lengths=((2, 3, 1),),
-            settings={"entropy_threshold": 2.0},
+            settings={"spike_threshold": 2.0},
             inputs={OLD_LOG_PROB: ((-0.5, -3.0, -0.1, -0.2, -2.5, -0.3),)},
         ),
         Example(
             "a hole is skipped: the token after the surprising one is the next valid token",
             mask=((1, 1, 0, 1),),
             lengths=((2, 1),),
-            settings={"entropy_threshold": 2.0},
+            settings={"spike_threshold": 2.0},
             inputs={OLD_LOG_PROB: ((-0.5, -3.0, -9.0, -0.1),)},
+        ),
+        Example(
+            "at the cutoff: a surprisal of exactly 2.0 does not exceed the threshold 2, so no segment ends after it",
+            mask=((1,) * 4,),
+            lengths=((3, 1),),
+            settings={"spike_threshold": 2.0},
+            inputs={OLD_LOG_PROB: ((-2.0, -0.5, -2.5, -0.1),)},
         ),
     )
 
@@ -51,7 +60,7 @@ class EntropyRule(SegmentRule):
         lp = packed.pack(inputs.get(OLD_LOG_PROB)).float().nan_to_num_(nan=0.0, neginf=-MAX_SURPRISAL)
         surprisal = lp.neg_().clamp_(-MAX_SURPRISAL, MAX_SURPRISAL).mul_(float_mask(packed.valid))
         after = previous(surprisal)  # the surprisal of the token before each one
-        boundaries = packed.has_previous & (after > config.entropy_threshold)
+        boundaries = packed.has_previous & (after > config.spike_threshold)
         # the strength of a boundary, for min_segment_len: the surprisal that made it
         return Candidates(boundaries, after, None)
 
@@ -60,4 +69,4 @@ class EntropyRule(SegmentRule):
         lp = [0.0 if math.isnan(x) else max(x, -MAX_SURPRISAL) for x in row.old_log_prob]
         surprisal = [max(-MAX_SURPRISAL, min(MAX_SURPRISAL, -x)) for x in lp]
         # a boundary (of that strength) on the token after a surprising one
-        return [None] + [s if s > config.entropy_threshold else None for s in surprisal[:-1]]
+        return [None] + [s if s > config.spike_threshold else None for s in surprisal[:-1]]
