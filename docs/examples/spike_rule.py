@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 
-from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, float_mask, previous
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, SegmentRule, previous
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.validation import Float, Setting
 
 # non-finite old log-probs count as this much surprisal

@@ -20,8 +20,8 @@ import torch
 
 from maspo_verl import inspection
 from maspo_verl.core.metrics import correlation_sums, metric_sums, metrics_from_sums
-from maspo_verl.core.segments import float_mask
 from maspo_verl.core.surrogates import SURROGATES, TokenLosses
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.util import warn_once
 

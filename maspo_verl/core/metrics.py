@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from maspo_verl.core.segments import float_mask
 from maspo_verl.core.surrogates import TokenLosses
+from maspo_verl.core.tensors import float_mask
 
 # the ratio-correlation metrics' window sizes and prefix (``correlation_sums``)
 WINDOWS = (5, 15, 50)

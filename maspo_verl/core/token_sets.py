@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from maspo_verl.core import segments
-from maspo_verl.core.segments import float_mask
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.util import registrar
 from maspo_verl.validation import Choice, Setting
 

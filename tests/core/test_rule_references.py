@@ -8,7 +8,7 @@ in float32, so both sides compare the same numbers and ties happen. Ties are als
 that should be `>=`, a window one off or a floor that should round fails here:
 
 - settings at their bounds (an integer's minimum and maximum, a number's closed ends) and at round values
-  (0, +-1/2, +-1, 2: a z-score of 1, a quantile of 1/2);
+  (0, +-1/2, +-1, 2: a z-score of 1, a quantile of 1/2), and 1 - 2^-30, a hair under one;
 - rows whose values sit exactly at a per-row cutoff: old log-probs alternating between two values, whose drops
   are +-d with mean 0 and standard deviation d on an odd number of tokens (a z-score of 1 is the drop d itself),
   and log-ratios constant over the row (every window's mean is the row's);
@@ -36,8 +36,9 @@ TEXTS = ["a", "b", " ", ".", "\n", "Step", ". ", "\n\n", "ab", "b.", " S", "tep"
 STRINGS = ["\n", ". ", "Step", "ab", "b.", "a"]  # each occurs in TEXTS, inside a token or across two
 
 
-# round values a number is drawn at a fifth of the time: cutoffs that data in multiples of 1/16 hit exactly
-ROUND = (0.0, 0.5, -0.5, 1.0, -1.0, 2.0)
+# round values a number is drawn at a fifth of the time: cutoffs that data in multiples of 1/16 hit exactly, and
+# one just below 1 (a float64 cutoff a hair under a value, which float32 would round onto it)
+ROUND = (0.0, 0.5, -0.5, 1.0, -1.0, 2.0, 1.0 - 2.0**-30)
 
 
 def draw(setting, g: random.Random):

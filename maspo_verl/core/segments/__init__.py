@@ -37,9 +37,9 @@ from maspo_verl.core.segments.rule import (
     Packed,
     RuleInputs,
     SegmentRule,
-    float_mask,
     previous,
 )
+from maspo_verl.core.tensors import float_mask
 
 discover()
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from maspo_verl.core.segments.registry import SEGMENT_RULES, configured_rule
-from maspo_verl.core.segments.rule import Packed, RuleInputs, float_mask, previous
+from maspo_verl.core.segments.rule import Packed, RuleInputs, previous
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.validation import Choice, Int, Setting, fail
 
 SETTINGS = (
@@ -71,25 +72,24 @@ def compute_segment_ids(
     inputs = RuleInputs(mask, config.segment_rule, old_log_prob, token_ids, log_ratio)
     # 1. the rule's candidates on the packed rows (the configured rule: inputs name it in errors)
     rule = SEGMENT_RULES.get(config.segment_rule) or configured_rule(config)  # (which names the allowed ones)
-    found = rule.candidates(config, packed, inputs)
+    proposed = rule.candidates(config, packed, inputs)
     if metrics is not None:
-        metrics.update(found.metrics)
-    forced = found.forced
-    b = found.boundaries if forced is None else found.boundaries | forced
-    b[:, :1] = packed.valid[:, :1]  # the first valid token starts a segment
+        metrics.update(proposed.metrics)
+    forced = proposed.forced
+    boundaries = proposed.boundaries if forced is None else proposed.boundaries | forced
+    boundaries[:, :1] = packed.valid[:, :1]  # the first valid token starts a segment
     # 2. min_segment_len: forced boundaries outrank every other (+inf) and stay even next to each other
     if config.min_segment_len > 1:
-        scores = found.scores.float()
-        scores[:, :1].masked_fill_(b[:, :1], math.inf)
-        b = suppress_close(b, scores, config.min_segment_len, forced)
+        scores = proposed.scores.float()
+        scores[:, :1].masked_fill_(boundaries[:, :1], math.inf)
+        boundaries = suppress_close(boundaries, scores, config.min_segment_len, forced)
         if forced is not None:
-            b |= forced
+            boundaries |= forced
     # 3. max_segment_len (what it adds past a row's length is never read)
     if config.max_segment_len > 0:
-        b = split_long(b, packed, config.max_segment_len)
-    # 4. ids: the running count of boundaries, back in token order (each token's packed column; padding 0)
-    ids = torch.cumsum(b, dim=-1, dtype=torch.int32).sub_(1)
-    ids = ids.gather(-1, packed.slot.clamp_(max=max(mask.shape[-1] - 1, 0))).mul_(packed.mask)
+        boundaries = split_long(boundaries, packed, config.max_segment_len)
+    # 4. ids: the running count of boundaries, back in token order (padding 0)
+    ids = packed.unpack(torch.cumsum(boundaries, dim=-1, dtype=torch.int32).sub_(1))
     del packed  # its int64 index before the int64 ids exist (peak memory)
     return ids.long()
 

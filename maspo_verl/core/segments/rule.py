@@ -23,8 +23,8 @@ A rule (one module in ``maspo_verl/core/segments/rules/``) subclasses ``SegmentR
 
 ``candidates`` gets the config, the rows packed (``Packed``: each row's valid tokens moved to its front, so "the
 previous valid token" is the previous column whatever the padding) and its inputs, and proposes boundaries with their
-strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged. ``previous`` and ``float_mask``
-are the tensor helpers rules share.
+strengths; ``min_segment_len`` and ``max_segment_len`` apply to every rule unchanged. ``previous`` (here) and
+``maspo_verl.core.tensors.float_mask`` are the tensor helpers rules share.
 """
 
 from __future__ import annotations
@@ -92,14 +92,6 @@ def previous(x: torch.Tensor) -> torch.Tensor:
     out[:, :1] = 0
     out[:, 1:] = x[:, :-1]
     return out
-
-
-def float_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A mask as 0/1 floats; bool goes through uint8, which CPU kernels convert much faster (not under
-    ``torch.compile``, whose fused kernels convert directly and cannot reinterpret a bool buffer)."""
-    if mask.dtype == torch.bool and mask.is_contiguous() and not torch.compiler.is_compiling():
-        return mask.view(torch.uint8).to(dtype)
-    return mask.bool().to(dtype)
 
 
 @dataclass

@@ -12,10 +12,10 @@ from maspo_verl.core.segments.rule import (
     Example,
     Packed,
     SegmentRule,
-    float_mask,
     previous,
 )
 from maspo_verl.core.segments.text_tables import device_tables, driver_tokenizer, text_tables
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.util import warn_once
 from maspo_verl.validation import Setting, Strings, fail
 
@@ -81,6 +81,13 @@ class DelimitersRule(SegmentRule):
             ((2, 2),),
             {"delimiters": [". "]},
             {RESPONSE_IDS: ((0, 4, 3, 0),), TOKENIZER: ("a", "\n", "Step", " b", ".")},
+        ),
+        Example(
+            "at the edges: a delimiter on the first token ends a one-token segment; one on the last starts nothing",
+            ((1,) * 4,),
+            ((1, 3),),
+            {"delimiters": ["\n"]},
+            {RESPONSE_IDS: ((1, 0, 0, 1),), TOKENIZER: ("a", "\n", "Step", " b", ".")},
         ),
     )
 

@@ -31,6 +31,12 @@ class FixedRule(SegmentRule):
             ((2, 2, 1, 2, 2, 1),),
             {"segment_window": 5, "max_segment_len": 2},
         ),
+        Example(
+            "at the cutoff: W = 3 over exactly 6 tokens is 3, 3 (no empty third window); over 7 it is 3, 3, 1",
+            ((1,) * 6 + (0,), (1,) * 7),
+            ((3, 3), (3, 3, 1)),
+            {"segment_window": 3},
+        ),
     )
 
     def candidates(self, config, packed, inputs):

@@ -13,9 +13,9 @@ from maspo_verl.core.segments.rule import (
     Packed,
     SegmentRule,
     Sweep,
-    float_mask,
     quantile_grid,
 )
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.validation import Bool, Float, Setting
 
 # per-sample mode: sigma floor (nats), so a sample whose drops are all equal gets no boundaries
@@ -111,6 +111,29 @@ class LogprobRule(SegmentRule):
             ((4, 2),),
             {"logprob_threshold": 1.0, "logprob_per_sample": True},
             {OLD_LOG_PROB: ((0.0, -0.5, -1.0, -1.5, -3.5, -4.0),)},
+        ),
+        Example(
+            "at the cutoff: drops 1.0 -0.5 1.5 with threshold 1: a drop equal to it starts nothing, only the 1.5 does",
+            ((1,) * 4,),
+            ((3, 1),),
+            {"logprob_threshold": 1.0},
+            {OLD_LOG_PROB: ((-0.5, -1.5, -1.0, -2.5),)},
+        ),
+        Example(
+            "per sample at the cutoff: drops 1 -1 1 -1 have mean 0 and std 1, so z = 1 puts the row's cutoff on the "
+            "drops of 1, which start nothing",
+            ((1,) * 5,),
+            ((5,),),
+            {"logprob_threshold": 1.0, "logprob_per_sample": True},
+            {OLD_LOG_PROB: ((0.0, -1.0, 0.0, -1.0, 0.0),)},
+        ),
+        Example(
+            "per sample, a hair under the cutoff: z = 1 - 2^-30 puts it just below the drops of 1, which start "
+            "segments (the float64 cutoff is not rounded up onto them in float32)",
+            ((1,) * 5,),
+            ((1, 2, 2),),
+            {"logprob_threshold": 1.0 - 2.0**-30, "logprob_per_sample": True},
+            {OLD_LOG_PROB: ((0.0, -1.0, 0.0, -1.0, 0.0),)},
         ),
     )
 

@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, Packed, SegmentRule, float_mask
+from maspo_verl.core.segments.rule import OLD_LOG_PROB, Candidates, Example, Packed, SegmentRule
 from maspo_verl.core.segments.rules.logprob import MAX_DROP, finite
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.validation import Float, Setting
 
 
@@ -56,6 +57,14 @@ class SurprisalRule(SegmentRule):
             ((1, 3),),
             {"surprisal_quantile": 0.25},
             {OLD_LOG_PROB: ((-1.0, -2.0, -2.0, -0.5),)},
+        ),
+        Example(
+            "at the cutoff: q L = 0.5 x 5 = 2.5 rounds half up, floor(2.5 + 1/2) = 3 starts (the surprisals 5, 4, 3; "
+            "rounding half to even would give 2)",
+            ((1,) * 5,),
+            ((1, 2, 1, 1),),
+            {"surprisal_quantile": 0.5},
+            {OLD_LOG_PROB: ((-1.0, -5.0, -2.0, -4.0, -3.0),)},
         ),
     )
 

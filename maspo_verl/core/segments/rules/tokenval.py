@@ -105,6 +105,20 @@ class TokenvalRule(SegmentRule):
             },
             {RESPONSE_IDS: ((100, 105, 106, 110),)},
         ),
+        Example(
+            "at the cutoff: distances 2 then 3 with threshold 2: a distance equal to it starts nothing, 3 does",
+            ((1,) * 3,),
+            ((2, 1),),
+            {"tokenval_distance": "id", "tokenval_threshold": 2.0, "codec_offset": 100, "codec_size": 50},
+            {RESPONSE_IDS: ((100, 102, 105),)},
+        ),
+        Example(
+            "a hair under the cutoff: threshold 1 - 2^-30, distances 1 then 0: the 1 starts a segment",
+            ((1,) * 3,),
+            ((1, 2),),
+            {"tokenval_distance": "id", "tokenval_threshold": 1.0 - 2.0**-30, "codec_offset": 100, "codec_size": 50},
+            {RESPONSE_IDS: ((100, 101, 101),)},
+        ),
     )
 
     def candidates(self, config, packed, inputs):
@@ -116,8 +130,10 @@ class TokenvalRule(SegmentRule):
             distance=config.tokenval_distance,
             fsq_levels=config.fsq_levels,
         )
-        scores = dist.float()
-        return Candidates(packed.valid & (scores > config.tokenval_threshold), scores, outside)
+        # integer distances: d > threshold exactly when d > floor(threshold), compared in integers (a float threshold
+        # against a float32 tensor would be rounded to float32 first)
+        above = dist > math.floor(config.tokenval_threshold)
+        return Candidates(packed.valid & above, dist.float(), outside)
 
     def reference(self, config, row):
         def code(token_id):  # None outside the codec

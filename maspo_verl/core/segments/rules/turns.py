@@ -34,6 +34,12 @@ class TurnsRule(SegmentRule):
             {"turn_window": 2},
         ),
         Example("min_segment_len never merges turns", ((1, 0, 1, 1, 1),), ((1, 3),), {"min_segment_len": 3}),
+        Example(
+            "at the cutoff: a hole of exactly one token splits; turn_window equal to a turn's length keeps it whole",
+            ((1, 1, 1, 0, 1, 1),),
+            ((3, 2),),
+            {"turn_window": 3},
+        ),
     )
 
     def reference(self, config, row):

@@ -6,7 +6,8 @@ import torch
 
 from maspo_verl.batch import NO_WORD
 from maspo_verl.core.segments.registry import SEGMENT_RULES, fallback_rules
-from maspo_verl.core.segments.rule import WORD_IDS, Candidates, Example, SegmentRule, float_mask, previous
+from maspo_verl.core.segments.rule import WORD_IDS, Candidates, Example, SegmentRule, previous
+from maspo_verl.core.tensors import float_mask
 from maspo_verl.validation import Choice, Setting
 
 # share of the rows with valid tokens and no word that took the fallback rule
@@ -50,6 +51,13 @@ class WordsRule(SegmentRule):
             ((2, 3, 2, 1), (3, 2)),
             {"words_fallback_rule": "fixed", "segment_window": 3},
             {WORD_IDS: ((0, 0, 1, 1, 1, NO_WORD, NO_WORD, 2), (NO_WORD,) * 8)},
+        ),
+        Example(
+            "at the edges: a one-token word between gaps, and a row that starts in a gap: - 0 - - 1 1 is 1, 1, 2, 2",
+            ((1,) * 6,),
+            ((1, 1, 2, 2),),
+            {"words_fallback_rule": "fixed", "segment_window": 3},
+            {WORD_IDS: ((NO_WORD, 0, NO_WORD, NO_WORD, 1, 1),)},
         ),
     )
 
