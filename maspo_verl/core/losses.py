@@ -1,7 +1,7 @@
 """One policy loss body for every token set: token set x normalisation x clip schedule x surrogate
 (docs/algorithms.md); the metrics it reports are built in ``maspo_verl.core.metrics``.
 
-``policy_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.core.token_sets``) with
+``verl_loss_fn(name)`` is the loss of the token set ``name`` (``maspo_verl.core.token_sets``) with
 verl's ``PolicyLossFn`` signature, called per micro-batch by verl's ``ppo_loss``; the plugin
 registers it. Any token set takes either clip schedule (``clip_schedule``: ratio | log_adaptive) and any
 surrogate (``surrogate``: ``maspo_verl.core.surrogates``).
@@ -44,7 +44,20 @@ def granular_policy_loss(
     *,
     loss_mode: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with the shared ratio of ``loss_mode``'s token set (``config``: verl's actor config).
+    """The policy loss of ``loss_mode``'s token set with the configured surrogate (PPO's clip, CISPO, SAPO, truncated
+    IS or GMPO) on its shared ratio, in verl's ``PolicyLossFn`` signature (verl's ``ppo_loss`` calls it per
+    micro-batch). Returns (the aggregated loss, 0-d; the metrics as floats, after one device-to-host transfer).
+
+    Args:
+        old_log_prob: [B, T] log-probs of the sampled tokens under the old (or the inference engine's) policy.
+        log_prob: [B, T] log-probs under the current policy; the loss is differentiable in it.
+        advantages: [B, T] per-token advantages.
+        response_mask: [B, T] the valid response tokens (bool or 0/1).
+        loss_agg_mode: verl's aggregation (``agg_mode=seg-mean-token-mean`` overrides it).
+        config: verl's actor config (``ActorConfig``), named ``actor`` in the steps below; its ``policy_loss`` must be
+            our ``GranularLossConfig``.
+        rollout_is_weights: [B, T] or None, rollout-correction weights multiplying each token's loss.
+        loss_mode: the token set (``maspo``, ``ctpo``, ``pgspo``), bound by ``verl_loss_fn``.
 
     Whatever padded positions hold has no effect on the loss or the gradient. A valid token whose
     log-prob or old log-prob is not finite is dropped from the loss (as if padded, so it shares no
@@ -52,8 +65,7 @@ def granular_policy_loss(
     """
     from maspo_verl.config import TARGET, GranularLossConfig
 
-    actor = config
-    policy_loss = actor.policy_loss if actor is not None else None
+    policy_loss = config.policy_loss if config is not None else None
     if not isinstance(policy_loss, GranularLossConfig):
         raise TypeError(
             f"policy_loss.loss_mode={loss_mode!r} needs actor_rollout_ref.actor.policy_loss._target_="
@@ -61,7 +73,7 @@ def granular_policy_loss(
         )
     body = compiled_loss_body(loss_mode) if policy_loss.compile else partial(loss_body, loss_mode=loss_mode)
     step = body(
-        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, actor, policy_loss, rollout_is_weights
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, policy_loss, rollout_is_weights
     )
     inspected = inspection.due(policy_loss) if policy_loss.inspect_dir is not None else None
     if inspected is not None:  # the one extra transfer of an inspected step
@@ -69,7 +81,7 @@ def granular_policy_loss(
             inspection.ROWS, step.mask, old_log_prob, log_prob, advantages, step.ratio, step.token_losses,
             step.segment_ids,
         )  # fmt: skip
-        inspection.write(inspected, rows, policy_loss, actor, loss_mode)
+        inspection.write(inspected, rows, policy_loss, config, loss_mode)
     metrics = metrics_from_sums(step.metric_sums.tolist(), step.layout)  # the one device-to-host transfer
     if metrics["actor/ratio/nonfinite_tokens"]:
         warn_once(
@@ -83,8 +95,9 @@ def granular_policy_loss(
 def token_log_ratios(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(delta, kept): delta_t = clamp(log pi - log pi_old, +-20), detached, at least float32, zero outside ``kept``,
-    the tokens of ``mask`` whose difference is finite. What ``loss_body`` computes inline, for verl's own losses'
+    """(delta [B, T], kept [B, T] bool) from ``log_prob``, ``old_log_prob`` and ``mask`` [B, T]: delta_t =
+    clamp(log pi - log pi_old, +-20), detached, at least float32, zero outside ``kept``, the tokens of ``mask`` whose
+    difference is finite. What ``loss_body`` computes inline, for verl's own losses'
     correlation metrics (``maspo_verl.plugin.hooks``) and the lab."""
     dtype = torch.promote_types(log_prob.dtype, torch.float32)
     delta = log_prob.detach().to(dtype) - old_log_prob.detach().to(dtype)
@@ -118,9 +131,12 @@ def loss_body(
     *,
     loss_mode: str,
 ) -> LossStep:
-    """Token set -> shared log-ratio -> clip schedule -> surrogate -> verl's aggregation, and the metric sums:
-    everything of ``granular_policy_loss`` that runs on the device (``maspo_verl.core.reference_loss`` is the same
-    written plainly, step by step as here). Whatever padded positions hold has no effect on the loss or the gradient.
+    """Steps 1 to 10 of the call (docs/contributing.md), everything of ``granular_policy_loss`` that runs on the
+    device: the tokens in the loss, delta, the surrogate's per-token step, the token set's sums, the shared log-ratio,
+    the stop-gradient ratio, the clip schedule, the surrogate, verl's aggregation and the metric sums
+    (``maspo_verl.core.reference_loss`` is steps 1 to 9 written plainly). Arguments as ``granular_policy_loss``'s, in
+    its order, with ``actor`` (verl's actor config: its ``config``) and ``policy_loss`` (``actor.policy_loss``);
+    tensors [B, T]. Whatever padded positions hold has no effect on the loss or the gradient.
     """
     response = response_mask.bool()
     dtype = torch.promote_types(log_prob.dtype, torch.float32)  # sums run in float32 or wider
@@ -259,7 +275,7 @@ def compiled_loss_body(loss_mode: str):
     return torch.compile(partial(loss_body, loss_mode=loss_mode), dynamic=True)
 
 
-def policy_loss_fn(loss_mode: str):
+def verl_loss_fn(loss_mode: str):
     """verl ``PolicyLossFn`` of the token set ``loss_mode``."""
     if loss_mode not in TOKEN_SETS:
         raise ValueError(f"loss_mode={loss_mode!r} is not a maspo_verl token set: allowed {', '.join(TOKEN_SETS)}")

@@ -41,8 +41,9 @@ def reference_loss(
     actor: Any,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The loss of ``actor.policy_loss`` (our ``GranularLossConfig``) on one micro-batch, differentiable in
-    ``log_prob``; the arguments are verl's ``PolicyLossFn``'s."""
+    """The loss of ``actor.policy_loss`` (our ``GranularLossConfig``) on one micro-batch, a 0-d tensor differentiable
+    in ``log_prob``; the arguments are verl's ``PolicyLossFn``'s (``old_log_prob``, ``log_prob``, ``advantages``,
+    ``response_mask``, ``rollout_is_weights``: [B, T]; ``actor``: verl's actor config, its ``config``)."""
     from verl.trainer.ppo.core_algos import agg_loss
 
     policy_loss = actor.policy_loss

@@ -54,7 +54,8 @@ class TokenSet:
     partition: ClassVar[bool] = True
 
     def sums(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor, delta: torch.Tensor) -> SetSums:
-        """The sums of ``delta`` (zero outside ``mask``) over each token's set, and the set sizes."""
+        """The sums of ``delta`` [B, T] (zero outside ``mask`` [B, T] bool) over each token's set, and the set sizes
+        (``SetSums``, [B, T] each); ``old_log_prob`` [B, T] for the rules that read it."""
         raise NotImplementedError
 
     def segment_ids(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:

@@ -54,7 +54,7 @@ try:
         compute_span_grpo_advantage,
         compute_turn_grpo_advantage,
     )
-    from maspo_verl.core.losses import policy_loss_fn
+    from maspo_verl.core.losses import verl_loss_fn
     from maspo_verl.core.token_sets import TOKEN_SETS
     from maspo_verl.plugin.checks import register_startup_check, run_startup_checks
     from maspo_verl.plugin.hooks import install_hooks
@@ -74,7 +74,7 @@ def register() -> None:
     """Register the losses and the estimator, install the hooks (idempotent)."""
     for name in TOKEN_SETS:
         if name not in POLICY_LOSS_REGISTRY:
-            POLICY_LOSS_REGISTRY[name] = policy_loss_fn(name)
+            POLICY_LOSS_REGISTRY[name] = verl_loss_fn(name)
     for name, fn in ESTIMATORS.items():
         if ADV_ESTIMATOR_REGISTRY.get(name) is not fn:
             register_adv_est(name)(fn)

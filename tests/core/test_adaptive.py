@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from maspo_verl.config import actor_config
-from maspo_verl.core.losses import policy_loss_fn
+from maspo_verl.core.losses import verl_loss_fn
 from maspo_verl.core.segments import compute_segment_ids
 from maspo_verl.core.segments.rules.adaptive import BAND, MIN_WINDOWS, UNBOUNDED, adaptive_choice, plain_choice
 from tests.helpers import random_mask
@@ -118,7 +118,7 @@ def test_the_loss_reports_the_chosen_length_and_its_statistic():
     new = (old + delta).requires_grad_()
     mask = torch.ones(B, T, dtype=torch.bool)
     config = actor_config(loss_mode="maspo", segment_rule="adaptive", adaptive_max_len=16)
-    _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), mask, "seq-mean-token-mean", config)
+    _, metrics = verl_loss_fn("maspo")(old, new, torch.ones(B, T), mask, "seq-mean-token-mean", config)
     choice = adaptive_choice(new.detach() - old, mask, 1, 16)
     assert choice.length[:2].flatten().tolist() == [16, 16]
     assert metrics["actor/ratio/adaptive_len"] == pytest.approx(choice.length.double().mean().item())
@@ -135,7 +135,7 @@ def test_a_micro_batch_with_no_measured_row_reports_no_statistic():
     old = torch.full((B, T), -1.0, dtype=torch.float64)
     new = old.clone().requires_grad_()
     config = actor_config(loss_mode="maspo", segment_rule="adaptive", adaptive_min_len=2)
-    _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
+    _, metrics = verl_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
     assert metrics["actor/ratio/adaptive_len"] == 2.0 and metrics["actor/ratio/adaptive_measured_frac"] == 0.0
     assert "actor/ratio/adaptive_vif" not in metrics and "actor/ratio/adaptive_window" not in metrics
 
@@ -226,7 +226,7 @@ def test_the_loss_reports_the_band_choice_and_the_drift_it_read():
     delta = torch.tensor([[0.04], [-0.04], [0.01], [-0.01]], dtype=torch.float64) + wiggle
     new = (old + delta).requires_grad_()
     config = actor_config(loss_mode="maspo", segment_rule="adaptive", **BAND)
-    _, metrics = policy_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
+    _, metrics = verl_loss_fn("maspo")(old, new, torch.ones(B, T), torch.ones(B, T), "seq-mean-token-mean", config)
     assert metrics["actor/ratio/adaptive_len"] == pytest.approx((4 + 4 + 64 + 64) / 4)
     assert metrics["actor/ratio/adaptive_bias"] == pytest.approx(0.025)
     assert metrics["actor/ratio/segments_per_seq"] == pytest.approx((32 + 32 + 2 + 2) / 4)
