@@ -1,4 +1,4 @@
-"""The worked example (``docs/examples/entropy_rule.py``) is all a new segment rule takes.
+"""The worked example (``docs/examples/spike_rule.py``) is all a new segment rule takes.
 
 In a copy of the repository, the example renamed to a name the code has never seen is dropped into the rules folder
 with one preset YAML, and ``python -m maspo_verl generate`` is run; nothing else is edited. The rule is then
@@ -19,7 +19,7 @@ import pytest
 from maspo_verl.lab.runs import run_local
 from tests.helpers import REPO
 
-NAME = "zqx_probe"  # the example's "entropy", renamed
+NAME = "zqx_probe"  # the example's "spike", renamed
 FIELD = f"{NAME}_threshold"
 PRESET = f"maspo_{NAME}"
 # the discovered tests that take every rule or preset (they select by the rule's or preset's name)
@@ -47,8 +47,8 @@ def tracked_files() -> list[str]:
 
 
 def renamed_example() -> str:
-    text = (REPO / "docs" / "examples" / "entropy_rule.py").read_text()
-    return text.replace("EntropyRule", "ZqxProbeRule").replace("entropy", NAME)
+    text = (REPO / "docs" / "examples" / "spike_rule.py").read_text()
+    return text.replace("SpikeRule", "ZqxProbeRule").replace("spike", NAME)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_a_bad_value_of_its_field_is_refused_at_start_up(checkout):
 
 @pytest.mark.slow  # (the discovered tests run on every shipped rule in the suite itself)
 def test_the_discovered_tests_cover_it(checkout):
-    out = run(checkout, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NAME, "-rA", *DISCOVERED)
+    out = run(checkout, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rule", NAME, "-rA", *DISCOVERED)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = [line for line in out.stdout.splitlines() if line.startswith("PASSED") and NAME in line]
     assert len(passed) >= 5, out.stdout[-4000:]

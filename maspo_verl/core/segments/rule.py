@@ -42,7 +42,8 @@ from maspo_verl.validation import Setting
 # and the actor's tokenizer from the verl micro-batch in scope (``maspo_verl.batch``), which the plugin's hooks
 # provide.
 OLD_LOG_PROB, RESPONSE_IDS, WORD_IDS, TOKENIZER = "old_log_prob", "response_ids", "word_ids", "tokenizer"
-# the detached token log-ratios log pi - log pi_old: given by the loss (``Segments.sums``) and nothing else
+# the detached token log-ratios log pi - log pi_old (after the surrogate's per-token step): given by the loss
+# (``Segments.sums``) and nothing else
 LOG_RATIO = "log_ratio"
 FROM_MICRO_BATCH = frozenset({RESPONSE_IDS, WORD_IDS, TOKENIZER})
 LIMITS = ("token", "sequence")
