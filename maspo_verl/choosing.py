@@ -171,7 +171,7 @@ def _interval(r: dict) -> str:
     """``_span``, bold where the 95 % interval excludes 0, ‡ where the 99.9 % one does too."""
     text = _span(r)
     if _yes(r["supported"]):
-        return f"**{text}**" + ("‡" if _yes(r["supported_999"]) else "")
+        return f"**{text}**" + ("‡" if _yes(r["supported_holm"]) else "")
     return text
 
 
@@ -330,7 +330,7 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
     tuned = [r for r in rows if r["comparison"] == "tuned"]
     up = [r for r in tuned if _yes(r["supported"]) and _f(r["diff"]) > 0]
     down = [r for r in tuned if _yes(r["supported"]) and _f(r["diff"]) < 0]
-    strict = [r for r in tuned if _yes(r["supported_999"])]
+    strict = [r for r in tuned if _yes(r["supported_holm"])]
     seeds = sorted({r["seeds"] for r in rows})
     rel = [abs(_f(r["diff_over_gain"])) for r in tuned if math.isfinite(_f(r["diff_over_gain"]))]
     lines = [
