@@ -202,9 +202,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         f"Made by `COMMAND.txt` from the `regimes_tuned` run in `{args.grid_name or grid_dir.name}/` "
         f"(its command, machine and time in its `COMMAND.txt`). Every preset's clip band is chosen per cell on tuning "
         f"seeds 0-{args.tune_seeds - 1}; the best fixed window W* per cell is the `maspo_fixed@segment_window=W` "
-        "with the best tuning mean at its chosen band; `maspo_adaptive` (band criterion) and its variants run as "
-        "shipped (their lengths are not tuned) at their own chosen band. The band criterion reads the band, so its "
-        "lengths follow its tuned band (x k on the band: n up to x k^2; `inf`: the longest window). Differences of "
+        "with the best tuning mean at its chosen band; `maspo_adaptive` (band criterion) and its variants run with "
+        "their shipped length settings at their own chosen band. No length knob is tuned, but the band criterion "
+        "reads the band, so tuning its band tunes its lengths (x k on the band: n up to x k^2; `inf`: the longest "
+        "window). Held-out seeds reused: these held-out seeds (and the warm model's 0-4 and SmolLM2's seed 1 below) "
+        "had judged the correlation criterion before the band criterion was written, so for the band criterion "
+        "they were a validation set, not a fresh test (that is `granularity/`'s pre-registered H3). Differences of "
         "final reward on the held-out seeds, paired by seed, with 95 % t-intervals and sign-flip p. *within*: "
         "adaptive's interval against W* reaches 0 or above.",
         "",

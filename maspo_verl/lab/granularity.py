@@ -234,7 +234,8 @@ def report(out: Path, args) -> None:
     rows = tests(runs, choices)
     verdicts = decisions(rows)
     cells = cells_table(runs, choices)
-    common.write_tables(out, {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells})
+    tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design()}
+    common.write_tables(out, tables)
     plot(rows, out / "tests.png")
     (out / "README.md").write_text(readme(runs, choices, rows, verdicts, cells, common.command_of(out)))
     common.report_written(out)
@@ -247,6 +248,19 @@ FAMILIES = {
     "F2": "H2, alignment: unit-aligned segments minus offset / shuffled ones, each at its tuned width",
     "F3": "H3, adaptive: each criterion minus the best fixed window W*, each at its tuned width",
 }
+
+
+def design() -> list[dict]:
+    """The registered design as a table (``docs/choosing.md`` reads it from here): seeds, widths, margin, families."""
+    rows = {
+        "tune_seeds": f"{TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}",
+        "held_seeds": f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}",
+        "held_count": len(HELD_SEEDS),
+        "widths": ", ".join(WIDTHS),
+        "margin": MARGIN,
+        **FAMILIES,
+    }
+    return [{"key": k, "value": v} for k, v in rows.items()]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -333,7 +347,7 @@ def readme(runs, choices, rows, verdicts, cells, command) -> str:
         "![registered tests](tests.png)",
         "",
         "Files: `runs.csv` (every run: per seed, arm and width), `choice.csv` (written before the held-out runs), "
-        "`tests.csv` (every registered test), `decisions.csv`, `cells.csv`.",
+        "`tests.csv` (every registered test), `decisions.csv`, `cells.csv`, `design.csv` (the registered design).",
         "",
     ]
     return "\n".join(lines)

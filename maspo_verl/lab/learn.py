@@ -121,6 +121,9 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out's learn_runs.csv")
     p.add_argument(
+        "--report", action="store_true", help="only rebuild the tables, plots and README from --out's runs (no run)"
+    )
+    p.add_argument(
         "--bands",
         nargs="+",
         default=[],
@@ -478,11 +481,14 @@ def _by_seed(runs: list[dict], task: str, cell: str, loss: str, key: str) -> dic
     }
 
 
-def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float]:
-    """Seeds present in every term; the per-seed sum of sign * value, its mean and t-interval."""
+def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float, float]:
+    """Seeds present in every term; the per-seed sum of sign * value, its mean, t-interval and exact sign-flip p."""
+    from maspo_verl.lab import stats
+
     seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
     diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
-    return (len(seeds), *mean_interval(diffs))
+    p = stats.sign_flip(diffs)[0] if diffs else math.nan
+    return (len(seeds), *mean_interval(diffs), p)
 
 
 COMPARE_COLUMNS = (
@@ -497,6 +503,7 @@ COMPARE_COLUMNS = (
     "low",
     "high",
     "interval_excludes_0",
+    "p_signflip",
 )
 
 
@@ -511,7 +518,7 @@ def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
     rows = []
 
     def add(kind, task, cell, loss, metric, terms, other):
-        n, mean, low, high = _paired(terms)
+        n, mean, low, high, p = _paired(terms)
         if n == 0:
             return
         supported = (low > 0 or high < 0) and n > 1
@@ -528,6 +535,7 @@ def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 "low": low,
                 "high": high,
                 "interval_excludes_0": supported,
+                "p_signflip": p,
             }
         )
 
@@ -614,6 +622,11 @@ def run(args, argv) -> None:
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
+    if args.report:  # the tables, plots and README again from --out's runs, with the arguments that made them
+        step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
+        args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
+        write_results(args, cells, out, step_rows, runs)
+        return
     step_rows, runs = [], []
     if args.resume:
         step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")

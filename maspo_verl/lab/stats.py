@@ -110,16 +110,29 @@ def sign_flip(d: Sequence[float], draws: int = DRAWS, seed: int = 0) -> tuple[fl
     v = np.asarray(x)
     observed = abs(v.sum()) * (1 - 1e-12)  # ties count as at least as extreme
     if n <= EXACT_MAX:
-        hits, chunk = 0, 1 << min(n, 16)
-        for start in range(0, 2**n, chunk):
-            bits = np.arange(start, start + chunk)[:, None] >> np.arange(n) & 1
-            hits += int((np.abs((1 - 2 * bits) @ v) >= observed).sum())
-        return hits / 2**n, "exact"
+        if observed == 0:
+            return 1.0, "exact"
+        # meet in the middle: every signed sum of the first half against the sorted ones of the second
+        half = n // 2
+        left, right = _signed_sums(v[:half]), np.sort(_signed_sums(v[half:]))
+        hits = np.searchsorted(right, observed - left, side="left")  # right < observed - left
+        hits = (right.size - hits) + np.searchsorted(right, -observed - left, side="right")
+        return int(hits.sum()) / 2**n, "exact"
     rng, hits = np.random.default_rng(seed), 0
     for start in range(0, draws, 20_000):
         signs = 1 - 2 * rng.integers(0, 2, size=(min(20_000, draws - start), n))
         hits += int((np.abs(signs @ v) >= observed).sum())
     return (1 + hits) / (1 + draws), "random"
+
+
+def _signed_sums(v):
+    """The 2^len(v) sums of ±v_i (every sign vector)."""
+    import numpy as np
+
+    sums = np.zeros(1)
+    for x in v:
+        sums = np.concatenate([sums + x, sums - x])
+    return sums
 
 
 def tost(d: Sequence[float], margin: float, alpha: float = 0.05) -> dict:
