@@ -316,7 +316,11 @@ def tuned_section(root: Path, names: list[str]) -> list[str]:
         m = by_cell.get((t, c))
         if not m:
             continue
-        needed = "a trust region is needed" if _yes(m["trust_region_needed"]) else "no clip does as well"
+        needed = (
+            "a trust region is needed"
+            if _yes(m["trust_region_needed"])
+            else "no significant gain from clipping (not shown equal)"
+        )
         trust = f"grpo clipped minus unclipped {_span(m, 'clip_minus_noclip')}: {needed}"
         meta.append(
             f"- {h}: grpo gains {_f(m['grpo_gain']):.3f} (held out, at its chosen width x{m['grpo_band']}); drift δ "
@@ -396,7 +400,11 @@ def tuned_statements(tuned: list[dict], cells: dict) -> list[str]:
         up = [f"`{r['loss']}` {_f(r['diff']):+.3f}" for r in mine if _f(r["diff"]) > 0]
         down = [f"`{r['loss']}` {_f(r['diff']):+.3f}" for r in mine if _f(r["diff"]) < 0]
         m = cells.get(key)
-        trust = "grpo needs a trust region" if m and _yes(m["trust_region_needed"]) else "no clip does as well for grpo"
+        trust = (
+            "grpo needs a trust region"
+            if m and _yes(m["trust_region_needed"])
+            else "clipping gave grpo no significant gain"
+        )
         out.append(
             f"- {TASK_LETTER[key[0]]} {key[1]} ({trust}): above grpo {', '.join(up) or 'none'}; below grpo "
             f"{', '.join(down) or 'none'}."
@@ -695,11 +703,15 @@ def _short(arm: str) -> str:
     )
 
 
+def _pv(p) -> str:
+    return f"{_f(p):.3f}" if _f(p) >= 0.001 else "<0.001"
+
+
 def _test_text(r: dict) -> str:
-    """One registered test: its arms, mean [95 % t], Holm-adjusted sign-flip p, TOST p and outcome."""
+    """One registered test: its arms, mean [95 % t], Holm-adjusted sign-flip p and TOST p, and its outcome."""
     return (
-        f"{_short(r['arm'])} − {_short(r['vs'])}: {_span(r)}, Holm p {_f(r['p_holm']):.3f}, TOST p "
-        f"{_f(r['p_tost_holm']):.3f} → {r['outcome'] if r['outcome'] != '—' else 'neither'}"
+        f"{_short(r['arm'])} − {_short(r['vs'])}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p "
+        f"{_pv(r['p_tost_holm'])} → {r['outcome'] if r['outcome'] != '—' else 'neither'}"
     )
 
 
@@ -736,7 +748,8 @@ def granularity_section(root: Path) -> list[str]:
         f"{design['held_count']} fresh held-out seeds ({design['held_seeds']}) per arm, paired by seed: 95 % "
         f"t-interval, two-sided sign-flip p and TOST (margin ±{design['margin']} final reward), Holm within each "
         "family. "
-        "*above*/*below*: different after Holm; *equivalent*: TOST after Holm.",
+        f"*above*/*below*: different after Holm; *within ±{design['margin']}*: equivalent by TOST after Holm "
+        "(both can hold).",
         "",
     ]
     if not verdicts:

@@ -117,10 +117,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
+    part = Path(path).with_name(Path(path).name + ".part")
+    with open(part, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    os.replace(part, path)  # a stopped run or a reader never sees half a file
 
 
 def write_tables(out: Path, tables: dict[str, list[dict]]) -> None:

@@ -145,14 +145,14 @@ def choose(runs: list[dict], tune: int, baseline: str = BASELINE) -> list[dict]:
     """Per (task, cell, loss): the width with the best mean final reward on the tuning seeds (those below
     ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
     chosen width (log scale)."""
-    stats: dict[tuple, dict] = {}
+    per_band: dict[tuple, dict] = {}
     for r in runs:
         if int(r["seed"]) < tune:
-            s = stats.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
+            s = per_band.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
             s["final"].append(_f(r["final_reward"]))
             s["kl"].append(_f(r["ppo_kl"]))
     groups: dict[tuple, list] = {}
-    for (task, cell, loss, band), s in stats.items():
+    for (task, cell, loss, band), s in per_band.items():
         groups.setdefault((task, cell, loss), []).append((band, float(np.mean(s["final"])), float(np.nanmean(s["kl"]))))
     out = []
     for (task, cell, loss), options in sorted(groups.items()):
@@ -192,10 +192,8 @@ def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_r
 
 def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
     """Holm-adjusted sign-flip p (``p_holm``) within each value of ``family``; *supported_holm*: below 0.05."""
-    for kind in dict.fromkeys(r[family] for r in rows):
-        mine = [r for r in rows if r[family] == kind]
-        for r, p in zip(mine, stats.holm([r["p_signflip"] for r in mine]), strict=True):
-            r["p_holm"], r["supported_holm"] = p, p < 0.05
+    for r in stats.holm_by(rows, family, "p_signflip", "p_holm"):
+        r["supported_holm"] = r["p_holm"] < 0.05
     return rows
 
 

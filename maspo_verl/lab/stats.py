@@ -159,6 +159,15 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out
 
 
+def holm_by(rows: list[dict], group: str, p: str, out: str) -> list[dict]:
+    """Each row's ``p`` Holm-adjusted within the rows that share its ``group`` value, written to ``out``."""
+    for value in dict.fromkeys(r[group] for r in rows):
+        mine = [r for r in rows if r[group] == value]
+        for r, adjusted in zip(mine, holm([r[p] for r in mine]), strict=True):
+            r[out] = adjusted
+    return rows
+
+
 def paired_summary(d: Sequence[float], margin: float | None = None, level: float = 0.95, seed: int = 0) -> dict:
     """One paired comparison: mean, t-interval, t-test p, sign-flip p (and how), TOST against ``margin``."""
     m, low, high = t_interval(d, level)

@@ -8,6 +8,7 @@ import torch
 
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import regimes
+from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main
 
 
@@ -47,14 +48,23 @@ def test_the_unit_median_sets_the_speech_units_lengths():
     assert sorted(lengths[6])[len(lengths[6]) // 2] == pytest.approx(6, abs=1)
 
 
+def _t(diff, different, equivalent):
+    return {"diff": diff, "different": different, "equivalent": equivalent}
+
+
 def test_the_decision_rules_are_the_registered_ones():
-    assert g.verdict("F1a", ["—", "above", "below"]) == "supported"
-    assert g.verdict("F1a", ["equivalent", "below"]) == "falsified"
-    assert g.verdict("F1a", ["equivalent", "—"]) == "inconclusive"
-    assert g.verdict("F2", ["above", "above"]) == "supported"
-    assert g.verdict("F2", ["above", "—"]) == "inconclusive"
-    assert g.verdict("F2", ["above", "below"]) == "falsified"
-    assert g.verdict("F2", ["equivalent", "equivalent"]) == "falsified"
+    up, down, same, none = _t(0.05, True, False), _t(-0.05, True, False), _t(0.0, False, True), _t(0.01, False, False)
+    assert g.verdict("F1a", [none, up, down]) == "supported"
+    assert g.verdict("F1a", [same, down]) == "falsified"
+    assert g.verdict("F1a", [same, none]) == "inconclusive"
+    assert g.verdict("F1a", [_t(0.01, True, True), same]) == f"supported (every gain within ±{g.MARGIN})"
+    assert g.verdict("F2", [up, up]) == "supported"
+    assert g.verdict("F2", [up, none]) == "inconclusive"
+    assert g.verdict("F2", [up, down]) == "falsified"
+    assert g.verdict("F2", [same, same]) == "falsified"
+    rows = [r | {"family": "F3", "cell": "c", "arm": a, "outcome": "x"} for r, a in ((same, "a"), (down, "b"))]
+    rows.append(_t(-0.01, True, True) | {"family": "F3", "cell": "c", "arm": "d", "outcome": "x"})
+    assert [v["verdict"] for v in g.decisions(rows)] == ["holds", "falsified", f"falsified (below, within ±{g.MARGIN})"]
 
 
 def test_the_registered_seeds_are_fresh_and_disjoint():
@@ -75,6 +85,11 @@ def test_the_command_tunes_then_judges_and_resumes(tmp_path, monkeypatch):
             "--group-size", "2"]  # fmt: skip
     main([*base, "--phase", "tune"])
     assert (tmp_path / "choice.csv").is_file() and not (tmp_path / "tests.csv").exists()
+    with open(tmp_path / "runs.csv") as f:
+        choices = rt.choose(list(csv.DictReader(f)), g.HELD_SEEDS[0], baseline=g.TOKEN)
+    order = [g._key(j) for j in g.tested_first(g.jobs_of(g.HELD_SEEDS), choices)]
+    read = {(c, *arm) for _, c, *arms in g.comparisons(choices) for arm in arms}  # by hand, not _read_by_tests
+    assert set(order[: len(read)]) == read and not set(order[len(read) :]) & read  # what a test reads runs first
     main([*base, "--phase", "held", "--resume"])
     with open(tmp_path / "runs.csv") as f:
         runs = list(csv.DictReader(f))
