@@ -224,6 +224,8 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
     presets = _presets()
     docs = {"fields": fields_table(presets), "rules": rules_table(), "presets": presets_table(presets)}
     readme = {"presets_short": presets_short(presets)}
+    if (root / choosing.GRID_CSV).is_file():  # the README's "Which loss", from the committed result tables
+        readme = {"which_loss": choosing.which_loss(root)} | readme
 
     def parts(where: str, named: dict[str, list[str]]) -> Callable[[str], str]:
         def make(text: str) -> str:

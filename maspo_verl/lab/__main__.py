@@ -29,6 +29,10 @@ COMMANDS = [
     ("regimes", "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo"),
     ("drift", "warm-started small LM: do its drift log-ratios move together (lag-1, VIF)? one factor at a time"),
     ("regimes_tuned", "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds"),
+    (
+        "granularity",
+        "pre-registered: token vs windows vs aligned units vs adaptive, each arm's band tuned alike, fresh seeds",
+    ),
     ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
     ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
     (

@@ -9,7 +9,7 @@ copy of the policy (``maspo.local_mismatch.stale_syncs``) in bfloat16, the actor
 correction's level (``rollout_is`` = token, sequence, segment with ``rollout_segment_rule=turns``; TIS cap 2)
 x the advantage (grpo, ``credit=turns``). Runs go seed by seed, so a study stopped early has whole seeds.
 Per run: final reward (mean of the last 3 steps), mean reward over the run, the correction's metrics; paired
-by seed, each condition minus token-level correction with grpo, with 95 % percentile-bootstrap intervals.
+by seed, each condition minus token-level correction with grpo, with 95 % t-intervals.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import json
 import time
 from pathlib import Path
 
-from maspo_verl.lab.common import bootstrap_ci, markdown_table, write_csv
+from maspo_verl.lab.common import markdown_table, mean_interval, write_csv
 from maspo_verl.lab.runs import run_local
 
 LEVELS = ("token", "sequence", "segment")
 CREDITS = ("grpo", "turns")
 BASELINE = ("token", "grpo")
-MIN_SEEDS = 3  # fewer paired seeds: the bootstrap interval says nothing (1 seed: zero width)
+MIN_SEEDS = 3  # fewer paired seeds: the interval says little (1 seed: none)
 WEIGHT_KEYS = {
     "token": ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"),
     "sequence": ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"),
@@ -94,7 +94,7 @@ def compare(runs: list[dict]) -> list[dict]:
             for metric in ("final_reward", "mean_reward"):
                 seeds = sorted(s for (lv, c, s) in by if (lv, c) == (level, credit) and (*BASELINE, s) in by)
                 diffs = [by[(level, credit, s)][metric] - by[(*BASELINE, s)][metric] for s in seeds]
-                mean, low, high = bootstrap_ci(diffs)
+                mean, low, high = mean_interval(diffs)
                 out.append(
                     {
                         "condition": f"{level}+{credit}",
@@ -119,7 +119,7 @@ def summary(runs: list[dict]) -> list[dict]:
                 continue
             row = {"condition": f"{level}+{credit}", "seeds": len(mine)}
             for key in ("final_reward", "mean_reward", "weight_mean", "weight_ess"):
-                mean, low, high = bootstrap_ci([r[key] for r in mine])
+                mean, low, high = mean_interval([r[key] for r in mine])
                 row[key] = f"{mean:.3f} [{low:.3f}, {high:.3f}]"
             rows.append(row)
     return rows

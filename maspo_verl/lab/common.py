@@ -117,10 +117,24 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
+    part = Path(path).with_name(Path(path).name + ".part")
+    with open(part, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    os.replace(part, path)  # a stopped run or a reader never sees half a file
+
+
+def write_tables(out: Path, tables: dict[str, list[dict]]) -> None:
+    """Each ``name: rows`` of ``tables`` as ``out/name`` (``write_csv``)."""
+    for name, rows in tables.items():
+        write_csv(Path(out) / name, rows)
+
+
+def command_of(out: Path) -> str:
+    """The folder's ``COMMAND.txt`` (the command, environment and run times that made it), or ""."""
+    path = Path(out) / "COMMAND.txt"
+    return path.read_text() if path.is_file() else ""
 
 
 def fmt(v, digits: int = 3) -> str:
@@ -156,17 +170,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bootstrap_ci(values, level: float = 0.95, reps: int = 4000, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its percentile-bootstrap interval; (nan, nan, nan) without values.
+def mean_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its t-interval (``stats.t_interval``: honest for a few seeds, where a
+    percentile bootstrap is too narrow); NaN for what fewer values do not define."""
+    from maspo_verl.lab import stats
 
-    With few values (5 seeds) the percentile interval is somewhat too narrow; it is a summary, not a test.
-    """
-    import numpy as np
-
-    x = np.asarray([v for v in values if v is not None and v == v], dtype=float)
-    if x.size == 0:
-        return float("nan"), float("nan"), float("nan")
-    means = np.random.default_rng(seed).choice(x, size=(reps, x.size), replace=True).mean(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return float(x.mean()), float(low), float(high)
+    x = [float(v) for v in values if v is not None and v == v]
+    if len(x) < 2:
+        return (x[0] if x else math.nan), math.nan, math.nan
+    return stats.t_interval(x, level)

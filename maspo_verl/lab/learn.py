@@ -25,7 +25,7 @@ verl's ``file`` logger; else its console lines ``step:N - key:value ...``). Per 
 (``critic/score/mean``, mean of the last K steps), mean reward over all steps (the speed measure),
 steps to a reward gain, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd
 over steps), verl's ``rollout_corr/*`` and ``training/rollout_*`` diagnostics when it logs them (not
-in bypass mode), collapses. The summary gives means with 95 % bootstrap intervals over seeds and
+in bypass mode), collapses. The summary gives means with 95 % t-intervals over seeds and
 paired (same-seed) differences.
 Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``--out``): README,
 ``learn_steps.csv``, ``learn_runs.csv``,
@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab.common import bootstrap_ci, log, markdown_table, prepare_out, pyplot, write_csv
+from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
 from maspo_verl.lab.runs import run_local
 from maspo_verl.local.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
@@ -120,6 +120,9 @@ def add_arguments(p) -> None:
     p.add_argument("--last", type=int, default=3, help="final reward = mean of the last K steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out's learn_runs.csv")
+    p.add_argument(
+        "--report", action="store_true", help="only rebuild the tables, plots and README from --out's runs (no run)"
+    )
     p.add_argument(
         "--bands",
         nargs="+",
@@ -457,7 +460,7 @@ def summarise(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 ok = [r for r in mine if r["ok"]]
                 row = {"task": task, "cell": cell.label, "loss": loss, "seeds_ok": f"{len(ok)}/{len(mine)}"}
                 for key in SUMMARY_METRICS:
-                    row[key] = _ci_text(*bootstrap_ci([r[key] for r in ok]), digits=2 if "steps" in key else 3)
+                    row[key] = _ci_text(*mean_interval([r[key] for r in ok]), digits=2 if "steps" in key else 3)
                 row["reached"] = f"{sum(r['steps_to_target'] is not None for r in ok)}/{len(mine)}"
                 row["collapses"] = sum(r["collapsed"] for r in mine)
                 row["s_per_step"] = _mean([r["s_per_step"] for r in ok])
@@ -478,11 +481,14 @@ def _by_seed(runs: list[dict], task: str, cell: str, loss: str, key: str) -> dic
     }
 
 
-def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float]:
-    """Seeds present in every term; the per-seed sum of sign * value, its mean and bootstrap interval."""
+def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float, float]:
+    """Seeds present in every term; the per-seed sum of sign * value, its mean, t-interval and exact sign-flip p."""
+    from maspo_verl.lab import stats
+
     seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
     diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
-    return (len(seeds), *bootstrap_ci(diffs))
+    p = stats.sign_flip(diffs)[0] if diffs else math.nan
+    return (len(seeds), *mean_interval(diffs), p)
 
 
 COMPARE_COLUMNS = (
@@ -497,11 +503,12 @@ COMPARE_COLUMNS = (
     "low",
     "high",
     "interval_excludes_0",
+    "p_signflip",
 )
 
 
 def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
-    """Paired (same-seed) differences with 95 % bootstrap intervals:
+    """Paired (same-seed) differences with 95 % t-intervals:
 
     - ``vs_grpo``: loss - grpo in the same cell (final reward, mean reward, steps to target);
     - ``vs_no_mismatch``: the loss in a mismatch cell - the same loss without mismatch (final reward);
@@ -511,7 +518,7 @@ def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
     rows = []
 
     def add(kind, task, cell, loss, metric, terms, other):
-        n, mean, low, high = _paired(terms)
+        n, mean, low, high, p = _paired(terms)
         if n == 0:
             return
         supported = (low > 0 or high < 0) and n > 1
@@ -528,6 +535,7 @@ def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 "low": low,
                 "high": high,
                 "interval_excludes_0": supported,
+                "p_signflip": p,
             }
         )
 
@@ -614,6 +622,11 @@ def run(args, argv) -> None:
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
+    if args.report:  # the tables, plots and README again from --out's runs, with the arguments that made them
+        step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
+        args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
+        write_results(args, cells, out, step_rows, runs)
+        return
     step_rows, runs = [], []
     if args.resume:
         step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
@@ -744,7 +757,7 @@ def plot_steps(args, cells: list[Cell], step_rows: list[dict], path: Path) -> No
 
 
 def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
-    """Final reward against the noise sigma per loss (95 % bootstrap intervals), one panel per task, length
+    """Final reward against the noise sigma per loss (95 % t-intervals), one panel per task, length
     and updates with at least two mismatch levels; bf16 cells as hollow markers at their sigma."""
     groups = {}
     for cell in cells:
@@ -767,7 +780,7 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
                         for r in runs
                         if (r["task"], r["cell"], r["loss"]) == (task, cell.label, loss) and r["ok"]
                     ]
-                    mean, low, high = bootstrap_ci(finals)
+                    mean, low, high = mean_interval(finals)
                     if mean == mean:
                         pts.append((cell.sigma + shift, mean, mean - low, high - mean))
                 if not pts:
@@ -881,7 +894,7 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
             + " Updates: the batch is split into that many mini-batches (one optimizer update each); with 1,"
             " old and current log-probs differ only by the mismatch.",
             "",
-            f"Columns (mean over seeds and 95 % percentile-bootstrap interval): final reward (last {args.last}"
+            f"Columns (mean over seeds and 95 % t-interval): final reward (last {args.last}"
             f" steps), mean reward over all {args.steps} steps (speed), steps to {target} (not reached:"
             f" {args.steps + 1}), verl's `actor/pg_clipfrac` and `actor/grad_norm` (mean over steps, and its sd"
             f" over steps); reached: seeds reaching the target; collapses: run failed, non-finite loss or"

@@ -46,7 +46,8 @@ Per run: final reward (last ``--last`` steps), reward AUC (mean over all steps),
 ``--gain`` (3-step moving average; not reached: steps + 1), collapse (non-finite loss or gradient, or the
 final reward ``COLLAPSE_DROP`` below the best 3-step average), the gradient norm of the seed's table (mean over
 updates), verl's ``actor/pg_clipfrac`` (per cell and step, a mean over the seeds of the call). Paired
-(same-seed, same initial table and target) bootstrap intervals of each preset minus ``grpo``.
+(same-seed, same initial table and target) t-intervals and sign-flip tests (Holm within each metric) of each
+preset minus ``grpo``.
 
 Writes ``outputs/lab/regimes/`` (``--update-docs``: ``docs/results/regimes/``): README, ``regimes_runs.csv``
 (per seed), ``regimes_curves.csv`` (per step, mean over seeds), ``regimes_summary.csv``,
@@ -87,6 +88,10 @@ TASKS = ("speech", "text")
 NO_WORD = -1
 # the alignment control of the words rule (``shuffled_runs``): maspo_words fed its runs in a random order
 CONTROL = "maspo_words~shuffled"
+# what a preset's ``control`` feeds the words rule instead of the response's runs: its runs shuffled, or the
+# target's units (the reward's units) aligned, with each boundary moved to its unit's midpoint, or shuffled
+CONTROLS = ("shuffled", "units", "units_offset", "units_shuffled")
+UNIT_MEDIAN = 6  # frames: the speech-like task's median unit (120 ms at 50 Hz)
 # the segment lengths a job records (mean over its loss calls, pooled over seeds): column -> the loss's metric
 LENGTH_METRICS = {
     "segment_len": "actor/ratio/segment_len_mean",
@@ -106,7 +111,7 @@ class Preset:
     actor: dict  # clip_ratio_low/high/c, loss_agg_mode
     policy_loss: dict  # the composed policy_loss section without _target_
     band: str = "shipped"  # the clip band: as shipped, or scaled (``regimes_tuned.widen``)
-    control: str = ""  # "shuffled": the words rule fed runs of the same lengths in a random order
+    control: str = ""  # what the words rule is fed instead of the response's runs (``CONTROLS``)
 
 
 def discover_presets(names: list[str] | None = None) -> list[Preset]:
@@ -192,23 +197,26 @@ class Task:
         return change.cumsum(-1) - 1
 
 
-def make_task(name: str, length: int, seeds: list[int]) -> Task:
+def make_task(name: str, length: int, seeds: list[int], unit: int = UNIT_MEDIAN) -> Task:
+    """``unit``: the speech-like task's median unit length in frames (durations within unit/2 .. 2.5 unit)."""
     targets, units, counts = [], [], []
+    shortest, longest = max(1, round(unit / 2)), round(2.5 * unit)
     for s in seeds:
         g = torch.Generator().manual_seed(1000 + s)
         if name == "speech":
-            # phoneme-like durations: log-normal, median 6 frames (120 ms at 50 Hz), within 3..15
-            sym, unit, t, k, prev = [], [], 0, 0, -1
+            # phoneme-like durations: log-normal, median `unit` frames (6: 120 ms at 50 Hz), within 3..15 for 6
+            sym, unit_of, t, k, prev = [], [], 0, 0, -1
             while t < length:
-                d = int(torch.exp(math.log(6.0) + 0.45 * torch.randn(1, generator=g)).round().clamp(3, 15))
+                d = torch.exp(math.log(unit) + 0.45 * torch.randn(1, generator=g))
+                d = int(d.round().clamp(shortest, longest))
                 d = min(d, length - t)
                 choice = int(torch.randint(VOCAB - 1, (1,), generator=g))
                 v = choice if choice < prev or prev < 0 else choice + 1  # not the previous unit's symbol
                 sym += [v] * d
-                unit += [k] * d
+                unit_of += [k] * d
                 t, k, prev = t + d, k + 1, v
             targets.append(sym)
-            units.append(unit)
+            units.append(unit_of)
             counts.append(k)
         else:
             sym, t, prev = [], 0, -1
@@ -306,10 +314,16 @@ class Job:
     updates: int
     preset: Preset
     lr: float | None = None  # None: --lr
+    unit: int = UNIT_MEDIAN  # the speech-like task's median unit length
+    seeds: tuple[int, ...] = ()  # the job's seeds (empty: --first-seed .. + --seeds)
 
     @property
     def cell(self) -> str:
-        return f"L{self.length}/{self.mismatch}/U{self.updates}" + (f"/lr{self.lr:g}" if self.lr is not None else "")
+        return (
+            f"L{self.length}/{self.mismatch}/U{self.updates}"
+            + (f"/lr{self.lr:g}" if self.lr is not None else "")
+            + (f"/u{self.unit}" if self.unit != UNIT_MEDIAN else "")
+        )
 
 
 def loss_call(fn, cfg, old, lp, adv, ids, words):
@@ -331,6 +345,31 @@ def shuffled_runs(words: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         lengths = np.bincount(row - row[0])
         out[i] = np.repeat(np.arange(len(lengths)), rng.permutation(lengths[lengths > 0]))
     return torch.from_numpy(out).reshape(words.shape).to(words.device)
+
+
+def unit_segments(control: str, runs: torch.Tensor, units: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The word ids the words rule is fed under ``control`` ([S, N, T]): ``runs`` (the response's runs) as they
+    are or shuffled; ``units`` (the target's units) as they are, shuffled, or with each boundary moved to its
+    unit's midpoint (``units_offset``: segments of about the units' lengths, each straddling two units)."""
+    if control == "":
+        return runs
+    if control == "shuffled":
+        return shuffled_runs(runs, gen)
+    if control == "units":
+        return units
+    if control == "units_shuffled":
+        return shuffled_runs(units, gen)
+    if control == "units_offset":
+        start = torch.ones_like(units, dtype=torch.bool)
+        start[..., 1:] = units[..., 1:] != units[..., :-1]
+        t = torch.arange(units.shape[-1], device=units.device)
+        first = torch.cummax(torch.where(start, t, 0), -1).values  # each frame's unit start
+        size = torch.zeros_like(units).scatter_add_(-1, units, torch.ones_like(units))
+        mid = torch.zeros_like(start)
+        mid.scatter_(-1, first + size.gather(-1, units) // 2, True)  # each unit's midpoint starts a segment
+        ids = mid.long().cumsum(-1)
+        return ids - ids[..., :1]
+    raise ValueError(f"control {control!r}: allowed '' or {CONTROLS}")
 
 
 def drift_sums(delta: torch.Tensor, units: torch.Tensor) -> dict:
@@ -387,16 +426,21 @@ def run_job(job: Job, args) -> dict:
 
     torch.set_num_threads(1)
     device = torch.device(getattr(args, "device", "cpu"))
-    seeds = list(range(args.seeds))
+    first = getattr(args, "first_seed", 0)
+    seeds = list(job.seeds or range(first, first + args.seeds))
     S, G, n, U = len(seeds), args.groups, args.group_size, job.updates
     N = G * n
-    task = make_task(job.task, job.length, seeds)
+    task = make_task(job.task, job.length, seeds, job.unit)
     task.target, task.unit_id, task.n_units = (x.to(device) for x in (task.target, task.unit_id, task.n_units))
     theta = init_tables(task, job.length, seeds).to(device).requires_grad_()
     opt = torch.optim.Adam([theta], lr=job.lr if job.lr is not None else args.lr)
     fn, cfg = get_policy_loss_fn(job.preset.loss_mode), preset_config(job.preset)
     kind, value = parse_mismatch(job.mismatch)
     gen = torch.Generator().manual_seed(args.sample_seed)
+    # the units controls shuffle with a generator of their own, so every arm draws the same samples from ``gen``
+    # (the committed ``shuffled`` runs drew from ``gen``)
+    control_gen = gen if job.preset.control == "shuffled" else torch.Generator().manual_seed(args.sample_seed + 1)
+    target_units = task.unit_id[:, None, :].expand(S, N, job.length)
     history = [theta.detach().clone()]  # the table after each update (stale rollouts)
     index = np.repeat(np.arange(S * G), n)
     rewards, grads, clipfracs, kls, spreads, finite = [], [], [], [], [], torch.ones(S, dtype=torch.bool, device=device)
@@ -415,7 +459,7 @@ def run_job(job: Job, args) -> dict:
         adv = compute_grpo_outcome_advantage(r.reshape(-1, 1).cpu(), torch.ones(S * N, 1), index)[0]
         adv = adv.to(device).reshape(S, N, 1).expand(S, N, job.length)
         ids, units = task.token_ids(y), task.word_ids(y)
-        words = shuffled_runs(units, gen) if job.preset.control == "shuffled" else units
+        words = unit_segments(job.preset.control, units, target_units, control_gen)
         perm = torch.randperm(N, generator=gen).to(device)
         step_grad, step_clip, step_kl = [], [], []
         for k in range(U):
@@ -528,11 +572,24 @@ def probe(preset: Preset, task: str) -> str | None:
 # ------------------------------------------------------------------ the command
 
 
+def engine_arguments(p: argparse.ArgumentParser, lr_help: str = "Adam learning rate") -> None:
+    """The engine's knobs, shared by every study on it (``regimes``, ``regimes_tuned``, ``granularity``)."""
+    p.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
+    p.add_argument("--groups", type=int, default=3, help="prompts (GRPO groups) per batch")
+    p.add_argument("--group-size", type=int, default=8, help="responses per group")
+    p.add_argument("--lr", type=float, default=0.2, help=lr_help)
+    p.add_argument("--gain", type=float, default=0.2, help="steps to target: step 0's reward + GAIN")
+    p.add_argument("--last", type=int, default=5, help="final reward = mean of the last K steps")
+    p.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's seed (same for every preset)")
+    p.add_argument("--device", default="cpu", help="torch device of the tables (cpu, cuda)")
+    p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "The regime grid: tasks x lengths x mismatch x updates per batch x every loss preset "
         "(hydra_configs/loss/*.yaml, composed as the trainer composes them), --seeds seeds each, paired "
-        "bootstrap vs grpo. Mismatch: none | bf16 | fp16 (rollout table rounded) | stale<K> (rollout K "
+        "t-intervals vs grpo. Mismatch: none | bf16 | fp16 (rollout table rounded) | stale<K> (rollout K "
         "updates behind) | noise<SIGMA> (Gaussian noise on the reported log-probs)."
     )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -546,14 +603,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--updates", nargs="+", type=int, default=[1, 4], help="optimizer updates (mini-batches) per batch")
     p.add_argument("--presets", nargs="+", default=None, help="loss presets (default: every hydra_configs/loss/*.yaml)")
     p.add_argument("--seeds", type=int, default=20, help="seeds per cell (initial table and target)")
-    p.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
-    p.add_argument("--groups", type=int, default=3, help="prompts (GRPO groups) per batch")
-    p.add_argument("--group-size", type=int, default=8, help="responses per group")
-    p.add_argument("--lr", type=float, default=0.2, help="Adam learning rate")
-    p.add_argument("--gain", type=float, default=0.2, help="steps to target: step 0's reward + GAIN")
-    p.add_argument("--last", type=int, default=5, help="final reward = mean of the last K steps")
-    p.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's seed (same for every preset)")
-    p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
+    engine_arguments(p)
     p.add_argument("--report", action="store_true", help="only rebuild the README, tables and plots from --out's CSVs")
 
 
@@ -592,6 +642,51 @@ def machine_load() -> str:
         return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | None = None, kept=()) -> list[dict]:
+    """Run ``jobs`` on ``args.workers`` processes; every finished job's rows (after ``kept``) are written to
+    ``out/runs_csv`` at once (and its per-step curves to ``curves_csv``), so an interrupted study resumes from
+    them; the run time and the machine's load go to ``COMMAND.txt``. Returns the rows."""
+    from maspo_verl.lab import common
+
+    name = getattr(args, "command", None) or out.name
+    seeds = "/".join(str(n) for n in sorted({len(j.seeds) for j in jobs if j.seeds})) or args.seeds
+    common.log(f"{name}: {len(jobs)} jobs x {seeds} seeds on {args.workers} processes ({args.device})")
+    t0, records, steps, load = time.time(), list(kept), [], [machine_load()]
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
+    items = [(j, plain) for j in jobs]
+    pool = None
+    if args.workers > 1:
+        pool = mp.get_context("spawn" if args.device != "cpu" else "fork").Pool(args.workers)
+    try:
+        for i, res in enumerate(pool.imap_unordered(_work, items) if pool else map(_work, items)):
+            records += res["records"]
+            steps += res["steps"]
+            j = res["job"]
+            common.log(
+                f"{name} [{i + 1}/{len(jobs)}] {j.task} {j.cell} {j.preset.name} x{j.preset.band}: final "
+                f"{np.mean([r['final_reward'] for r in res['records']]):.3f} ({res['seconds']:.1f}s; "
+                f"{time.time() - t0:.0f}s in all)"
+            )
+            if i % 20 == 0:
+                load.append(machine_load())
+            common.write_csv(out / runs_csv, records)
+            if curves_csv:
+                common.write_csv(out / curves_csv, steps)
+    finally:
+        if pool:
+            pool.close()
+    load.append(machine_load())
+    seconds = time.time() - t0
+    with open(out / "COMMAND.txt", "a") as f:
+        f.write(
+            f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, "
+            f"device {args.device}\n"
+        )
+        f.write("machine load during the run (uptime, sampled every 20 jobs):\n")
+        f.writelines(f"  {line}\n" for line in load)
+    return records
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab import common
 
@@ -599,8 +694,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     if args.report:  # the tables and README again from the CSVs in --out
         return _report(out, args)
     common.prepare_out(out, argv)
-    t0 = time.time()
-    load = [machine_load()]
     presets = discover_presets(args.presets)
     skipped, runnable = [], {}
     for task in args.tasks:
@@ -613,31 +706,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 runnable.setdefault(task, []).append(p)
     common.write_csv(out / "regimes_skipped.csv", skipped or [{"task": "", "loss": "", "reason": ""}])
     jobs = [j for j in jobs_of(args, presets) if j.preset in runnable.get(j.task, [])]
-    common.log(f"regimes: {len(jobs)} jobs x {args.seeds} seeds on {args.workers} processes")
-    records, steps = [], []
-    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
-    ctx = mp.get_context("fork")
-    with ctx.Pool(args.workers) if args.workers > 1 else _Serial() as pool:
-        for i, res in enumerate(pool.imap_unordered(_work, [(j, plain) for j in jobs])):
-            records += res["records"]
-            steps += res["steps"]
-            j = res["job"]
-            fin = np.mean([r["final_reward"] for r in res["records"]])
-            common.log(
-                f"regimes [{i + 1}/{len(jobs)}] {j.task} {j.cell} {j.preset.name}: final {fin:.3f} "
-                f"({res['seconds']:.1f}s; {time.time() - t0:.0f}s in all)"
-            )
-            if i % 20 == 0:
-                load.append(machine_load())
-            # every finished job on disk at once
-            common.write_csv(out / "regimes_runs.csv", records)
-            common.write_csv(out / "regimes_curves.csv", steps)
-    load.append(machine_load())
-    seconds = time.time() - t0
-    with open(out / "COMMAND.txt", "a") as f:
-        f.write(f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs\n")
-        f.write("machine load during the run (uptime, sampled every 20 jobs):\n")
-        f.writelines(f"  {line}\n" for line in load)
+    run_jobs(jobs, args, out, "regimes_runs.csv", "regimes_curves.csv")
     _report(out, args)
 
 
@@ -646,16 +715,3 @@ def _report(out: Path, args) -> None:
 
     regimes_report.write(out, args)
     common.report_written(out)
-
-
-class _Serial:
-    """A one-process stand-in for the pool."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def imap_unordered(self, fn, items):
-        return map(fn, items)

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab.common import bootstrap_ci, markdown_table, pyplot, read_csv, write_csv
+from maspo_verl.lab import stats
+from maspo_verl.lab.common import command_of, markdown_table, mean_interval, pyplot, read_csv, write_tables
 
 BASELINE = "grpo"
 METRICS = ("final_reward", "auc", "steps_to_target_c")  # compared with grpo, paired by seed
-# a second, stricter bar against the many comparisons: the 99.9 % paired interval excludes 0
-STRICT = 0.999
 COMPARE_COLUMNS = (
     "task",
     "cell",
@@ -29,8 +28,10 @@ COMPARE_COLUMNS = (
     "diff",
     "low",
     "high",
+    "p_signflip",
+    "p_holm",
     "supported",
-    "supported_999",
+    "supported_holm",
 )
 
 
@@ -65,7 +66,7 @@ def summarise(runs: list[dict]) -> list[dict]:
                 continue
             row = {"task": task, "cell": cell, "loss": loss, "seeds": len(mine)}
             for key in ("final_reward", "auc", "steps_to_target_c"):
-                m, lo, hi = bootstrap_ci([_num(r[key]) for r in mine])
+                m, lo, hi = mean_interval([_num(r[key]) for r in mine])
                 row[key] = (
                     f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if key != "steps_to_target_c" else f"{m:.1f} [{lo:.1f}, {hi:.1f}]"
                 )
@@ -79,7 +80,8 @@ def summarise(runs: list[dict]) -> list[dict]:
 
 
 def compare(runs: list[dict]) -> list[dict]:
-    """Each preset minus grpo in the same cell, paired by seed: mean, 95 % and 99.9 % bootstrap intervals."""
+    """Each preset minus grpo in the same cell, paired by seed: mean, 95 % t-interval (*supported*: excludes 0),
+    sign-flip p and its Holm adjustment over every comparison of the metric (*supported_holm*: below 0.05)."""
     by = {(r["task"], r["cell"], r["loss"], r["seed"]): r for r in runs}
     rows = []
     for task, cell, length, mismatch, updates in _cells(runs):
@@ -102,8 +104,8 @@ def compare(runs: list[dict]) -> list[dict]:
                 d = d[np.isfinite(d)]
                 if d.size < 2:
                     continue
-                _, lo, hi = bootstrap_ci(d, 0.95, reps=10000)
-                _, slo, shi = bootstrap_ci(d, STRICT, reps=10000)
+                test = stats.paired_summary(d)
+                lo, hi = test["low"], test["high"]
                 rows.append(
                     {
                         "task": task,
@@ -117,11 +119,15 @@ def compare(runs: list[dict]) -> list[dict]:
                         "diff": float(d.mean()),
                         "low": lo,
                         "high": hi,
+                        "p_signflip": test["p_signflip"],
                         "supported": bool(lo > 0 or hi < 0),
-                        "supported_999": bool(slo > 0 or shi < 0),
                     }
                 )
-    return rows
+    for metric in METRICS:
+        mine = [r for r in rows if r["metric"] == metric]
+        for r, p in zip(mine, stats.holm([r["p_signflip"] for r in mine]), strict=True):
+            r["p_holm"], r["supported_holm"] = p, p < 0.05
+    return [{k: r[k] for k in COMPARE_COLUMNS} for r in rows]
 
 
 def mismatch_table(runs: list[dict]) -> list[dict]:
@@ -148,18 +154,18 @@ def _fmt(c: dict) -> str:
 
 
 def statements(comparisons: list[dict], metric: str) -> list[str]:
-    """Cell by cell: the presets whose paired difference in ``metric`` excludes 0 (** at 99.9 %)."""
+    """Cell by cell: the presets whose paired difference in ``metric`` excludes 0 (** also after Holm)."""
     lines = []
     cells = dict.fromkeys((c["task"], c["cell"]) for c in comparisons)
     for task, cell in cells:
         rows = [c for c in comparisons if (c["task"], c["cell"], c["metric"]) == (task, cell, metric)]
         up = [
-            f"{c['loss']} {_fmt(c)}{'**' if c['supported_999'] else ''}"
+            f"{c['loss']} {_fmt(c)}{'**' if c['supported_holm'] else ''}"
             for c in rows
             if c["supported"] and c["diff"] > 0
         ]
         down = [
-            f"{c['loss']} {_fmt(c)}{'**' if c['supported_999'] else ''}"
+            f"{c['loss']} {_fmt(c)}{'**' if c['supported_holm'] else ''}"
             for c in rows
             if c["supported"] and c["diff"] < 0
         ]
@@ -193,11 +199,11 @@ def plot_heatmap(comparisons: list[dict], metric: str, path: Path) -> None:
         for c in rows:
             if c["supported"]:
                 i, j = losses.index(c["loss"]), cells.index((c["length"], c["updates"], c["mismatch"], c["cell"]))
-                ax.text(j, i, "**" if c["supported_999"] else "*", ha="center", va="center", fontsize=8)
+                ax.text(j, i, "**" if c["supported_holm"] else "*", ha="center", va="center", fontsize=8)
         ax.set_yticks(range(len(losses)), losses, fontsize=7)
         ax.set_xticks(range(len(cells)), [c[3] for c in cells], rotation=60, ha="right", fontsize=7)
         ax.set_title(
-            f"{task}-like task: {metric} minus grpo's, paired by seed (* 95 % interval excludes 0, ** 99.9 %)",
+            f"{task}-like task: {metric} minus grpo's, paired by seed (* 95 % t-interval excludes 0, ** Holm)",
             fontsize=9,
         )
         fig.colorbar(im, ax=ax, fraction=0.02)
@@ -248,18 +254,17 @@ def write(out: Path, args) -> None:
     summary = summarise(runs)
     comparisons = compare(runs)
     spreads = mismatch_table(runs)
-    write_csv(out / "regimes_summary.csv", summary)
-    write_csv(out / "regimes_compare.csv", comparisons)
-    write_csv(out / "regimes_mismatch.csv", spreads)
+    tables = {"regimes_summary.csv": summary, "regimes_compare.csv": comparisons, "regimes_mismatch.csv": spreads}
+    write_tables(out, tables)
     plot_heatmap(comparisons, "final_reward", out / "regimes_final_vs_grpo.png")
     plot_heatmap(comparisons, "auc", out / "regimes_auc_vs_grpo.png")
     plot_curves(curves, out / "regimes_curves.png")
-    command = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
+    command = command_of(out)
     (out / "README.md").write_text(readme(args, runs, summary, comparisons, spreads, skipped, command))
 
 
 def _count(comparisons, metric, sign=None, strict=False) -> int:
-    key = "supported_999" if strict else "supported"
+    key = "supported_holm" if strict else "supported"
     return sum(
         c[key] and c["metric"] == metric and (sign is None or (c["diff"] > 0) == (sign > 0)) for c in comparisons
     )
@@ -311,7 +316,9 @@ def readme(args, runs, summary, comparisons, spreads, skipped, command) -> str:
         f"{args.steps + 1}), collapses (non-finite loss or gradient, or the final reward {0.1:g} below the best "
         "3-step average), gradient norm of the seed's table (mean over updates); verl's `actor/pg_clipfrac` per "
         "cell. Paired by seed (same initial table, target and first batch): each preset minus grpo, 95 % "
-        "percentile bootstrap (*supported*: excludes 0) and 99.9 % (`supported_999`, `**`).",
+        "t-interval (*supported*: excludes 0) and the two-sided sign-flip test (200 000 random sign vectors above "
+        "20 seeds, exact enumeration up to 20), Holm-adjusted over every comparison of the metric (`supported_holm`, "
+        "`**`: adjusted p < 0.05).",
         "",
         "## Skipped presets",
         "",
@@ -334,14 +341,14 @@ def readme(args, runs, summary, comparisons, spreads, skipped, command) -> str:
         "## How many differences the intervals support",
         "",
         f"{n_cmp} preset-vs-grpo comparisons per metric. Final reward: {_count(comparisons, 'final_reward', 1)} above "
-        f"grpo, {_count(comparisons, 'final_reward', -1)} below (95 %); at 99.9 %: "
+        f"grpo, {_count(comparisons, 'final_reward', -1)} below (95 % t-interval); after Holm: "
         f"{_count(comparisons, 'final_reward', 1, True)} above, {_count(comparisons, 'final_reward', -1, True)} below. "
-        f"AUC: {_count(comparisons, 'auc', 1)} above, {_count(comparisons, 'auc', -1)} below (95 %); at 99.9 %: "
+        f"AUC: {_count(comparisons, 'auc', 1)} above, {_count(comparisons, 'auc', -1)} below (95 %); after Holm: "
         f"{_count(comparisons, 'auc', 1, True)} above, {_count(comparisons, 'auc', -1, True)} below. By chance about "
-        f"{0.05 * n_cmp:.0f} of the {n_cmp} would pass at 95 % and {0.001 * n_cmp:.1f} at 99.9 % (the U = 1, "
-        "no-mismatch cells are identical by construction and pass none).",
+        f"{0.05 * n_cmp:.0f} of the {n_cmp} would pass at 95 % unadjusted; Holm keeps the chance of any false one "
+        "below 5 % (the U = 1, no-mismatch cells are identical by construction and pass none).",
         "",
-        "### Final reward vs grpo, cell by cell (`**`: also at 99.9 %)",
+        "### Final reward vs grpo, cell by cell (`**`: also after Holm)",
         "",
         *statements(comparisons, "final_reward"),
         "",
@@ -351,7 +358,7 @@ def readme(args, runs, summary, comparisons, spreads, skipped, command) -> str:
         "",
         "## Summary table",
         "",
-        "Means over seeds with 95 % bootstrap intervals.",
+        "Means over seeds with 95 % t-intervals.",
         "",
         markdown_table(summary),
         "Files: `regimes_runs.csv` (per seed), `regimes_curves.csv` (per step, mean over seeds), "

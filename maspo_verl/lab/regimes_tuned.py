@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import regimes
+from maspo_verl.lab import regimes, stats
 from maspo_verl.lab.common import as_float as _f
 
 OUT = "regimes_tuned"
@@ -49,7 +47,6 @@ LOG_UNCLIPPED = 30.0  # a log-space bound no log-ratio reaches (verl clamps them
 RATIO_UNCLIPPED = 1e9
 CONTROL = regimes.CONTROL
 CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
-LEVELS = (0.95, 0.999)
 
 
 def widen(p: regimes.Preset, width: str) -> regimes.Preset:
@@ -75,12 +72,21 @@ def widen(p: regimes.Preset, width: str) -> regimes.Preset:
     return replace(p, actor=actor, policy_loss=policy_loss, band=width)
 
 
-def parse_cell(text: str) -> tuple[int, str, int, float | None]:
-    m = re.fullmatch(r"L(\d+)/([^/]+)/U(\d+)(?:/lr([0-9.e-]+))?", text)
+def parse_cell(text: str) -> dict:
+    """``L<tokens>/<mismatch>/U<updates>[/lr<lr>][/u<median unit frames>]`` -> ``regimes.Job``'s cell fields."""
+    m = re.fullmatch(r"L(\d+)/([^/]+)/U(\d+)(?:/lr([0-9.e-]+))?(?:/u(\d+))?", text)
     if not m:
-        raise SystemExit(f"--cells {text!r}: L<tokens>/<mismatch>/U<updates>[/lr<lr>], e.g. L96/stale2/U4/lr1")
+        raise SystemExit(
+            f"--cells {text!r}: L<tokens>/<mismatch>/U<updates>[/lr<lr>][/u<unit>], e.g. L96/stale2/U4/lr1/u24"
+        )
     regimes.parse_mismatch(m.group(2))
-    return int(m.group(1)), m.group(2), int(m.group(3)), float(m.group(4)) if m.group(4) else None
+    return {
+        "length": int(m.group(1)),
+        "mismatch": m.group(2),
+        "updates": int(m.group(3)),
+        "lr": float(m.group(4)) if m.group(4) else None,
+        "unit": int(m.group(5)) if m.group(5) else regimes.UNIT_MEDIAN,
+    }
 
 
 def variant(name: str, flag: str = "--presets") -> regimes.Preset:
@@ -118,51 +124,43 @@ def presets_of(names: list[str]) -> list[regimes.Preset]:
 
 
 def jobs_of(args) -> list[regimes.Job]:
-    if args.groups * args.group_size % max(parse_cell(c)[2] for c in args.cells):
+    if args.groups * args.group_size % max(parse_cell(c)["updates"] for c in args.cells):
         raise SystemExit("--cells: each U must divide the batch (--groups x --group-size)")
     from maspo_verl.util import preset_names
 
     presets = presets_of(args.presets or [*preset_names(), CONTROL])
     jobs = []
     for cell in args.cells:
-        length, mismatch, updates, lr = parse_cell(cell)
         for task in args.tasks:
             for p in presets:
                 for w in args.widths:
-                    jobs.append(regimes.Job(task, length, mismatch, updates, widen(p, w), lr))
+                    jobs.append(regimes.Job(task=task, preset=widen(p, w), **parse_cell(cell)))
     return sorted(jobs, key=lambda j: -j.length)
 
 
 # ------------------------------------------------------------------ analysis
 
 
-def _interval(diffs: np.ndarray, level: float, reps: int = 10000, seed: int = 0) -> tuple[float, float]:
-    means = np.random.default_rng(seed).choice(diffs, size=(reps, diffs.size), replace=True).mean(axis=1)
-    tail = (1 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
-
-
-def choose(runs: list[dict], tune: int) -> list[dict]:
-    """Per (task, cell, loss): the width with the best mean final reward on the tuning seeds (ties: the
-    narrower), and the width whose mean KL per update is nearest grpo's at its chosen width (log scale)."""
-    stats: dict[tuple, dict] = {}
+def choose(runs: list[dict], tune: int, baseline: str = BASELINE) -> list[dict]:
+    """Per (task, cell, loss): the width with the best mean final reward on the tuning seeds (those below
+    ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
+    chosen width (log scale)."""
+    per_band: dict[tuple, dict] = {}
     for r in runs:
         if int(r["seed"]) < tune:
-            s = stats.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
+            s = per_band.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
             s["final"].append(_f(r["final_reward"]))
             s["kl"].append(_f(r["ppo_kl"]))
-    order = {w: i for i, w in enumerate(WIDTHS)}
     groups: dict[tuple, list] = {}
-    for (task, cell, loss, band), s in stats.items():
+    for (task, cell, loss, band), s in per_band.items():
         groups.setdefault((task, cell, loss), []).append((band, float(np.mean(s["final"])), float(np.nanmean(s["kl"]))))
     out = []
     for (task, cell, loss), options in sorted(groups.items()):
-        best = max(options, key=lambda o: (o[1], -order.get(o[0], 99)))
+        best = max(options, key=lambda o: (o[1], -float(o[0])))
         out.append(
             {"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]}
         )
-    base = {(c["task"], c["cell"]): c for c in out if c["loss"] == BASELINE}
+    base = {(c["task"], c["cell"]): c for c in out if c["loss"] == baseline}
     for c in out:
         target = base.get((c["task"], c["cell"]))
         options = groups[(c["task"], c["cell"], c["loss"])]
@@ -179,19 +177,24 @@ def _held(runs: list[dict], tune: int) -> dict[tuple, dict]:
     return {(r["task"], r["cell"], r["loss"], r["band"], int(r["seed"])): r for r in runs if int(r["seed"]) >= tune}
 
 
-def paired(held: dict, task: str, cell: str, a: tuple[str, str], b: tuple[str, str], metric="final_reward") -> dict:
-    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed."""
+def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
+    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed: ``stats.paired_summary`` (mean,
+    95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the interval excludes 0."""
     seeds = sorted(s for (t, c, lo, ba, s) in held if (t, c, lo, ba) == (task, cell, *a))
     pairs = [(held[(task, cell, *a, s)], held.get((task, cell, *b, s))) for s in seeds]
-    diffs = np.array([_f(x[metric]) - _f(y[metric]) for x, y in pairs if y is not None])
-    if diffs.size == 0:
+    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs if y is not None]
+    diffs = [d for d in diffs if math.isfinite(d)]
+    if len(diffs) < 2:
         return {}
-    row = {"seeds": int(diffs.size), "diff": float(diffs.mean())}
-    for level in LEVELS:
-        lo, hi = _interval(diffs, level)
-        tag = "" if level == LEVELS[0] else "_999"
-        row |= {f"low{tag}": lo, f"high{tag}": hi, f"supported{tag}": bool(lo > 0 or hi < 0)}
-    return row
+    row = stats.paired_summary(diffs, margin)
+    return row | {"supported": bool(row["low"] > 0 or row["high"] < 0)}
+
+
+def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
+    """Holm-adjusted sign-flip p (``p_holm``) within each value of ``family``; *supported_holm*: below 0.05."""
+    for r in stats.holm_by(rows, family, "p_signflip", "p_holm"):
+        r["supported_holm"] = r["p_holm"] < 0.05
+    return rows
 
 
 def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
@@ -234,7 +237,7 @@ def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
                     "diff_over_gain": row["diff"] / g if g > 0 else float("nan"),
                 }
             )  # fmt: skip
-    return rows
+    return with_holm(rows)
 
 
 def grpo_gain(runs: list[dict], choices: list[dict], tune: int) -> dict[tuple, float]:
@@ -319,15 +322,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS), help="band scales (inf: no clip)")
     p.add_argument("--tune-seeds", type=int, default=20, help="seeds 0..N-1 choose the widths")
     p.add_argument("--held-seeds", type=int, default=20, help="the next N seeds judge them")
-    p.add_argument("--steps", type=int, default=20, help="training steps (batches) per run")
-    p.add_argument("--groups", type=int, default=3, help="prompts (GRPO groups) per batch")
-    p.add_argument("--group-size", type=int, default=8, help="responses per group")
-    p.add_argument("--lr", type=float, default=0.2, help="Adam learning rate (a cell's /lr<x> replaces it)")
-    p.add_argument("--gain", type=float, default=0.2, help="steps to target: step 0's reward + GAIN")
-    p.add_argument("--last", type=int, default=5, help="final reward = mean of the last K steps")
-    p.add_argument("--sample-seed", type=int, default=0, help="the sampling generator's seed")
-    p.add_argument("--device", default="cpu", help="torch device of the tables (cpu, cuda)")
-    p.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
+    regimes.engine_arguments(p, "Adam learning rate (a cell's /lr<x> replaces it)")
     p.add_argument("--report", action="store_true", help="only rebuild the README and tables from --out's runs")
     p.add_argument(
         "--redo",
@@ -336,13 +331,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="re-run only these presets' jobs and replace their rows in --out's tuned_runs.csv (same seeds and cells; "
         "recorded in COMMAND.txt)",
     )
-
-
-def _work(item):
-    job, args = item
-    t0 = time.time()
-    out = regimes.run_job(job, args)
-    return out["records"], job, time.time() - t0
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
@@ -362,31 +350,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         common.prepare_out(out, argv)
     jobs = [j for j in jobs_of(args) if not args.redo or j.preset.name in args.redo]
     args.seeds = args.tune_seeds + args.held_seeds
-    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
-    common.log(f"regimes_tuned: {len(jobs)} jobs x {args.seeds} seeds on {args.workers} processes ({args.device})")
-    t0, runs, load = time.time(), list(kept), [regimes.machine_load()]
-    pool = mp.get_context("spawn" if args.device != "cpu" else "fork").Pool(args.workers) if args.workers > 1 else None
-    results = pool.imap_unordered(_work, [(j, plain) for j in jobs]) if pool else map(_work, [(j, plain) for j in jobs])
-    for i, (records, job, seconds) in enumerate(results):
-        runs += records
-        common.log(
-            f"regimes_tuned [{i + 1}/{len(jobs)}] {job.task} {job.cell} {job.preset.name} x{job.preset.band}: final "
-            f"{np.mean([r['final_reward'] for r in records]):.3f} ({seconds:.1f}s; {time.time() - t0:.0f}s in all)"
-        )
-        if i % 40 == 0:
-            load.append(regimes.machine_load())
-        common.write_csv(out / "tuned_runs.csv", runs)
-    if pool:
-        pool.close()
-    load.append(regimes.machine_load())
-    seconds = time.time() - t0
-    with open(out / "COMMAND.txt", "a") as f:
-        f.write(
-            f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, "
-            f"device {args.device}\n"
-        )
-        f.write("machine load during the run (uptime, sampled every 40 jobs):\n")
-        f.writelines(f"  {line}\n" for line in load)
+    regimes.run_jobs(jobs, args, out, "tuned_runs.csv", kept=kept)
     report(out, args)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maspo_verl.lab.common import markdown_table, pyplot, write_csv
+from maspo_verl.lab.common import command_of, markdown_table, pyplot, write_tables
 from maspo_verl.lab.regimes import CONTROL
 
 COMPARISONS = (
@@ -24,7 +24,7 @@ def _mark(r: dict) -> str:
     d = float(r["diff"])
     text = f"{d:+.3f} [{float(r['low']):+.3f}, {float(r['high']):+.3f}]"
     if r["supported"] in (True, "True"):
-        text = f"**{text}**" + ("‡" if r["supported_999"] in (True, "True") else "")
+        text = f"**{text}**" + ("‡" if r["supported_holm"] in (True, "True") else "")
     return text
 
 
@@ -59,12 +59,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write(out: Path, args, runs: list[dict], choices: list[dict], rows: list[dict], cells: list[dict]) -> None:
     """The tables, plot and README from the runs and ``regimes_tuned``'s choice, comparisons and cells."""
-    write_csv(out / "tuned_choice.csv", choices)
-    write_csv(out / "tuned_compare.csv", rows)
-    write_csv(out / "tuned_cells.csv", cells)
+    write_tables(out, {"tuned_choice.csv": choices, "tuned_compare.csv": rows, "tuned_cells.csv": cells})
     plot(rows, out / "tuned_vs_grpo.png")
-    command = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-    (out / "README.md").write_text(readme(args, runs, choices, rows, cells, command))
+    (out / "README.md").write_text(readme(args, runs, choices, rows, cells, command_of(out)))
 
 
 def readme(args, runs, choices, rows, cells, command) -> str:
@@ -79,8 +76,9 @@ def readme(args, runs, choices, rows, cells, command) -> str:
         f"shipped clip band scaled by each of {', '.join(widths)} (inf: no clip), the same budget for each; the "
         f"width chosen per cell on tuning seeds 0-{args.tune_seeds - 1} (best mean final reward), judged on "
         f"held-out seeds {held[0] if held else '-'}-{held[-1] if held else '-'} (other tables, targets and "
-        "samples), paired by seed against grpo at its own chosen width. Intervals: 95 % percentile bootstrap over "
-        "held-out seeds; **bold** excludes 0, ‡ the 99.9 % interval too.",
+        "samples), paired by seed against grpo at its own chosen width. Intervals: 95 % t-interval over held-out "
+        "seeds; **bold** excludes 0, ‡ also significant after Holm's correction (exact sign-flip p over the held-out "
+        "seeds, adjusted within each table below).",
         "",
         "The policy is a per-position logit table (no shared parameters); its log-ratios still move together "
         "where the same responses pull neighbouring entries (runs of one symbol share their advantage): read the "

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl.lab import learn
-from maspo_verl.lab.common import bootstrap_ci
+from maspo_verl.lab.common import mean_interval
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.util import config_dir, preset_names
 
@@ -161,12 +161,12 @@ def test_run_record_collapses_and_censoring():
     assert diag["rollout_corr/kl"] == pytest.approx(0.02)
 
 
-def test_bootstrap_interval():
-    assert bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5, 0.5)
-    assert all(math.isnan(v) for v in bootstrap_ci([]))
+def test_mean_interval_is_the_t_interval():
+    assert mean_interval([0.5, 0.5, 0.5]) == (0.5, 0.5, 0.5)
+    assert all(math.isnan(v) for v in mean_interval([]))
     rng = random.Random(0)
     x = [rng.gauss(1.0, 2.0) for _ in range(400)]
-    mean, low, high = bootstrap_ci(x)
+    mean, low, high = mean_interval(x)
     assert mean == pytest.approx(statistics.fmean(x))
     half = 1.96 * statistics.stdev(x) / math.sqrt(len(x))  # the normal-theory half-width
     assert (high - low) / 2 == pytest.approx(half, rel=0.1) and low < mean < high
