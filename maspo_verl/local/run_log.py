@@ -22,7 +22,6 @@ The run folder is Hydra's output folder (``hydra.run.dir``, by default ``outputs
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import numbers
 import os
@@ -46,6 +45,10 @@ STEP_KEYS = {
     "actor/grad_norm": "grad_norm",
     "response_length/mean": "response_len",
     "timing_s/step": "step_s",
+    # the engine mismatch on the step's first (on-policy) mini-batch (maspo_verl.plugin.engine_mismatch)
+    "engine_mismatch/mean": "engine_delta_mean",
+    "engine_mismatch/sd": "engine_delta_sd",
+    "engine_mismatch/max_abs": "engine_delta_max",
 }
 VALIDATION_PREFIX = "val-core/"  # validation scores, shown too
 
@@ -127,26 +130,13 @@ class StepLine:
 # ------------------------------------------------------------------ worker side
 
 
-def _compact_console(original):
-    signature = inspect.signature(original)
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        config = signature.bind(self, *args, **kwargs).arguments.get("config")
-        loggers = getattr(self, "logger", None)
-        if isinstance(loggers, dict) and "console" in loggers and _maspo_setting(config, "quiet", True):
-            loggers["console"] = StepLine()
-            if hasattr(self, "console_logger"):
-                self.console_logger = loggers["console"]
-
-    return __init__
-
-
-def _tracking_signature(original) -> str | None:
-    params = tuple(inspect.signature(original).parameters)
-    if "default_backend" not in params or "config" not in params:
-        return f"verl.utils.tracking.Tracking.__init__ has parameters {params}, expected default_backend and config"
-    return None
+def _compact_console(tracking, config) -> None:
+    """A ``Tracking`` extension (``maspo_verl.plugin.hooks``): the compact console backend with ``maspo.quiet``."""
+    loggers = getattr(tracking, "logger", None)
+    if isinstance(loggers, dict) and "console" in loggers and _maspo_setting(config, "quiet", True):
+        loggers["console"] = StepLine()
+        if hasattr(tracking, "console_logger"):
+            tracking.console_logger = loggers["console"]
 
 
 def _config_dump_on_request(original):
@@ -164,11 +154,9 @@ def install_worker_hooks() -> None:
     before ``verl.trainer`` is imported, so the TaskRunner's module binds the wrapped function."""
     import pprint as pprint_module
 
-    from verl.utils import tracking
+    from maspo_verl.plugin.hooks import patch, register_tracking_extension
 
-    from maspo_verl.plugin.hooks import patch
-
-    patch("compact_console", tracking.Tracking, "__init__", _compact_console, _tracking_signature)
+    register_tracking_extension(_compact_console)
     patch("config_dump_on_request", pprint_module, "pprint", _config_dump_on_request)
 
 

@@ -152,12 +152,16 @@ def test_not_quiet_shows_everything(tmp_path):
 def _tracking_class(quiet_wrapper=True):
     from verl.utils.tracking import Tracking
 
+    from maspo_verl.plugin import hooks
+
     original = getattr(Tracking.__init__, "__maspo_original__", Tracking.__init__)
+    assert hooks._tracking_signature(original) is None
 
     class Wrapped(Tracking):
-        __init__ = run_log._compact_console(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            run_log._compact_console(self, kwargs.get("config"))
 
-    assert run_log._tracking_signature(original) is None
     return Wrapped
 
 
