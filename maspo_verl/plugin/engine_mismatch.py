@@ -8,13 +8,13 @@ trainer's log-prob of the same tokens, and
     delta_t = log pi_trainer(y_t) - log pi_engine(y_t)
 
 is the engine mismatch itself, at no extra forward pass. Per step, over that mini-batch's response tokens (all
-data-parallel ranks): ``engine_mismatch/mean``, ``/sd``, ``/rms``, ``/max_abs``, ``/tokens``, ``/nonfinite`` (tokens
-whose delta is not finite) and the correlation of delta along the response (``/corr_lag1``, ``/vif<n>``,
+data-parallel ranks), logged as ``actor/engine_mismatch/<name>``: ``mean``, ``sd``, ``rms``, ``max_abs``,
+``tokens``, ``nonfinite`` (tokens whose delta is not finite) and the correlation of delta along the response (``corr_lag1``, ``vif<n>``,
 ``maspo_verl.core.losses.correlation_metrics``). Outside bypass mode the old log-probs are the trainer's own
 (verl's ``rollout_corr/*`` metrics compare the engine there) and these metrics are left out.
 
-Worker side (hooks in ``maspo_verl.plugin.hooks``): ``first_minibatch`` marks the first ``train_batch`` of an
-actor update; ``observe`` adds each of its micro-batches' sums on the device; ``finish_minibatch`` sums them over
+Worker side (hooks in ``maspo_verl.plugin.hooks``): ``update`` and ``minibatch`` mark the first ``train_batch`` of
+an actor update; ``observe`` adds each of its micro-batches' sums on the device; ``finish_minibatch`` sums them over
 the data-parallel ranks and moves them to the host in one transfer; ``attach`` puts the metrics in the update's.
 
 Trainer side (``EngineCheck``, on verl's ``Tracking.log``): the conformance check at step 1 and every
@@ -38,6 +38,8 @@ import torch
 logger = logging.getLogger("maspo_verl")
 
 PREFIX = "engine_mismatch/"
+# as the trainer logs them: verl puts the actor update's metrics under actor/
+LOGGED = f"actor/{PREFIX}"
 SECTION = "maspo.engine_check"
 MODES = ("warn", "stop", "off")
 # [tokens, sum delta, sum delta^2, non-finite tokens] (summed over micro-batches and ranks); max |delta| apart
@@ -190,7 +192,9 @@ class EngineCheck:
         return self.mode != "off" and (step == 1 or step % self.every == 0)
 
     def problem(self, metrics: Mapping) -> str | None:
-        """Why the engine's log-probs fail the check (None: they pass, or there is nothing to check)."""
+        """Why the engine's log-probs fail the check (None: they pass, or there is nothing to check); ``metrics``
+        named as the update reports them (``engine_mismatch/*``) or as the trainer logs them (``actor/...``)."""
+        metrics = {PREFIX + k.split(PREFIX, 1)[1]: v for k, v in metrics.items() if PREFIX in k}
         rms = metrics.get(f"{PREFIX}rms")
         nonfinite = metrics.get(f"{PREFIX}nonfinite") or 0
         tokens = metrics.get(f"{PREFIX}tokens") or 0
@@ -214,10 +218,10 @@ class EngineCheck:
         return None
 
 
-def on_step(data: dict, step: int, config, bypass: bool, check: EngineCheck) -> None:
+def on_step(data: dict, step: int, bypass: bool, check: EngineCheck) -> None:
     """What the trainer's metrics logger does with a step's metrics (in place): drop the engine-mismatch metrics
     outside bypass mode; run the conformance check on the steps it is due."""
-    keys = [k for k in data if k.startswith(PREFIX)]
+    keys = [k for k in data if k.startswith(LOGGED)]
     if not keys:
         return
     if not bypass:

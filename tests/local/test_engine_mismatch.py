@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maspo_verl.plugin import engine_mismatch as em
-from maspo_verl.plugin.engine_mismatch import PREFIX, EngineCheck
+from maspo_verl.plugin.engine_mismatch import LOGGED, PREFIX, EngineCheck
 from maspo_verl.validation import FieldError
 
 
@@ -98,16 +98,16 @@ def test_conformance_check_verdicts(sigma, nan, fires):
 
 
 def test_on_step_warns_stops_or_drops(capsys):
-    bad = {f"{PREFIX}rms": 0.7, f"{PREFIX}tokens": 40.0, f"{PREFIX}nonfinite": 0.0, "actor/pg_loss": 1.0}
+    bad = {f"{LOGGED}rms": 0.7, f"{LOGGED}tokens": 40.0, f"{LOGGED}nonfinite": 0.0, "actor/pg_loss": 1.0}
     data = dict(bad)
-    em.on_step(data, 1, None, bypass=True, check=EngineCheck(mode="warn"))
+    em.on_step(data, 1, bypass=True, check=EngineCheck(mode="warn"))
     assert "maspo_verl engine check (step 1)" in capsys.readouterr().out and data == bad
     with pytest.raises(RuntimeError, match="engine check \\(step 10\\).*rms 0.7 > maspo.engine_check.max_rms=0.2"):
-        em.on_step(dict(bad), 10, None, bypass=True, check=EngineCheck(mode="stop", every=5))
-    em.on_step(dict(bad), 7, None, bypass=True, check=EngineCheck(mode="stop", every=5))  # not due
-    em.on_step(dict(bad), 1, None, bypass=True, check=EngineCheck(mode="off"))
+        em.on_step(dict(bad), 10, bypass=True, check=EngineCheck(mode="stop", every=5))
+    em.on_step(dict(bad), 7, bypass=True, check=EngineCheck(mode="stop", every=5))  # not due
+    em.on_step(dict(bad), 1, bypass=True, check=EngineCheck(mode="off"))
     data = dict(bad)
-    em.on_step(data, 1, None, bypass=False, check=EngineCheck(mode="stop"))  # the old log-probs are the trainer's
+    em.on_step(data, 1, bypass=False, check=EngineCheck(mode="stop"))  # the old log-probs are the trainer's
     assert data == {"actor/pg_loss": 1.0}
 
 
