@@ -9,8 +9,8 @@ trainer's log-prob of the same tokens, and
 
 is the engine mismatch itself, at no extra forward pass. Per step, over that mini-batch's response tokens (all
 data-parallel ranks), logged as ``actor/engine_mismatch/<name>``: ``mean``, ``sd``, ``rms``, ``max_abs``,
-``tokens``, ``nonfinite`` (tokens whose delta is not finite) and the correlation of delta along the response (``corr_lag1``, ``vif<n>``,
-``maspo_verl.core.losses.correlation_metrics``). Outside bypass mode the old log-probs are the trainer's own
+``tokens``, ``nonfinite`` (tokens whose delta is not finite) and the correlation of delta along the response
+(``corr_lag1``, ``vif<n>``: ``maspo_verl.core.losses.correlation_metrics``). Outside bypass mode the old log-probs are the trainer's own
 (verl's ``rollout_corr/*`` metrics compare the engine there) and these metrics are left out.
 
 Worker side (hooks in ``maspo_verl.plugin.hooks``): ``update`` and ``minibatch`` mark the first ``train_batch`` of
@@ -198,6 +198,7 @@ class EngineCheck:
         rms = metrics.get(f"{PREFIX}rms")
         nonfinite = metrics.get(f"{PREFIX}nonfinite") or 0
         tokens = metrics.get(f"{PREFIX}tokens") or 0
+
         def shown(key):
             value = metrics.get(f"{PREFIX}{key}")
             return "n/a" if value is None else f"{value:.4g}"
