@@ -85,7 +85,8 @@ KNOWN_NOISE = (
         "vLLM's notes on what its CPU build goes without (Triton, CUDA graphs, compilation, tcmalloc, NUMA)",
         re.compile(
             r"Triton is installed, but|Model Runner V2 requires Triton|Enforce eager set, disabling|"
-            r"Inductor compilation was disabled|(libtcmalloc|libiomp) is not found in LD_PRELOAD|Reset SSM cache type|NUMA binding: Using"
+            r"Inductor compilation was disabled|(libtcmalloc|libiomp) is not found in LD_PRELOAD|"
+            r"Reset SSM cache type|NUMA binding: Using"
         ),
     ),
     (
