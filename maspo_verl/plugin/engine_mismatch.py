@@ -11,7 +11,8 @@ is the engine mismatch itself, at no extra forward pass. Per step, over that min
 data-parallel ranks), logged as ``actor/engine_mismatch/<name>``: ``mean``, ``sd``, ``rms``, ``max_abs``,
 ``tokens``, ``nonfinite`` (tokens whose delta is not finite) and the correlation of delta along the response
 (``corr_lag1``, ``vif<n>``: ``maspo_verl.core.losses.correlation_metrics``). Outside bypass mode the old
-log-probs are the trainer's own (verl's ``rollout_corr/*`` metrics compare the engine there) and these metrics are left out.
+log-probs are the trainer's own (verl's ``rollout_corr/*`` metrics compare the engine there) and these
+metrics are left out.
 
 Worker side (hooks in ``maspo_verl.plugin.hooks``): ``update`` and ``minibatch`` mark the first ``train_batch`` of
 an actor update; ``observe`` adds each of its micro-batches' sums on the device; ``finish_minibatch`` sums them over
