@@ -96,7 +96,7 @@ KNOWN_NOISE = (
             r"Passing raw prompts to InputProcessor is deprecated"
         ),
     ),
-    ("verl's dump of vLLM's command line", re.compile(r"^\['serve',$|^ '[^']*'(,|\])$")),
+    ("verl's dump of vLLM's command line", re.compile(r"^\['serve',$|^ '[^']*'(,|\])?$")),
     (
         "verl's note that the weight sync goes through shared memory (no GPU IPC on a CPU)",
         re.compile(r"IPC is not supported on your devices\. Falling back to shared memory"),

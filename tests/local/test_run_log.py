@@ -70,6 +70,7 @@ NOISE = [
     "(vLLMHttpServer pid=12725) ['serve',",
     "(vLLMHttpServer pid=12725)  '--kv_cache_memory_bytes',",
     "(vLLMHttpServer pid=12725)  '67108864']",
+    "(vLLMHttpServer pid=20448)  '{\"temperature\": 1.0, \"top_k\": -1, \"top_p\": 1, \"repetition_penalty\": 1.0, '",
     "(WorkerDict pid=9156) WARNING:2026-11-27 17:05:52,189:IPC is not supported on your devices. Falling back to "
     "shared memory for weight transfer.",
 ]
