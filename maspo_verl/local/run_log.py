@@ -588,14 +588,49 @@ def _redirect_handlers(replacements: dict[int, _LineStream]) -> list:
 def _stop_ray(temp_dirs: list[str]) -> None:
     """Disconnect the driver from Ray, still inside the session: Ray prints the worker lines its log
     de-duplication held back then, so they reach run.log before the closing block. Shut down the
-    cluster this driver started and remove its temp dirs (none when it joined one)."""
+    cluster this driver started, end the processes of it that outlive that (Ray's workers and vLLM's
+    processes, which name its temp dir in their command line or environment) and remove its temp dirs (none
+    when it joined one)."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
     for folder in list(temp_dirs):
+        _end_processes_naming(folder)
         for _ in range(10):  # the cluster's processes may still be writing their last logs
             shutil.rmtree(folder, ignore_errors=True)
             if not os.path.exists(folder):
                 break
             time.sleep(0.5)
         temp_dirs.remove(folder)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Other processes whose command line or environment contains ``text``."""
+    found, needle = [], text.encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes() or needle in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _end_processes_naming(folder: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then after ``grace_s`` SIGKILL, the processes of the private cluster in ``folder``."""
+    deadline = time.monotonic() + grace_s
+    sig = signal.SIGTERM
+    while True:
+        left = processes_naming(folder)
+        if not left:
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        if sig == signal.SIGKILL:
+            return
+        time.sleep(0.5)
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL

