@@ -452,18 +452,19 @@ def _choose_engine(config, mismatch) -> str:
 
 
 def _fit_vllm_rollout(config) -> None:
-    """vLLM on a CPU: sleep mode off, an explicit KV-cache size (``vllm_cpu.rollout_overrides``)."""
+    """vLLM on a CPU: sleep mode off, a context of a prompt plus a response, an explicit KV-cache size
+    (``vllm_cpu.rollout_overrides``)."""
     from maspo_verl.local import vllm_cpu
 
     rollout = config.actor_rollout_ref.rollout
-    settings = vllm_cpu.rollout_overrides(config)
-    rollout.enable_sleep_mode = settings.pop("enable_sleep_mode")
-    if settings:
+    settings, engine = vllm_cpu.rollout_overrides(config)
+    rollout.update(settings)
+    if engine:
         if rollout.get("engine_kwargs") is None:
             rollout.engine_kwargs = {}
         if rollout.engine_kwargs.get("vllm") is None:
             rollout.engine_kwargs.vllm = {}
-        rollout.engine_kwargs.vllm.update(settings)
+        rollout.engine_kwargs.vllm.update(engine)
 
 
 def _prepare_pretrained(config, seed: int) -> dict:

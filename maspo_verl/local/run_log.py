@@ -619,18 +619,17 @@ def processes_naming(text: str) -> list[int]:
 
 
 def _end_processes_naming(folder: str, grace_s: float = 10.0) -> None:
-    """SIGTERM, then after ``grace_s`` SIGKILL, the processes of the private cluster in ``folder``."""
+    """SIGTERM, then after ``grace_s`` SIGKILL, the processes of the private cluster in ``folder``; returns once they
+    are gone (their shared memory is then free to remove) or 5 s after the SIGKILL."""
     deadline = time.monotonic() + grace_s
     sig = signal.SIGTERM
     while True:
         left = processes_naming(folder)
-        if not left:
+        if not left or time.monotonic() > deadline + 5:
             return
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
-        if sig == signal.SIGKILL:
-            return
         time.sleep(0.5)
         if time.monotonic() > deadline:
             sig = signal.SIGKILL

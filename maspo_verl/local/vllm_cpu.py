@@ -248,18 +248,25 @@ def kv_cache_bytes(model_path: str, tokens: int) -> int:
     return max(64 << 20, 2 * per_token * int(tokens))
 
 
-def rollout_overrides(config) -> dict:
-    """The rollout settings vLLM on a CPU needs where the config leaves them unset: sleep mode off (vLLM's CPU
-    platform has none) and an explicit KV-cache size (``engine_kwargs.vllm.kv_cache_memory_bytes``: every
-    response of a step at full length, twice over) instead of a fraction of the host's RAM."""
+def rollout_overrides(config) -> tuple[dict, dict]:
+    """(rollout settings, vLLM engine arguments) vLLM on a CPU needs where the config leaves them unset: sleep mode
+    off (vLLM's CPU platform has none); ``max_model_len`` a prompt plus a response (verl's default, the model's
+    longest context, would have the KV cache hold one such sequence); and an explicit KV-cache size
+    (``kv_cache_memory_bytes``: every response of a step at full length, twice over) instead of a fraction of the
+    host's RAM."""
     rollout = config.actor_rollout_ref.rollout
     data = config.data
-    tokens = int(data.train_batch_size) * int(rollout.n) * (int(data.max_prompt_length) + int(data.max_response_length))
+    length = int(data.max_prompt_length) + int(data.max_response_length)
+    settings = {"enable_sleep_mode": False}
+    if rollout.get("max_model_len") is None:
+        settings["max_model_len"] = length
+    length = int(settings.get("max_model_len") or rollout.max_model_len)
+    tokens = max(int(data.train_batch_size) * int(rollout.n) * length, length)
     kwargs = (rollout.get("engine_kwargs") or {}).get("vllm") or {}
-    out = {"enable_sleep_mode": False}
+    engine = {}
     if kwargs.get("kv_cache_memory_bytes") is None:
-        out["kv_cache_memory_bytes"] = kv_cache_bytes(str(config.actor_rollout_ref.model.path), tokens)
-    return out
+        engine["kv_cache_memory_bytes"] = kv_cache_bytes(str(config.actor_rollout_ref.model.path), tokens)
+    return settings, engine
 
 
 # ------------------------------------------------------------------ can it run here?

@@ -188,6 +188,7 @@ def test_prepare_embedded_defaults(local_env, tmp_path):
     if rollout.name == "vllm":
         assert rollout.enable_sleep_mode is False and rollout.free_cache_engine is False
         assert rollout.engine_kwargs.vllm.kv_cache_memory_bytes == 64 << 20  # the tiny model's floor
+        assert rollout.max_model_len == 64 + 32  # a prompt and a response, not the model's 1024
     assert config.trainer.n_gpus_per_node == 1 and config.ray_kwargs.ray_init.num_gpus == 1
 
     from maspo_verl.main import dry_run
