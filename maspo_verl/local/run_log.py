@@ -512,7 +512,7 @@ def shm_names() -> set[str]:
     return set()
 
 
-def _held_shm() -> set[str]:
+def held_shm() -> set[str]:
     """/dev/shm names some live process has open or mapped."""
     held = set()
     for proc in Path("/proc").iterdir():
@@ -537,7 +537,7 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
     new = [n for n in shm_names() - before if n.startswith(SHM_PREFIXES)]
     if not new:
         return []
-    held = _held_shm()
+    held = held_shm()
     removed = []
     for name in new:
         if name in held:

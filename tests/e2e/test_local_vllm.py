@@ -19,7 +19,7 @@ import pytest
 
 from maspo_verl.lab.runs import RAY_TEMP_DIR
 from maspo_verl.local import vllm_cpu
-from maspo_verl.local.run_log import SHM_PREFIXES, processes_naming, shm_names
+from maspo_verl.local.run_log import SHM_PREFIXES, held_shm, processes_naming, shm_names
 from maspo_verl.util import read_step_metrics
 
 pytestmark = [
@@ -36,9 +36,11 @@ PLANTS = Path(__file__).resolve().parent / "plants"
 
 
 def _leftovers(ray_dir: str | None, shm_before: set[str]) -> dict[str, list]:
-    """What a run left: new /dev/shm files of the kinds runs leave, its Ray temp dir, processes naming it (in their
-    command line or environment: Ray's, and vLLM's, whose TMPDIR is inside it)."""
-    shm = sorted(n for n in shm_names() - shm_before if n.startswith(SHM_PREFIXES))
+    """What a run left: new /dev/shm files of the kinds runs leave that no live process holds (another job's, held,
+    are not this run's leftovers), its Ray temp dir, processes naming it (in their command line or environment:
+    Ray's, and vLLM's, whose TMPDIR is inside it)."""
+    new = {n for n in shm_names() - shm_before if n.startswith(SHM_PREFIXES)}
+    shm = sorted(new - held_shm()) if new else []
     procs = processes_naming(ray_dir) if ray_dir else []
     return {"shm": shm, "ray_dir": [ray_dir] if ray_dir and os.path.exists(ray_dir) else [], "processes": procs}
 
