@@ -238,14 +238,22 @@ def activate() -> None:
 # ------------------------------------------------------------------ 3, 4: the rollout's settings
 
 
+# the KV cache of a model whose config.json is not at hand here (a Hub id, a path of another machine)
+FALLBACK_KV_BYTES = 1 << 30
+
+
 def kv_cache_bytes(model_path: str, tokens: int) -> int:
     """KV-cache bytes for ``tokens`` tokens of the model at ``model_path`` (its config.json), twice over, at least
-    64 MiB: 2 (K and V) x layers x KV heads x head size x 4 bytes (fp32, the larger dtype) per token."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        cfg = json.load(f)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * head_dim * 4
+    64 MiB: 2 (K and V) x layers x KV heads x head size x 4 bytes (fp32, the larger dtype) per token;
+    ``FALLBACK_KV_BYTES`` where its config cannot be read."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * head_dim * 4
+    except (OSError, KeyError, TypeError, ValueError):
+        return FALLBACK_KV_BYTES
     return max(64 << 20, 2 * per_token * int(tokens))
 
 

@@ -129,6 +129,7 @@ def test_kv_cache_size_follows_the_model_and_the_batch(tmp_path):
     per_token = 2 * 30 * 3 * 64 * 4
     assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10_000) == 2 * per_token * 10_000
     assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10) == 64 << 20
+    assert vllm_cpu.kv_cache_bytes("Qwen/Qwen2.5-0.5B", 10) == vllm_cpu.FALLBACK_KV_BYTES  # a Hub id: not here
 
 
 def test_check_names_the_fix_for_cuda_companions(tmp_path):
