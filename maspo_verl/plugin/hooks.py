@@ -23,6 +23,11 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   that they report the ratio correlation (``actor/ratio/...``) as ours do, and with ``inspect_dir`` set they
   write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
   it unset the wrapper only tests the setting.
+- ``engine_mismatch``: verl's ``TrainingWorker.train_batch`` (one call per mini-batch) marks the first mini-batch of
+  each update, whose micro-batches the ``ppo_loss`` wrapper adds to the engine-mismatch sums
+  (``maspo_verl.plugin.engine_mismatch``); the ``update_step`` wrapper puts the metrics in the update's.
+- ``tracking`` and ``engine_check``: verl's ``Tracking.__init__`` keeps the config and runs the extensions other
+  layers register (the local mode's compact console); ``Tracking.log`` runs the conformance check on each step.
 - ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
   every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
   stops the trainer at its next batch (below).
