@@ -10,7 +10,7 @@ trainer's log-prob of the same tokens, and
 is the engine mismatch itself, at no extra forward pass. Per step, over that mini-batch's response tokens (all
 data-parallel ranks), logged as ``actor/engine_mismatch/<name>``: ``mean``, ``sd``, ``rms``, ``max_abs``,
 ``tokens``, ``nonfinite`` (tokens whose delta is not finite) and the correlation of delta along the response
-(``corr_lag1``, ``vif<n>``: ``maspo_verl.core.losses.correlation_metrics``). Outside bypass mode the old
+(``corr_lag1``, ``vif<n>``: ``maspo_verl.core.metrics.correlation_metrics``). Outside bypass mode the old
 log-probs are the trainer's own (verl's ``rollout_corr/*`` metrics compare the engine there) and these
 metrics are left out.
 
@@ -94,7 +94,8 @@ def observe(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: t
     """Add one micro-batch's delta sums (padded [B, T] tensors), on the device, when collecting."""
     if not _state.active:
         return
-    from maspo_verl.core.losses import correlation_sums, token_log_ratios
+    from maspo_verl.core.losses import token_log_ratios
+    from maspo_verl.core.metrics import correlation_sums
 
     mask = response_mask.bool()
     delta, kept = token_log_ratios(log_prob, old_log_prob, mask)
@@ -114,7 +115,7 @@ def finish_minibatch(group=None) -> None:
     """Sum the collected sums over the data-parallel ``group`` and turn them into metrics (one host transfer)."""
     if _state.sums is None:
         return
-    from maspo_verl.core.losses import host_sums
+    from maspo_verl.core.metrics import host_sums
 
     names = list(_state.corr)
     flat = torch.cat([_state.sums] + [_state.corr[k].reshape(-1).double() for k in names])
@@ -137,7 +138,7 @@ def finish_minibatch(group=None) -> None:
 def delta_metrics(sums, max_abs: float, corr: Mapping | None = None) -> dict[str, float]:
     """``engine_mismatch/*`` from [tokens, sum delta, sum delta^2, non-finite tokens], max |delta| and the
     correlation sums."""
-    from maspo_verl.core.losses import correlation_metrics
+    from maspo_verl.core.metrics import correlation_metrics
 
     n, total, squares, nonfinite = (float(v) for v in sums)
     metrics = {f"{PREFIX}tokens": n, f"{PREFIX}nonfinite": nonfinite}
