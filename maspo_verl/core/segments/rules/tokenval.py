@@ -131,8 +131,8 @@ class TokenvalRule(SegmentRule):
             fsq_levels=config.fsq_levels,
         )
         # integer distances: d > threshold exactly when d > floor(threshold), compared in integers (a float threshold
-        # against a float32 tensor would be rounded to float32 first)
-        above = dist > math.floor(config.tokenval_threshold)
+        # against a float32 tensor would be rounded to float32 first), capped at the distances' largest value
+        above = dist > min(math.floor(config.tokenval_threshold), torch.iinfo(dist.dtype).max)
         return Candidates(packed.valid & above, dist.float(), outside)
 
     def reference(self, config, row):
