@@ -513,21 +513,29 @@ def shm_names() -> set[str]:
 
 
 def held_shm() -> set[str]:
-    """/dev/shm names some live process has open or mapped."""
-    held = set()
+    """/dev/shm names some live process has open or mapped, matched by inode: a process maps a POSIX semaphore
+    (multiprocessing's ``sem.mp-*``) under the temporary name glibc created it with, since deleted, so its
+    mapping never shows the name another process opens it by."""
+    inodes = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        held.add(target[len("/dev/shm/") :].split(" ")[0])
+                    if os.readlink(fd).startswith("/dev/shm/"):
+                        inodes.add(os.stat(fd).st_ino)
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    held.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+    held = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM):
+            with contextlib.suppress(OSError):
+                if entry.inode() in inodes:
+                    held.add(entry.name)
     return held
 
 

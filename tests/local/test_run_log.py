@@ -395,3 +395,21 @@ def test_the_reward_curve_is_drawn_beside_the_metrics_and_said_in_the_block(tmp_
     metrics.unlink()
     _write_metrics(metrics, {1: STEP})
     assert run_log.reward_curve(metrics) is None  # one step: no curve
+
+
+@pytest.mark.skipif(not run_log.SHM.is_dir(), reason="no /dev/shm")
+def test_a_live_runs_semaphores_are_held_and_kept():
+    """Another run's clean-up must not remove the semaphores of a run still going: a multiprocessing semaphore is
+    mapped under glibc's since-deleted temporary name, not the ``sem.mp-*`` name a spawned child opens it by (vLLM's
+    engine failed to start with FileNotFoundError when a concurrent run removed it); one nobody holds is removed."""
+    import multiprocessing
+
+    before = run_log.shm_names()
+    live = multiprocessing.get_context("spawn").Lock()  # noqa: F841 - held while the check runs
+    new = {n for n in run_log.shm_names() - before if n.startswith("sem.mp-")}
+    assert len(new) == 1
+    assert new <= run_log.held_shm()
+    assert run_log.remove_shm_leftovers(before) == [] and new <= run_log.shm_names()
+    orphan = run_log.SHM / "sem.mp-maspo-test-orphan"
+    orphan.write_bytes(b"\0" * 32)
+    assert run_log.remove_shm_leftovers(before) == [orphan.name] and not orphan.exists()
