@@ -30,8 +30,6 @@ def _run(entry, inputs):
 
 @pytest.mark.parametrize(("preset", "dtype", "surrogate"), CASES)
 def test_compiled_equals_eager(preset, dtype, surrogate):
-    if preset == "maspo_logprob":  # known regression: one extra .item() sync under compile since issue 53's merge
-        pytest.xfail("maspo_logprob: one extra host sync under compile (to fix next)")
     entry = bench.preset_entries([preset])[0]
     if surrogate != DEFAULT:
         entry = bench.with_surrogate(entry, surrogate)

@@ -126,16 +126,15 @@ def suppress_close(
         return boundaries
     B, T = boundaries.shape
     pad = min_len - 1
-    keys = torch.empty((B, T + 2 * pad), device=boundaries.device)
-    keys[:, :pad] = -math.inf
-    keys[:, pad + T :] = -math.inf
-    own = keys[:, pad : pad + T]
     # the score on boundaries, the float32 floor elsewhere, as arithmetic (faster than a select)
     on = float_mask(boundaries)
-    torch.addcmul(on.sub(1.0).mul_(_FLOOR), scores, on, out=own)
+    own = torch.addcmul(on.sub(1.0).mul_(_FLOOR), scores.float(), on)
     if forced is not None:  # + inf where forced (0 * inf is nan: made 0)
         own.add_(float_mask(forced).mul_(math.inf).nan_to_num_(nan=0.0, posinf=math.inf))
-    # window max over the pad columns before each column; column p's later neighbours are the window at p + min_len
+    # -inf pad columns on both sides (padded rather than written into a slice with out=, which torch.compile cannot
+    # trace); window max over the pad columns before each column; column p's later neighbours are the window at
+    # p + min_len
+    keys = torch.nn.functional.pad(own, (pad, pad), value=-math.inf)
     window = torch.nn.functional.max_pool1d(keys.unsqueeze(1), pad, stride=1).squeeze(1)
     keep = (own > window[:, :T]).logical_and_(own >= window[:, min_len : min_len + T])
     return keep.logical_and_(boundaries)

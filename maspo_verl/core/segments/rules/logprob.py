@@ -37,8 +37,8 @@ def logprob_drops(old_log_prob: torch.Tensor, packed: Packed) -> tuple[torch.Ten
     """d_p = lp_{p-1} - lp_p over valid neighbours (packed), zero where there is no previous token;
     returns (drops, has_previous as 0/1 floats)."""
     lp = packed.pack(old_log_prob).float().nan_to_num_(nan=0.0, neginf=-MAX_DROP, posinf=MAX_DROP)
-    drop = torch.zeros_like(lp)
-    torch.sub(lp[:, :-1], lp[:, 1:], out=drop[:, 1:])
+    # (padded rather than written into a slice with out=, which torch.compile cannot trace)
+    drop = torch.nn.functional.pad(lp[:, :-1] - lp[:, 1:], (1, 0))
     # zero where there is no previous valid token (a product: finite drops, cheaper than a select)
     w = float_mask(packed.has_previous)
     return drop.clamp_(-MAX_DROP, MAX_DROP).mul_(w), w
