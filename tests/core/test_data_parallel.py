@@ -12,7 +12,9 @@ gradients are summed over micro-batches and averaged over ranks, as FSDP's reduc
 
 The "model" is a per-token-id bias: log pi(y_t) = base_t + w_t * theta[y_t] (base_t, w_t fixed per
 token), so the gradient of theta collects every token's loss gradient. Two gloo processes on loopback
-compute all cases in one spawn; the world-size-1 reference runs in the test process.
+compute the run's cases in one spawn; the world-size-1 reference runs in the test process. By default each preset
+runs at every mode with fixed and dynamic micro-batches alternating, each other surrogate at two settings
+(``ci_cases``); ``--run-slow`` runs every combination.
 """
 
 from __future__ import annotations
@@ -61,6 +63,32 @@ def cases() -> list[tuple[str, str, bool, str]]:
             for dynamic in (False, True):
                 out.append((preset, mode, dynamic, surrogate))
     return out
+
+
+def ci_cases() -> set[tuple[str, str, bool, str]]:
+    """The cases the default run checks (the rest are slow tests): each preset with the surrogate it ships at every
+    aggregation mode, fixed and dynamic micro-batches alternating over the modes; each other surrogate at two
+    settings, one of each micro-batch kind, the modes rotating over the token sets and surrogates."""
+    from maspo_verl.core.surrogates import DEFAULT
+
+    every = cases()
+    keep = set()
+    for i, (preset, surrogate) in enumerate(dict.fromkeys((p, s) for p, _, _, s in every)):
+        modes = list(dict.fromkeys(m for p, m, _, s in every if (p, s) == (preset, surrogate)))
+        if surrogate == DEFAULT:
+            picks = [(mode, (k + i) % 2 == 1) for k, mode in enumerate(modes)]
+        else:
+            picks = [(modes[2 * i % len(modes)], False), (modes[(2 * i + 1) % len(modes)], True)]
+        keep |= {(preset, mode, dynamic, surrogate) for mode, dynamic in picks}
+    return keep
+
+
+def running_cases() -> list[tuple[str, str, bool, str]]:
+    """The cases this run checks: ``ci_cases()``, or every case with --run-slow."""
+    if os.environ.get("MASPO_RUN_SLOW") == "1":  # tests/conftest.py sets it for --run-slow
+        return cases()
+    kept = ci_cases()
+    return [case for case in cases() if case in kept]
 
 
 def _preset_loss_mode(preset: str) -> str:
@@ -112,14 +140,13 @@ def actor_configs() -> dict[tuple[str, str, str], object]:
     return configs
 
 
-def test_merged_preset_equals_the_composed_one():
+def test_merged_preset_equals_the_composed_one(configs):
     """The shortcut above builds what Hydra's ``loss=<preset>`` builds."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
     from tests.helpers import compose_config
 
-    configs = actor_configs()
     for preset in ("maspo_tokenval", "gspo"):
         node = compose_config(f"loss={preset}").actor_rollout_ref.actor
         node = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
@@ -226,7 +253,7 @@ def all_gradients(configs: dict, rank: int, world: int, dp_group=None) -> dict:
     share = B // world
     mine = samples[rank * share : (rank + 1) * share]
     out = {}
-    for preset, mode, dynamic, surrogate in cases():
+    for preset, mode, dynamic, surrogate in running_cases():
         config = configs[preset, mode, surrogate]
         out[preset, mode, dynamic, surrogate] = gradient(config, rank_data(mine, dynamic), dp_group)
     return out
@@ -278,7 +305,14 @@ def world1(configs):
     return all_gradients(configs, 0, 1)
 
 
-@pytest.mark.parametrize(("preset", "mode", "dynamic", "surrogate"), cases(), ids=lambda v: str(v))
+CI_CASES = ci_cases()
+
+
+@pytest.mark.parametrize(
+    ("preset", "mode", "dynamic", "surrogate"),
+    [pytest.param(*c, marks=() if c in CI_CASES else pytest.mark.slow) for c in cases()],
+    ids=lambda v: str(v),
+)
 def test_world_size_2_gradient_equals_world_size_1(preset, mode, dynamic, surrogate, world1, world2):
     import verl.workers.utils.losses as verl_losses
 
@@ -292,6 +326,15 @@ def test_every_surrogate_is_covered():
     from maspo_verl.core.surrogates import SURROGATES
 
     assert {s for *_, s in cases()} == set(SURROGATES)
+
+
+def test_the_default_cases_take_every_preset_mode_surrogate_and_micro_batch_kind():
+    every, kept = cases(), ci_cases()
+    assert kept < set(every)
+    for field in range(4):
+        assert {c[field] for c in kept} == {c[field] for c in every}, field
+    for preset in PRESETS:  # each preset with fixed and dynamic micro-batches
+        assert {dynamic for p, _, dynamic, _ in kept if p == preset} == {False, True}, preset
 
 
 def test_micro_batches_differ_between_world_sizes():

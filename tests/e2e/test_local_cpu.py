@@ -15,6 +15,7 @@ import pytest
 
 from maspo_verl.lab.runs import parse_steps
 from maspo_verl.local.run_log import STEP_KEYS
+from maspo_verl.plugin.engine_mismatch import PREFIX as ENGINE_MISMATCH
 from maspo_verl.util import read_step_metrics as read_metrics
 from tests.e2e.conftest import manager_overrides
 
@@ -65,25 +66,6 @@ def _check_common(run) -> None:
     assert run.some_step_had_a_gradient, context
 
 
-def test_maspo_fixed_v1(local_run):
-    """Fixed windows W=4 on 32-token responses: exactly 8 segments of 4 tokens per sequence. The run as
-    the README shows it (the local mode's own Ray temp dir): a short log that ends with the closing block."""
-    window = 4
-    run = _run(
-        local_run,
-        ["loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.segment_window={window}"],
-        own_ray_dir=False,
-    )
-    _check_common(run)
-    _check_readable_log(run)
-    for step, metrics in run.steps.items():
-        context = f"step {step}\n--- trainer log tail ---\n{run.tail()}"
-        assert metrics["actor/ratio/segment_len_mean"] == pytest.approx(window, abs=1e-4), context
-        assert metrics["actor/ratio/segments_per_seq"] == pytest.approx(RESPONSE_LEN / window, abs=1e-4), context
-        # two mini-batches per step: the second update sees ratios away from 1
-        assert metrics["actor/ratio/max"] > 1.0 or metrics["actor/ratio/min"] < 1.0, context
-
-
 def _check_readable_log(run) -> None:
     """The console is short, its step lines agree with the metrics file, it ends with the closing block
     (which names the files and repeats the last step's metrics), and the Ray temp dir is gone."""
@@ -101,7 +83,10 @@ def _check_readable_log(run) -> None:
         assert set(values) == {k for k in STEP_KEYS if k in run.steps[step]}, context
         for key, value in values.items():
             assert value == pytest.approx(run.steps[step][key], rel=1e-3, abs=1e-12), (step, key, context)
-        assert max(len(line) for line in console if f"step:{step} -" in line) < 300, context
+        # short, but for the engine mismatch's columns that bypass mode adds (tests/e2e/test_local_vllm.py)
+        for line in (line for line in console if f"step:{step} -" in line):
+            items = [item for item in line.split(" - ") if not item.startswith(f"actor/{ENGINE_MISMATCH}")]
+            assert len(" - ".join(items)) < 300, context
     # the closing block is last
     start = next(i for i, line in enumerate(console) if line.startswith("==== maspo_verl local run"))
     block = console[start:]
@@ -122,8 +107,10 @@ def _check_readable_log(run) -> None:
 
 def test_maspo_tokenval_bypass_v1(local_run, tmp_path):
     """Token-id segmentation (ids reach the loss through our ppo_loss wrapper) with the HF server's
-    log-probs as old log-probs (bypass mode). Run from an empty HOME, which it leaves empty (the private
-    Ray cluster's token lives in its temp dir, not in ~/.ray)."""
+    log-probs as old log-probs (bypass mode). The run as the README shows it (the local mode's own Ray temp
+    dir): a short log that ends with the closing block. Run from an empty HOME, which it leaves empty (the
+    private Ray cluster's token lives in its temp dir, not in ~/.ray). (Exact fixed-window segment counts in a
+    trainer run: tests/e2e/test_ray_jobs.py.)"""
     max_len = 8
     home = tmp_path / "home"
     home.mkdir()
@@ -136,9 +123,11 @@ def test_maspo_tokenval_bypass_v1(local_run, tmp_path):
             "algorithm.rollout_correction.bypass_mode=true",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
         ],
+        own_ray_dir=False,
         home=home,
     )
     _check_common(run)
+    _check_readable_log(run)
     left = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
     assert left == [], f"{left}\n{run.tail()}"
     assert "maspo_verl local: tokenval codec range set to the embedded byte ids" in run.log
@@ -169,6 +158,7 @@ def test_ctpo_legacy_trainer(local_run):
         assert "actor/ratio/segments_per_seq" not in metrics, f"step {step}: ctpo has no segments"
 
 
+@pytest.mark.slow  # (tests/core: gmpo equals verl's geo_mean; its preset composes with verl's config)
 def test_gmpo_trains(local_run):
     """GMPO (one geometric-mean ratio per response, per-token clip before sharing): trains with a gradient, one set
     per response, no dual clip."""

@@ -92,6 +92,8 @@ def test_a_refused_batch_size_prints_the_message_alone_and_leaves_no_run_folder(
     assert "ppo_micro_batch_size_per_gpu=3 does not divide the 8 samples" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time> with an empty main.log
+    # the batch check runs before the local mode starts Ray (no start line, no Ray temp dir)
+    assert "ray_temp_dir=" not in out.stdout + out.stderr and "Started a local Ray" not in out.stdout + out.stderr
 
 
 def test_a_dry_run_writes_nothing(tmp_path):
