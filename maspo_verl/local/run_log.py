@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -471,6 +472,7 @@ def session(config, created_temp_dirs: list[str]):
     start = time.monotonic()
     error = None
     shm_before = shm_names()
+    temp_before = os.environ.get("TMPDIR"), tempfile.tempdir  # a run may set its own (in its Ray temp dir)
     previous_term = _terminate_as_interrupt()
     try:
         yield
@@ -480,6 +482,7 @@ def session(config, created_temp_dirs: list[str]):
     finally:
         _stop_ray(created_temp_dirs)
         remove_shm_leftovers(shm_before)
+        _restore_temp_dir(*temp_before)
         with contextlib.suppress(ValueError, TypeError):  # not the main thread / no handler of ours
             signal.signal(signal.SIGTERM, previous_term)
         for stream in streams.values():
@@ -554,6 +557,14 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
             (SHM / name).unlink()
             removed.append(name)
     return removed
+
+
+def _restore_temp_dir(tmpdir: str | None, cached: str | None) -> None:
+    if tmpdir is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = tmpdir
+    tempfile.tempdir = cached
 
 
 def _terminate_as_interrupt():

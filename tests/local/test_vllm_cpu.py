@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,11 @@ def test_vllm_cpu_drops_linear_weights_and_the_reload_puts_them_back(tmp_path):
 
     model = ensure_assets(seed=0, cache_dir=tmp_path)["model"]
     env = {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_reload_probe.py"), model],
-        env={**os.environ, **env}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="vllm_") as tmp:  # vLLM's ZMQ sockets: a short path, removed after
+        out = subprocess.run(
+            [sys.executable, str(HERE / "vllm_reload_probe.py"), model],
+            env={**os.environ, **env, "TMPDIR": tmp}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
