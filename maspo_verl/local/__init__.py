@@ -48,8 +48,8 @@ LOCAL_ENV = {
 _activated = False
 # temp dirs of private Ray clusters this process started (removed by the session)
 CREATED_TEMP_DIRS: list[str] = []
-# what a run adds to LOCAL_ENV where the user has not set it (_run_env)
-RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE")
+# what a run adds to LOCAL_ENV where the user has not set it (_run_env), and its own temp folder (_run_temp_folder)
+RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE", "TMPDIR")
 # the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
 LOG_SETTINGS = ("quiet", "print_config")
 

@@ -291,8 +291,8 @@ SERVER_ACTOR_PREFIX = "vllm_server_"
 # seconds an engine core (and its workers) get to exit on SIGTERM before vLLM kills it (its default, 5 s, is short
 # on a loaded 2-core machine: it warned "force killing remaining process EngineCore")
 ENGINE_EXIT_S = 30.0
-TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
-TRAINER_CLASS = "PPOTrainer"
+# verl's trainers whose ``fit`` the engines' shutdown follows: (module, class); the legacy one with trainer.use_v1=false
+TRAINERS = (("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"), ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"))
 ENGINES_SHUT_DOWN = "maspo_verl local: vLLM engines shut down after the trainer: "
 
 
@@ -333,7 +333,7 @@ def shut_engines_down(timeout_s: float = 60.0) -> int:
 
 
 def _fit_problem(original) -> str | None:
-    return None if callable(original) else f"{TRAINER_MODULE}.{TRAINER_CLASS}.fit is not a method"
+    return None if callable(original) else f"{original!r} is not a trainer's fit method"
 
 
 def _engines_shut_down_after(original):
@@ -341,24 +341,32 @@ def _engines_shut_down_after(original):
         try:
             return original(self, *args, **kwargs)
         finally:
-            print(f"{ENGINES_SHUT_DOWN}{shut_engines_down()}", flush=True)
+            try:
+                print(f"{ENGINES_SHUT_DOWN}{shut_engines_down()}", flush=True)
+            except Exception as exc:  # never in the way of how fit ended
+                print(f"maspo_verl local: vLLM engines left to Ray ({type(exc).__name__}: {exc})", flush=True)
 
     return fit
 
 
-def _hook_fit(module) -> None:
-    owner = getattr(module, TRAINER_CLASS, None)
-    if owner is None:
-        raise RuntimeError(f"maspo_verl local mode: {TRAINER_MODULE}.{TRAINER_CLASS} is missing in this verl")
-    _patch_module_function("vllm_engines_shut_down", owner, "fit", _engines_shut_down_after, _fit_problem)
+def _hook_fit(class_name: str):
+    def install(module) -> None:
+        owner = getattr(module, class_name, None)
+        if owner is None:
+            raise RuntimeError(f"maspo_verl local mode: {module.__name__}.{class_name} is missing in this verl")
+        name = f"vllm_engines_shut_down.{class_name}"
+        _patch_module_function(name, owner, "fit", _engines_shut_down_after, _fit_problem)
+
+    return install
 
 
 def install_engine_shutdown() -> None:
     """In the process that runs verl's trainer (the TaskRunner): the job's vLLM engines shut down when ``fit``
-    ends, however it ends, while the TaskRunner still holds their servers."""
+    ends, however it ends, while the TaskRunner still holds their servers (``TRAINERS``, when verl imports them)."""
     from maspo_verl.plugin.hooks import after_import
 
-    after_import(TRAINER_MODULE, _hook_fit)
+    for module, class_name in TRAINERS:
+        after_import(module, _hook_fit(class_name))
 
 
 # ------------------------------------------------------------------ can it run here?

