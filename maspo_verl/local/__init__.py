@@ -48,8 +48,8 @@ LOCAL_ENV = {
 _activated = False
 # temp dirs of private Ray clusters this process started (removed by the session)
 CREATED_TEMP_DIRS: list[str] = []
-# what a run adds to LOCAL_ENV where the user has not set it (_run_env)
-RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE")
+# what a run adds to LOCAL_ENV where the user has not set it (_run_env), and its own temp folder (_run_temp_folder)
+RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE", "TMPDIR")
 # the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
 LOG_SETTINGS = ("quiet", "print_config")
 
@@ -378,6 +378,7 @@ def prepare(config) -> dict:
             _fit_private_cluster(config)
             if new_temp_dir is not None:  # a token in the cluster's temp dir, none in HOME
                 os.environ.update(ray_cluster.private_token_env(config.ray_kwargs.ray_init._temp_dir))
+                _run_temp_folder(config.ray_kwargs.ray_init)
     ray_init = config.ray_kwargs.ray_init
     from maspo_verl.local.run_log import run_dir, shown_path
 
@@ -517,6 +518,24 @@ def _private_temp_dir() -> str:
     folder = tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
     CREATED_TEMP_DIRS.append(folder)
     return folder
+
+
+RUN_TMP = "tmp"  # the run's temp folder, inside its private cluster's temp dir
+
+
+def _run_temp_folder(ray_init) -> None:
+    """A run on a private cluster keeps its temp files in its own folder, ``<cluster temp dir>/tmp``, removed with
+    the cluster's temp dir however the run ends: ``TMPDIR`` of the driver and of every Ray worker and the processes
+    they start (vLLM's ZMQ sockets, verl's checkpoint locks, multiprocessing's folders would otherwise stay in the
+    system's temp dir). Short: a unix socket's path holds at most 107 bytes. A ``TMPDIR`` in the user's
+    ``runtime_env`` wins in the workers."""
+    folder = os.path.join(str(ray_init._temp_dir), RUN_TMP)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # the driver's tempfile reads TMPDIR again
+    env_vars = ray_init.runtime_env.env_vars
+    if "TMPDIR" not in env_vars:
+        env_vars["TMPDIR"] = folder
 
 
 def _fit_tokenval_to_embedded(policy_loss) -> None:

