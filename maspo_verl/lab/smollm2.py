@@ -168,13 +168,14 @@ def rewards(tok, resp: torch.Tensor, answers: list[int], group: int) -> torch.Te
     return torch.tensor(out)
 
 
-def advantages(r: torch.Tensor, prompt_of: torch.Tensor, tokens: int) -> torch.Tensor:
-    """verl's GRPO advantage of each response (outcome reward on its last token), [N, tokens]."""
+def advantages(r: torch.Tensor, prompt_of: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's GRPO advantage of each response (outcome reward on its first token: verl sums a row's token
+    rewards), [N, T], 0 outside ``mask`` (the response tokens, [N, T])."""
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-    level = torch.zeros(len(r), tokens)
-    level[:, -1] = r
-    adv, _ = compute_grpo_outcome_advantage(level, torch.ones(len(r), tokens), prompt_of.numpy())
+    level = torch.zeros(mask.shape)
+    level[:, 0] = r
+    adv, _ = compute_grpo_outcome_advantage(level, mask.float(), prompt_of.numpy())
     return adv
 
 
@@ -346,6 +347,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # 1: on a loaded 2-core machine, HF generate ran ~10x faster with one torch thread than with two
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--granularity",
+        action="store_true",
+        help="part 3 of the registered granularity study (maspo_verl/lab/smollm2_granularity.py; its design is "
+        "fixed: of the knobs above only --prompts, --group, --chunk, --threads apply); folder granularity/smollm2",
+    )
+    p.add_argument("--resume", action="store_true", help="--granularity: run only the batches not on disk")
+    p.add_argument("--pieces", type=int, default=0, help="--granularity: run at most this many batches (0: all)")
+    p.add_argument("--report", action="store_true", help="--granularity: only rebuild the tests and README")
+
+
+def folder_of(args) -> str:
+    from maspo_verl.lab import smollm2_granularity
+
+    return smollm2_granularity.FOLDER if args.granularity else OUT
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
@@ -353,6 +369,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 
+    if args.granularity:
+        from maspo_verl.lab import smollm2_granularity
+
+        return smollm2_granularity.run(args, argv)
+    if args.resume or args.pieces or args.report:
+        raise SystemExit("--resume, --pieces, --report: allowed only with --granularity")
     if args.group < 2 or args.group % 2:
         raise SystemExit(f"--group {args.group}: allowed an even number >= 2 (resamples take half of each group)")
     out = prepare_out(args.out, argv)
@@ -393,7 +415,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     log(f"smollm2: reward fp32 samples {r_a.mean():.3f}, bf16 samples {r_b.mean():.3f} ({timings['forwards_s']:.0f}s)")
 
     def adv_fn(r):
-        return lambda rows: advantages(r[rows], prompt_of[rows], args.tokens)
+        return lambda rows: advantages(r[rows], prompt_of[rows], torch.ones(len(rows), args.tokens))
 
     adv_a = adv_fn(r_a)(torch.arange(len(r_a)))
     t0 = time.time()
