@@ -69,8 +69,11 @@ def prompt_batch(tok, prompts: list[list[dict]], group: int):
     return enc.input_ids.repeat_interleave(group, 0), enc.attention_mask.repeat_interleave(group, 0)
 
 
-def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: int) -> torch.Tensor:
-    """Responses [N, tokens] sampled at temperature 1, full vocabulary but ``masked``."""
+def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: int, pad: int | None = None):
+    """Responses sampled at temperature 1 over the whole vocabulary but ``masked``: with ``masked`` (the end
+    tokens) exactly ``tokens`` each, [N, tokens]; with none, each ended by EOS (or ``tokens``) and ``pad`` after
+    it, [N, <= tokens]."""
+    ends = {"min_new_tokens": tokens, "suppress_tokens": masked, "pad_token_id": masked[0]} if masked else {}
     torch.manual_seed(seed)
     out = []
     for s in range(0, ids.shape[0], chunk):
@@ -81,14 +84,14 @@ def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: i
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
+                top_k=0,
                 max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                suppress_tokens=masked,
-                pad_token_id=masked[0],
+                **(ends or {"pad_token_id": pad}),
             )
         out.append(seq[:, ids.shape[1] :])
-    resp = torch.cat(out)
-    if resp.shape[1] != tokens:
+    width = max(r.shape[1] for r in out)
+    resp = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in out])
+    if masked and resp.shape[1] != tokens:
         raise RuntimeError(f"sampled {resp.shape[1]} tokens, expected {tokens}")
     return resp
 

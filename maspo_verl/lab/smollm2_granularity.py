@@ -183,28 +183,6 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------ one batch
 
 
-def sample(model, ids, attn, pad: int, seed: int, chunk: int) -> torch.Tensor:
-    """Responses [N, <= TOKENS] at temperature 1 over the whole vocabulary, each ended by EOS (or TOKENS),
-    ``pad`` after it."""
-    torch.manual_seed(seed)
-    out = []
-    for s in range(0, ids.shape[0], chunk):
-        with torch.no_grad():
-            seq = model.generate(
-                input_ids=ids[s : s + chunk],
-                attention_mask=attn[s : s + chunk],
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_new_tokens=TOKENS,
-                pad_token_id=pad,
-            )
-        out.append(seq[:, ids.shape[1] :])
-    width = max(r.shape[1] for r in out)
-    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in out])
-
-
 def grade(tok, resp, mask, answers: list[int], group: int) -> torch.Tensor:
     """math-verify's score of each response's text (its response tokens)."""
     from maspo_verl.math.reward import compute_score
@@ -226,7 +204,7 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     t0, cpu0 = time.time(), time.process_time()
     ids, attn = smollm2.prompt_batch(tok, [arith_prompt(q) for q, _ in problems], args.group)
     prompt_of = torch.arange(len(problems)).repeat_interleave(args.group)
-    resp = sample(model, ids, attn, tok.pad_token_id, seed, args.chunk * 4)
+    resp = smollm2.sample(model, ids, attn, TOKENS, [], seed, args.chunk * 4, pad=tok.pad_token_id)
     mask = response_mask(resp, tok.eos_token_id)
     r = grade(tok, resp, mask, [a for _, a in problems], args.group)
     adv = smollm2.advantages(r, prompt_of, mask)
@@ -304,7 +282,7 @@ def chosen_problems(model, tok, args, out: Path) -> list[tuple[str, int]]:
             raise SystemExit(f"screening: {POOL_SIZE} pool problems give fewer than {need} near 50 % accuracy")
         batch = pool[start : start + block]
         ids, attn = smollm2.prompt_batch(tok, [arith_prompt(q) for q, _ in batch], SCREEN)
-        resp = sample(model, ids, attn, tok.pad_token_id, POOL_SEED + start, args.chunk * 4)
+        resp = smollm2.sample(model, ids, attn, TOKENS, [], POOL_SEED + start, args.chunk * 4, pad=tok.pad_token_id)
         r = grade(tok, resp, response_mask(resp, tok.eos_token_id), [a for _, a in batch], SCREEN)
         rows += [
             {

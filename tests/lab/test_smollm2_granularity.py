@@ -6,29 +6,17 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from maspo_verl.lab import smollm2, stats
 from maspo_verl.lab import smollm2_granularity as g3
+from tests.lab.conftest import plain_log_probs, tiny_llama
 
 EOS, PAD = 2, 0
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = tiny_llama(EOS, PAD)
     ids = torch.randint(3, 40, (6, 5))
     attn = torch.ones_like(ids)
     attn[1, :2] = 0  # a left-padded prompt
@@ -38,11 +26,7 @@ def tiny():
     return model, ids, attn, resp
 
 
-def _plain_log_probs(model, ids, attn, resp):
-    seq = torch.cat([ids, resp], 1)
-    mask = torch.cat([attn, torch.ones_like(resp)], 1)
-    logits = model(input_ids=seq, attention_mask=mask).logits[:, ids.shape[1] - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+_plain_log_probs = plain_log_probs
 
 
 def test_response_mask_ends_at_the_first_eos_inclusive():
@@ -53,7 +37,7 @@ def test_response_mask_ends_at_the_first_eos_inclusive():
 
 def test_sample_has_natural_lengths_and_log_probs_are_a_plain_forward(tiny):
     model, ids, attn, _ = tiny
-    resp = g3.sample(model, ids, attn, PAD, seed=3, chunk=4)
+    resp = smollm2.sample(model, ids, attn, g3.TOKENS, [], seed=3, chunk=4, pad=PAD)
     mask = g3.response_mask(resp, EOS)
     assert resp.shape[0] == 6 and resp.shape[1] <= g3.TOKENS
     # after each row's first EOS: only padding; a row without EOS runs to TOKENS
