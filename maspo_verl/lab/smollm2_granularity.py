@@ -340,7 +340,7 @@ def vif_tests(corr: list[dict]) -> list[dict]:
         rows = [r for r in corr if (float(r["lr"]), int(r["updates"])) == (lr, k)]
         for n in (5, 15):
             d = [float(r[f"vif{n}"]) - float(r[f"null_vif{n}"]) for r in rows]
-            if not d:
+            if len(d) < 2:  # an interval needs two batches
                 continue
             s = stats.paired_summary(d)
             inside = -VIF_MARGIN < s["low"] and s["high"] < VIF_MARGIN
@@ -384,6 +384,18 @@ def gradient_tests(grad: list[dict]) -> list[dict]:
     return out
 
 
+def mean_cosines(grad: list[dict]) -> list[dict]:
+    """Descriptive: each arm's mean cosine over the batches on disk, per drift condition."""
+    out = []
+    for lr, k in conditions():
+        row = {"lr": lr, "updates": k}
+        for a in ARMS:
+            v = [float(r["cos"]) for r in _rows(grad, lr, k, a)]
+            row[arm_name(a)] = sum(v) / len(v) if v else math.nan
+        out.append(row)
+    return out
+
+
 def report(out: Path) -> None:
     from maspo_verl.lab.common import report_written
 
@@ -391,7 +403,7 @@ def report(out: Path) -> None:
     corr, grad, batches = (read_csv(out / f"{n}.csv") for n in ("correlation", "gradient", "batches"))
     vif, g = vif_tests(corr), gradient_tests(grad)
     write_csv(out / "tests.csv", [r | {"test": "vif"} for r in vif] + [r | {"test": "gradient"} for r in g])
-    (out / "README.md").write_text(readme(out, batches, vif, g))
+    (out / "README.md").write_text(readme(out, batches, corr, grad, vif, g))
     report_written(out)
 
 
@@ -415,7 +427,8 @@ DEVIATIONS = (
 )
 
 
-def readme(out: Path, batches, vif, grad) -> str:
+def readme(out: Path, batches, corr, grad, vif, tests) -> str:
+    """The report: the rows on disk (``batches``, ``corr``, ``grad``) and the registered tests (``vif``, ``tests``)."""
     from maspo_verl.lab.common import command_of
 
     command = command_of(out).strip()
@@ -452,15 +465,27 @@ def readme(out: Path, batches, vif, grad) -> str:
         "",
         "## Measured correlation: VIF(n) of δ minus its within-row permutation null, t-interval over batches",
         "",
+        "Per batch (`null_*`: the mean over the within-row permutations):",
+        "",
+        markdown_table(
+            corr, ["batch", "lr", "updates", "delta_sd", "lag1", "vif5", "null_vif5", "vif15", "null_vif15"]
+        ),
+        "",
+        "The registered test (two batches at least):",
+        "",
         markdown_table(vif, ["lr", "updates", "measure", "seeds", "diff", "low", "high", "p_signflip", "outcome"]),
         "",
         "## Gradient cosine to the on-policy whole-batch gradient, each arm at its shipped band",
+        "",
+        "Mean cosine over the batches on disk (descriptive):",
+        "",
+        markdown_table(mean_cosines(grad)),
         "",
         "G1: window W minus W = 1; G3: each `maspo_adaptive` criterion minus the best window (by mean cosine). "
         "Paired by batch; exact sign-flip p; Holm within each family.",
         "",
         markdown_table(
-            grad,
+            tests,
             ["family", "lr", "updates", "arm", "vs", "seeds", "diff", "low", "high", "p_signflip", "holm", "outcome"],
         ),
         "",

@@ -222,8 +222,11 @@ def test_a_stopped_run_resumes_with_the_missing_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(g3, "one_batch", one_batch)
     monkeypatch.setattr(g3, "chosen_problems", lambda model, tok, args, out: [("q", 1)] * 64)
     monkeypatch.setattr(smollm2, "load", lambda threads: (None, None, None))
-    args = argparse.Namespace(out=str(tmp_path), report=False, resume=False, pieces=3, prompts=4, group=8, threads=1)
-    g3.run(args, ["smollm2", "--granularity", "--pieces", "3"])
+    args = argparse.Namespace(out=str(tmp_path), report=False, resume=False, pieces=1, prompts=4, group=8, threads=1)
+    g3.run(args, ["smollm2", "--granularity", "--pieces", "1"])
+    assert ran == [200] and "Batches on disk: 1 of 8" in (tmp_path / "README.md").read_text()  # no test yet
+    args.resume, args.pieces = True, 2
+    g3.run(args, ["smollm2", "--granularity", "--resume", "--pieces", "2"])
     assert ran == [200, 201, 202]
     args.resume, args.pieces = True, 0
     g3.run(args, ["smollm2", "--granularity", "--resume"])

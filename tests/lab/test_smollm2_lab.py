@@ -2,7 +2,6 @@
 autograd's gradient of any per-token weighting, its log-probs are a plain forward's, its band calibration
 reaches the target clip fraction."""
 
-
 import pytest
 import torch
 
