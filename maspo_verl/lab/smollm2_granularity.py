@@ -266,12 +266,12 @@ def arith_prompt(question: str):
 # ------------------------------------------------------------------ screening, the run, resume
 
 
-def chosen_problems(model, tok, args, out: Path) -> list[tuple[str, int]]:
-    """The problems near 50 % accuracy, screened in pool order (``screen.csv``, reused on resume)."""
+def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, int]]:
+    """The first ``need`` problems near 50 % accuracy, screened in pool order as far as needed (``screen.csv``,
+    reused on resume: the same pool, seeds and order give the same problems whenever they are screened)."""
     from maspo_verl.pretrained import arith
 
     pool = arith.problems(POOL_SIZE, POOL_SEED, **ARITH)
-    need = args.prompts * len(BATCHES)
     rows = read_csv(out / "screen.csv")
     block = args.chunk * 4 // SCREEN or 1  # problems per screening generate call
     from maspo_verl.lab import smollm2
@@ -318,10 +318,10 @@ def run(args, argv: list[str]) -> None:
     todo = [b for b in BATCHES if b not in done][: args.pieces or None]
     if todo:
         model, tok, _ = smollm2.load(args.threads)
-        problems = chosen_problems(model, tok, args, out)
     for b in todo:
         i = BATCHES.index(b)
-        corr, grad, summary = one_batch(model, tok, problems[i * args.prompts : (i + 1) * args.prompts], b, args)
+        problems = chosen_problems(model, tok, args, out, (i + 1) * args.prompts)[i * args.prompts :]
+        corr, grad, summary = one_batch(model, tok, problems, b, args)
         # a batch's rows reach the disk together, the summary (what --resume reads) last
         for name, rows in (("correlation", corr), ("gradient", grad), ("batches", [summary])):
             tables[name] = [x for x in tables[name] if int(x["batch"]) != b] + rows

@@ -213,6 +213,8 @@ def test_a_stopped_run_resumes_with_the_missing_batches(tmp_path, monkeypatch):
     ran = []
 
     def one_batch(model, tok, problems, seed, args):
+        i = seed - g3.BATCHES[0]
+        assert problems == [(f"q{j}", j) for j in range(4 * i, 4 * i + 4)]  # batch i: kept problems 4i .. 4i+3
         ran.append(seed)
         key = {"batch": seed, "lr": 1e-5, "updates": 1}
         corr = [key | {"vif5": 1.2, "null_vif5": 1.0, "vif15": 1.3, "null_vif15": 1.0}]
@@ -220,7 +222,7 @@ def test_a_stopped_run_resumes_with_the_missing_batches(tmp_path, monkeypatch):
         return corr, grad, {"batch": seed, "seconds": 1.0}
 
     monkeypatch.setattr(g3, "one_batch", one_batch)
-    monkeypatch.setattr(g3, "chosen_problems", lambda model, tok, args, out: [("q", 1)] * 64)
+    monkeypatch.setattr(g3, "chosen_problems", lambda model, tok, args, out, need: [(f"q{i}", i) for i in range(need)])
     monkeypatch.setattr(smollm2, "load", lambda threads: (None, None, None))
     args = argparse.Namespace(out=str(tmp_path), report=False, resume=False, pieces=1, prompts=4, group=8, threads=1)
     g3.run(args, ["smollm2", "--granularity", "--pieces", "1"])
@@ -253,3 +255,38 @@ def test_the_command_writes_its_own_folder(tmp_path, monkeypatch):
     assert "Batches on disk: 0 of 8" in readme
     with pytest.raises(SystemExit, match="only with --granularity"):
         main(["smollm2", "--out", str(tmp_path / "x"), "--resume"])
+
+
+def test_screening_goes_only_as_far_as_needed_and_resumes(tmp_path, monkeypatch):
+    """Pool problems are screened in order, a block at a time, until enough are near 1/2; what is on disk is
+    not screened again; the problems returned are the kept ones in pool order."""
+    import argparse
+
+    from maspo_verl.pretrained import arith
+
+    pool = arith.problems(g3.POOL_SIZE, g3.POOL_SEED, **g3.ARITH)
+    pattern = [0, 4, 8, 3, 5, 1]  # correct of 8 by pool index (repeating): kept 4, 3, 5
+    blocks = []
+
+    def prompt_batch(tok, prompts, group):
+        return torch.zeros(len(prompts) * group, 2, dtype=torch.long), torch.ones(len(prompts) * group, 2)
+
+    def sample(model, ids, attn, tokens, masked, seed, chunk, pad=None):
+        blocks.append(seed - g3.POOL_SEED)  # the block's first pool index
+        return torch.zeros(ids.shape[0], 3, dtype=torch.long)
+
+    def grade(tok, resp, mask, answers, group):
+        start = blocks[-1]
+        return torch.tensor([float(j < pattern[(start + i) % 6]) for i in range(len(answers)) for j in range(group)])
+
+    monkeypatch.setattr(smollm2, "prompt_batch", prompt_batch)
+    monkeypatch.setattr(smollm2, "sample", sample)
+    monkeypatch.setattr(g3, "grade", grade)
+    tok = argparse.Namespace(pad_token_id=PAD, eos_token_id=EOS)
+    args = argparse.Namespace(chunk=8)  # blocks of 32 // 8 = 4 problems
+    kept = [i for i in range(24) if pattern[i % 6] in (3, 4, 5)]
+    got = g3.chosen_problems(None, tok, args, tmp_path, need=4)
+    assert got == [pool[i] for i in kept[:4]] and blocks == [0, 4]
+    assert [int(r["correct"]) for r in g3.read_csv(tmp_path / "screen.csv")] == [pattern[i % 6] for i in range(8)]
+    got = g3.chosen_problems(None, tok, args, tmp_path, need=8)  # resumes after the 8 on disk
+    assert got == [pool[i] for i in kept[:8]] and blocks == [0, 4, 8, 12]
