@@ -269,13 +269,12 @@ def arith_prompt(question: str):
 def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, int]]:
     """The first ``need`` problems near 50 % accuracy, screened in pool order as far as needed (``screen.csv``,
     reused on resume: the same pool, seeds and order give the same problems whenever they are screened)."""
+    from maspo_verl.lab import smollm2
     from maspo_verl.pretrained import arith
 
     pool = arith.problems(POOL_SIZE, POOL_SEED, **ARITH)
     rows = read_csv(out / "screen.csv")
     block = args.chunk * 4 // SCREEN or 1  # problems per screening generate call
-    from maspo_verl.lab import smollm2
-
     while len(screen([int(x["correct"]) for x in rows], SCREEN, need)) < need:
         start = len(rows)
         if start >= POOL_SIZE:
@@ -423,7 +422,11 @@ DEVIATIONS = (
     "Ambiguous: the VIF null is the mean over 16 within-row permutations of each batch's δ (one draw is noisier); "
     "the registration names only its falsifying reading (the interval of VIF minus null inside ±0.1); an interval "
     "above +0.1 is reported as *correlated*, anything else as —.",
-    "Part 3 runs under `nice -n 19` on the 2 shared cores beside other sessions: its times are upper bounds.",
+    "Part 3 runs under `nice -n 19` on the 2 shared cores beside other sessions: its wall times are upper bounds "
+    "(`cpu_s` is the process's CPU time).",
+    "The first 8 pool problems were screened by a run started from commit c7d16e2, which screened the whole pool's "
+    "need before any batch; it was stopped and resumed (`--resume`) with the code that screens only as far as the "
+    "next batch needs (930a873). The screening code, pool, seeds and order are the same, so are the problems.",
 )
 
 
