@@ -290,3 +290,26 @@ def test_screening_goes_only_as_far_as_needed_and_resumes(tmp_path, monkeypatch)
     assert [int(r["correct"]) for r in g3.read_csv(tmp_path / "screen.csv")] == [pattern[i % 6] for i in range(8)]
     got = g3.chosen_problems(None, tok, args, tmp_path, need=8)  # resumes after the 8 on disk
     assert got == [pool[i] for i in kept[:8]] and blocks == [0, 4, 8, 12]
+
+
+def test_one_batch_on_the_tiny_model(tiny, monkeypatch):
+    """A whole batch: a correlation row per drift condition, a gradient row per arm; at a vanishing lr nothing
+    drifts, so every arm's gradient is its on-policy one: all windows (and both criteria) give the same cosine."""
+    import argparse
+
+    model, ids, attn, _ = tiny
+    monkeypatch.setattr(smollm2, "prompt_batch", lambda tok, prompts, group: (ids, attn))
+    monkeypatch.setattr(g3, "grade", lambda tok, resp, mask, answers, group: torch.tensor([1.0, 0, 0, 1, 1, 0]))
+    monkeypatch.setattr(g3, "LRS", (1e-12, 1e-2))
+    tok = argparse.Namespace(pad_token_id=PAD, eos_token_id=EOS)
+    args = argparse.Namespace(group=3, chunk=4)
+    corr, grad, summary = g3.one_batch(model, tok, [("q0", 0), ("q1", 1)], 200, args)
+    assert [(r["lr"], r["updates"]) for r in corr] == [(lr, k) for lr in (1e-12, 1e-2) for k in g3.UPDATES]
+    assert len(grad) == 4 * len(g3.ARMS) and [r["arm"] for r in grad[: len(g3.ARMS)]] == sorted(
+        g3.ARMS, key=lambda a: (a != "maspo_adaptive", "@" in a, g3.ARMS.index(a))
+    )
+    still = [r["cos"] for r in grad if r["lr"] == 1e-12]
+    assert max(still) - min(still) < 1e-4 and 0 < still[0] <= 1 + 1e-9
+    moved = [r["cos"] for r in grad if r["lr"] == 1e-2 and r["updates"] == 4]
+    assert max(moved) - min(moved) > 1e-3  # drift separates the arms
+    assert summary["responses"] == 6 and summary["cpu_s"] > 0 and summary["mixed_groups"] == 2
