@@ -441,13 +441,16 @@ def readme(out: Path, batches, corr, grad, vif, tests) -> str:
     from maspo_verl.lab.common import command_of
 
     command = command_of(out).strip()
+    screened = read_csv(out / "screen.csv")
     lines = [
         "# Granularity study, part 3: SmolLM2-135M gradients at realistic drift",
         "",
         "Registered in [`../PREREGISTRATION.md`](../PREREGISTRATION.md) (part 3); engine "
         "`maspo_verl/lab/smollm2_granularity.py` (what each number is: its docstring), tests "
         "`maspo_verl/lab/stats.py`. "
-        f"Batches on disk: {len(batches)} of {len(BATCHES)} (seeds {BATCHES[0]}-{BATCHES[-1]}). Every registered test "
+        f"Batches on disk: {len(batches)} of {len(BATCHES)} (seeds {BATCHES[0]}-{BATCHES[-1]}); pool problems "
+        f"screened: {len(screened)}, kept (|accuracy - 1/2| <= {NEAR} on {SCREEN} samples): "
+        f"{len(screen([int(r['correct']) for r in screened], SCREEN, len(screened)))}. Every registered test "
         "whose data exist is below; with fewer than 8 batches the sign-flip p cannot reach the registered power "
         "(8 batches: smallest p 2/256).",
         "",
