@@ -39,7 +39,11 @@ COMMANDS = [
         "adaptive",
         "maspo_adaptive (untuned) against the best fixed window per cell, from a regimes_tuned and a smollm2 run",
     ),
-    ("smollm2", "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch"),
+    (
+        "smollm2",
+        "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch "
+        "(--granularity: part 3 of the pre-registered granularity study)",
+    ),
     ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
 ]
 

@@ -41,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from maspo_verl.lab import word_grid
 from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
 from maspo_verl.lab.runs import run_local
 from maspo_verl.local.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
@@ -49,6 +50,7 @@ from maspo_verl.util import preset_names
 BASELINE = "grpo"
 # a loss of ``--losses`` is a loss preset (``loss=<name>``) or PRESET+CREDIT with a credit preset (``credit=``);
 # PRESET may be a variant PRESET@field=value[,field=value] (``regimes_tuned.variant``: policy-loss fields changed)
+# or maspo_words~offsetN (``word_grid``: the frame grid's word ids shifted by N frames, part 2's H2 control)
 CREDIT_SEP = "+"
 VARIANT_SEP = "@"
 # maspo_fixed's window (15 tokens, a syllable at 50 Hz) is longer than these responses' words: W = 3 tokens
@@ -242,14 +244,15 @@ def cells_of(args) -> list[Cell]:
 def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool = True) -> list[str]:
     """``PRESET`` or ``PRESET+CREDIT`` -> the trainer's overrides (the preset's adjustment for these tasks too,
     unless ``adjust`` is off; a variant's changed fields; its clip band scaled where ``bands`` names it)."""
-    name, _, credit = loss.partition(CREDIT_SEP)
+    full, _, credit = loss.partition(CREDIT_SEP)
+    name, _ = word_grid.split(full)
     preset = name.partition(VARIANT_SEP)[0]
     adjustments = ADJUSTMENTS.get(preset, []) if adjust else []
     changed = []
     if VARIANT_SEP in name:
         shipped, fields = preset_of(preset).policy_loss, preset_of(name).policy_loss
         changed = [f"actor_rollout_ref.actor.policy_loss.{k}={v!r}" for k, v in fields.items() if v != shipped.get(k)]
-    widened = band_overrides(name, bands[name]) if bands and name in bands else []
+    widened = band_overrides(name, bands[full]) if bands and full in bands else []
     return [f"loss={preset}", *adjustments, *changed, *widened, *([f"credit={credit}"] if credit else [])]
 
 
@@ -273,7 +276,7 @@ def parse_bands(items: list[str]) -> dict[str, str]:
             ok = bool(eq) and (width == UNCLIPPED or (math.isfinite(float(width)) and float(width) > 0))
         except ValueError:
             ok = False
-        if not ok or preset.partition(VARIANT_SEP)[0] not in presets or preset in out:
+        if not ok or word_grid.split(preset)[0].partition(VARIANT_SEP)[0] not in presets or preset in out:
             raise SystemExit(
                 f"--bands {item!r}: allowed PRESET=WIDTH once per preset, PRESET in {presets}, WIDTH a number > 0 "
                 f"or {UNCLIPPED} (e.g. grpo=4 gspo={UNCLIPPED})"
@@ -314,6 +317,7 @@ def check_losses(losses: list[str]) -> None:
         raise SystemExit(f"learn.ADJUSTMENTS: {stale} are not loss presets (hydra_configs/loss/: {presets})")
     for loss in losses:
         preset, plus, credit = loss.partition(CREDIT_SEP)
+        preset = word_grid.split(preset)[0]
         if VARIANT_SEP in preset:
             preset_of(preset)
         if preset.partition(VARIANT_SEP)[0] not in presets or (plus and credit not in credits):
@@ -347,6 +351,14 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
     if cell.mismatch != NO_MISMATCH:
         extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
         extra.append(f"maspo.local_mismatch.stale_syncs={cell.stale}")
+    offset = word_grid.split(loss.partition(CREDIT_SEP)[0])[1]
+    if offset is not None and data.get("overrides"):
+        raise SystemExit(f"--losses {loss!r}: the word grid needs a learn task's own reward, not task {task!r}")
+    reward = [
+        "reward.reward_manager.source=importlib",
+        "reward.reward_manager.name=LearnRewardManager",
+        f"reward.reward_manager.module.path={learn_tasks.__file__}",
+    ]
     # a task with its own data, lengths and reward (learn_tasks.write_dataset: turns<N>), else ours
     task_data = data.get("overrides") or [
         f"data.train_files={data['train']}",
@@ -354,9 +366,7 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"data.max_prompt_length={prompt_room(data['sentence'])}",
         f"data.max_response_length={cell.length}",
         *([f"actor_rollout_ref.model.path={data['model']}"] if "model" in data else []),
-        "reward.reward_manager.source=importlib",
-        "reward.reward_manager.name=LearnRewardManager",
-        f"reward.reward_manager.module.path={learn_tasks.__file__}",
+        *(reward if offset is None else word_grid.reward_overrides(offset)),
     ]
     return [
         *loss_overrides(loss, parse_bands(args.bands), adjust=not args.no_adjust),

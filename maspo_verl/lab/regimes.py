@@ -326,11 +326,12 @@ class Job:
         )
 
 
-def loss_call(fn, cfg, old, lp, adv, ids, words):
-    """One call as verl's ``ppo_loss`` makes it: [rows, T] tensors, the micro-batch's ids in scope."""
+def loss_call(fn, cfg, old, lp, adv, ids, words, mask=None):
+    """One call as verl's ``ppo_loss`` makes it: [rows, T] tensors, the micro-batch's ids in scope; ``mask``:
+    the response tokens (None: all)."""
     from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 
-    mask = torch.ones_like(lp, dtype=torch.bool)
+    mask = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.bool()
     with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, vocabulary()):
         return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
 

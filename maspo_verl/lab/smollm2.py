@@ -69,8 +69,11 @@ def prompt_batch(tok, prompts: list[list[dict]], group: int):
     return enc.input_ids.repeat_interleave(group, 0), enc.attention_mask.repeat_interleave(group, 0)
 
 
-def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: int) -> torch.Tensor:
-    """Responses [N, tokens] sampled at temperature 1, full vocabulary but ``masked``."""
+def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: int, pad: int | None = None):
+    """Responses sampled at temperature 1 over the whole vocabulary but ``masked``: with ``masked`` (the end
+    tokens) exactly ``tokens`` each, [N, tokens]; with none, each ended by EOS (or ``tokens``) and ``pad`` after
+    it, [N, <= tokens]."""
+    ends = {"min_new_tokens": tokens, "suppress_tokens": masked, "pad_token_id": masked[0]} if masked else {}
     torch.manual_seed(seed)
     out = []
     for s in range(0, ids.shape[0], chunk):
@@ -81,14 +84,14 @@ def sample(model, ids, attn, tokens: int, masked: list[int], seed: int, chunk: i
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
+                top_k=0,
                 max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                suppress_tokens=masked,
-                pad_token_id=masked[0],
+                **(ends or {"pad_token_id": pad}),
             )
         out.append(seq[:, ids.shape[1] :])
-    resp = torch.cat(out)
-    if resp.shape[1] != tokens:
+    width = max(r.shape[1] for r in out)
+    resp = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in out])
+    if masked and resp.shape[1] != tokens:
         raise RuntimeError(f"sampled {resp.shape[1]} tokens, expected {tokens}")
     return resp
 
@@ -168,13 +171,14 @@ def rewards(tok, resp: torch.Tensor, answers: list[int], group: int) -> torch.Te
     return torch.tensor(out)
 
 
-def advantages(r: torch.Tensor, prompt_of: torch.Tensor, tokens: int) -> torch.Tensor:
-    """verl's GRPO advantage of each response (outcome reward on its last token), [N, tokens]."""
+def advantages(r: torch.Tensor, prompt_of: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's GRPO advantage of each response (outcome reward on its first token: verl sums a row's token
+    rewards), [N, T], 0 outside ``mask`` (the response tokens, [N, T])."""
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-    level = torch.zeros(len(r), tokens)
-    level[:, -1] = r
-    adv, _ = compute_grpo_outcome_advantage(level, torch.ones(len(r), tokens), prompt_of.numpy())
+    level = torch.zeros(mask.shape)
+    level[:, 0] = r
+    adv, _ = compute_grpo_outcome_advantage(level, mask.float(), prompt_of.numpy())
     return adv
 
 
@@ -346,6 +350,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # 1: on a loaded 2-core machine, HF generate ran ~10x faster with one torch thread than with two
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--granularity",
+        action="store_true",
+        help="part 3 of the registered granularity study (maspo_verl/lab/smollm2_granularity.py; its design is "
+        "fixed: of the knobs above only --prompts, --group, --chunk, --threads apply); folder granularity/smollm2",
+    )
+    p.add_argument("--resume", action="store_true", help="--granularity: run only the batches not on disk")
+    p.add_argument("--pieces", type=int, default=0, help="--granularity: run at most this many batches (0: all)")
+    p.add_argument("--report", action="store_true", help="--granularity: only rebuild the tests and README")
+
+
+def folder_of(args) -> str:
+    from maspo_verl.lab import smollm2_granularity
+
+    return smollm2_granularity.FOLDER if args.granularity else OUT
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
@@ -353,6 +372,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 
+    if args.granularity:
+        from maspo_verl.lab import smollm2_granularity
+
+        return smollm2_granularity.run(args, argv)
+    if args.resume or args.pieces or args.report:
+        raise SystemExit("--resume, --pieces, --report: allowed only with --granularity")
     if args.group < 2 or args.group % 2:
         raise SystemExit(f"--group {args.group}: allowed an even number >= 2 (resamples take half of each group)")
     out = prepare_out(args.out, argv)
@@ -393,7 +418,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     log(f"smollm2: reward fp32 samples {r_a.mean():.3f}, bf16 samples {r_b.mean():.3f} ({timings['forwards_s']:.0f}s)")
 
     def adv_fn(r):
-        return lambda rows: advantages(r[rows], prompt_of[rows], args.tokens)
+        return lambda rows: advantages(r[rows], prompt_of[rows], torch.ones(len(rows), args.tokens))
 
     adv_a = adv_fn(r_a)(torch.arange(len(r_a)))
     t0 = time.time()

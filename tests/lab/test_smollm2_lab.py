@@ -2,30 +2,18 @@
 autograd's gradient of any per-token weighting, its log-probs are a plain forward's, its band calibration
 reaches the target clip fraction."""
 
-import math
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from maspo_verl.lab import smollm2 as study
+from tests.lab.conftest import plain_log_probs, tiny_llama
 
 MASKED = [0, 2]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = tiny_llama()
     ids = torch.randint(3, 40, (5, 7))
     attn = torch.ones_like(ids)
     attn[1, :2] = 0  # a left-padded prompt
@@ -34,11 +22,7 @@ def tiny():
 
 
 def _plain_log_probs(model, ids, attn, resp):
-    seq = torch.cat([ids, resp], 1)
-    mask = torch.cat([attn, torch.ones_like(resp)], 1)
-    logits = model(input_ids=seq, attention_mask=mask).logits[:, ids.shape[1] - 1 : -1].float()
-    logits[..., MASKED] = -math.inf
-    return torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    return plain_log_probs(model, ids, attn, resp, MASKED)
 
 
 def test_log_probs_and_mlp_gradient_equal_autograd(tiny):
