@@ -390,7 +390,10 @@ def gradient_tests(grad: list[dict]) -> list[dict]:
 
 
 def mean_cosines(grad: list[dict]) -> list[dict]:
-    """Descriptive: each arm's mean cosine over the batches on disk, per drift condition."""
+    """Descriptive: each arm's mean cosine over the batches on disk, per drift condition (no rows before the first
+    batch: a batch writes every condition and arm at once)."""
+    if not grad:
+        return []
     out = []
     for lr, k in conditions():
         row = {"lr": lr, "updates": k}
