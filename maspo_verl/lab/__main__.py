@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         module.add_arguments(p)
         p.set_defaults(module=module, folder=folder)
     args = parser.parse_args(argv)
+    for flag, name in getattr(args.module, "MODES", {}).items():  # a mode in a module of its own: its run and FOLDER
+        if getattr(args, flag):
+            args.module = importlib.import_module(f"maspo_verl.lab.{name}")
+            args.folder = args.module.FOLDER
     if hasattr(args.module, "folder_of"):  # a mode with a folder of its own (bench --mode update)
         args.folder = args.module.folder_of(args)
     if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():

