@@ -196,12 +196,13 @@ def scaled(preset, scale: float):
     return preset_config(Preset(preset.name, preset.loss_mode, actor, policy_loss))
 
 
-def loss_weights(fn, cfg, old, lp, adv, resp) -> tuple[torch.Tensor, dict]:
-    """d loss / d lp [rows, T] of the preset's loss, called as verl's ppo_loss calls it, and its metrics."""
+def loss_weights(fn, cfg, old, lp, adv, resp, mask=None) -> tuple[torch.Tensor, dict]:
+    """d loss / d lp [rows, T] of the preset's loss, called as verl's ppo_loss calls it, and its metrics; ``mask``:
+    the response tokens (None: all)."""
     from maspo_verl.lab.regimes import loss_call
 
     leaf = lp.clone().requires_grad_()
-    loss, metrics = loss_call(fn, cfg, old, leaf, adv, resp, torch.full_like(resp, -1))
+    loss, metrics = loss_call(fn, cfg, old, leaf, adv, resp, torch.full_like(resp, -1), mask)
     (c,) = torch.autograd.grad(loss, leaf)
     return c, metrics
 

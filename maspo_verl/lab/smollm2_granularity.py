@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab import stats
+from maspo_verl.lab import smollm2, stats
 from maspo_verl.lab.common import log, markdown_table, read_csv, write_csv
 
 FOLDER = "granularity/smollm2"
@@ -147,7 +147,7 @@ def drift(model, ids, attn, resp, mask, old, adv, lr: float, stop_at, chunk: int
             g = first
         else:
             lp = old if k == 1 else log_probs(m, ids, attn, resp, chunk)
-            c, _ = loss_weights(fn, cfg, old, lp, adv, resp, mask)
+            c, _ = smollm2.loss_weights(fn, cfg, old, lp, adv, resp, mask)
             (g,) = whole_grads(m, ids, attn, resp, [c], chunk)
         start = 0
         for p in params:
@@ -167,16 +167,6 @@ def grpo_loss():
 
     grpo = discover_presets(["grpo"])[0]
     return get_policy_loss_fn(grpo.loss_mode), preset_config(grpo)
-
-
-def loss_weights(fn, cfg, old, lp, adv, resp, mask) -> tuple[torch.Tensor, dict]:
-    """d loss / d lp [rows, T] of a loss called as verl's ppo_loss calls it, and its metrics."""
-    from maspo_verl.lab.regimes import loss_call
-
-    leaf = lp.clone().requires_grad_()
-    loss, metrics = loss_call(fn, cfg, old, leaf, adv, resp, torch.full_like(resp, -1), mask)
-    (c,) = torch.autograd.grad(loss, leaf)
-    return c, metrics
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -200,7 +190,6 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     """The correlation rows, gradient rows and a summary of batch ``seed``."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab import smollm2
     from maspo_verl.lab.regimes import preset_config
     from maspo_verl.lab.regimes_tuned import presets_of
 
@@ -224,7 +213,7 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     }
     log(f"smollm2 granularity: batch {seed}: reward {summary['reward']:.3f}, length {summary['length_mean']:.1f}")
     fn, cfg = grpo_loss()
-    c_ref, _ = loss_weights(fn, cfg, old, old, adv, resp, mask)
+    c_ref, _ = smollm2.loss_weights(fn, cfg, old, old, adv, resp, mask)
     (ref,) = whole_grads(model, ids, attn, resp, [c_ref], args.chunk)
     arms = presets_of(list(ARMS))
     corr, grad = [], []
@@ -235,7 +224,7 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
             corr.append(key | correlation_row((cur - old).masked_fill(~mask, 0.0), mask, seed))
             weights, found = [], []
             for arm in arms:
-                c, metrics = loss_weights(
+                c, metrics = smollm2.loss_weights(
                     get_policy_loss_fn(arm.loss_mode), preset_config(arm), old, cur, adv, resp, mask
                 )
                 weights.append(c)
@@ -275,7 +264,6 @@ def arith_prompt(question: str):
 def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, int]]:
     """The first ``need`` problems near 50 % accuracy, screened in pool order as far as needed (``screen.csv``,
     reused on resume: the same pool, seeds and order give the same problems whenever they are screened)."""
-    from maspo_verl.lab import smollm2
     from maspo_verl.pretrained import arith
 
     pool = arith.problems(POOL_SIZE, POOL_SEED, **ARITH)
@@ -305,7 +293,6 @@ def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, i
 
 
 def run(args, argv: list[str]) -> None:
-    from maspo_verl.lab import smollm2
     from maspo_verl.lab.common import prepare_out
 
     out = Path(args.out)

@@ -105,10 +105,10 @@ def test_advantages_and_loss_weights_live_on_the_response_tokens(tiny):
     # group 0 rewards 1, 0, 0: mean 1/3, unbiased sd 0.577
     torch.testing.assert_close(adv[0, 0], torch.tensor((1 - 1 / 3) / math.sqrt(1 / 3)), rtol=1e-4, atol=1e-4)
     fn, cfg = g3.grpo_loss()
-    c, _ = g3.loss_weights(fn, cfg, old, old + 0.01 * torch.randn(old.shape), adv, resp, mask)
+    c, _ = smollm2.loss_weights(fn, cfg, old, old + 0.01 * torch.randn(old.shape), adv, resp, mask)
     assert bool((c[~mask] == 0).all()) and bool((c[mask] != 0).any())
     # token-mean on-policy: d loss / d lp = -A / (#response tokens)
-    c0, _ = g3.loss_weights(fn, cfg, old, old, adv, resp, mask)
+    c0, _ = smollm2.loss_weights(fn, cfg, old, old, adv, resp, mask)
     torch.testing.assert_close(c0, -adv * mask / mask.sum(), rtol=1e-5, atol=1e-7)
 
 
@@ -126,7 +126,7 @@ def test_drift_takes_adam_steps_on_grpos_gradient(tiny):
             for p, r in zip(copy_.parameters(), ref, strict=True):
                 p.copy_(r)
         lp = _plain_log_probs(copy_, ids, attn, resp)
-        c, _ = g3.loss_weights(fn, cfg, old, lp.detach(), adv, resp, mask)
+        c, _ = smollm2.loss_weights(fn, cfg, old, lp.detach(), adv, resp, mask)
         grads = torch.autograd.grad((c * lp).sum(), list(copy_.parameters()))
         for r, gr in zip(ref, grads, strict=True):
             r.grad = gr
@@ -136,7 +136,7 @@ def test_drift_takes_adam_steps_on_grpos_gradient(tiny):
         k: [p.clone() for p in m.parameters()]
         for k, m in g3.drift(model, ids, attn, resp, mask, old, adv, 1e-2, (1, 2), 4)
     }
-    (first,) = g3.whole_grads(model, ids, attn, resp, [g3.loss_weights(fn, cfg, old, old, adv, resp, mask)[0]], 4)
+    (first,) = g3.whole_grads(model, ids, attn, resp, [smollm2.loss_weights(fn, cfg, old, old, adv, resp, mask)[0]], 4)
     given = [
         p.clone()
         for _, m in g3.drift(model, ids, attn, resp, mask, old, adv, 1e-2, (1,), 4, first=first)
