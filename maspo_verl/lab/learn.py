@@ -354,11 +354,6 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
     offset = word_grid.split(loss.partition(CREDIT_SEP)[0])[1]
     if offset is not None and data.get("overrides"):
         raise SystemExit(f"--losses {loss!r}: the word grid needs a learn task's own reward, not task {task!r}")
-    reward = [
-        "reward.reward_manager.source=importlib",
-        "reward.reward_manager.name=LearnRewardManager",
-        f"reward.reward_manager.module.path={learn_tasks.__file__}",
-    ]
     # a task with its own data, lengths and reward (learn_tasks.write_dataset: turns<N>), else ours
     task_data = data.get("overrides") or [
         f"data.train_files={data['train']}",
@@ -366,7 +361,11 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         f"data.max_prompt_length={prompt_room(data['sentence'])}",
         f"data.max_response_length={cell.length}",
         *([f"actor_rollout_ref.model.path={data['model']}"] if "model" in data else []),
-        *(reward if offset is None else word_grid.reward_overrides(offset)),
+        *(
+            learn_tasks.reward_manager_overrides(learn_tasks.LearnRewardManager)
+            if offset is None
+            else word_grid.reward_overrides(offset)
+        ),
     ]
     return [
         *loss_overrides(loss, parse_bands(args.bands), adjust=not args.no_adjust),

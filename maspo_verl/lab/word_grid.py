@@ -6,7 +6,7 @@ window of L / 4 exactly (tested), at N = 12 and L = 96 the segments are 12, 24, 
 
 from __future__ import annotations
 
-from maspo_verl.local.learn_tasks import SPEECH_WORDS, LearnRewardManager
+from maspo_verl.local.learn_tasks import SPEECH_WORDS, LearnRewardManager, reward_manager_overrides
 
 SEP = "~offset"  # PRESET~offsetN
 PRESET = "maspo_words"  # the one preset that reads word ids
@@ -31,12 +31,7 @@ def grid_word_ids(n: int, offset: int) -> list[int]:
 
 def reward_overrides(offset: int) -> list[str]:
     """The trainer's reward settings of the offset arm: the learn tasks' reward, the grid's word ids."""
-    return [
-        "reward.reward_manager.source=importlib",
-        f"reward.reward_manager.name={GridWordsRewardManager.__name__}",
-        f"reward.reward_manager.module.path={__file__}",
-        f"++reward.reward_kwargs.{KWARG}={offset}",
-    ]
+    return [*reward_manager_overrides(GridWordsRewardManager), f"++reward.reward_kwargs.{KWARG}={offset}"]
 
 
 class GridWordsRewardManager(LearnRewardManager):

@@ -168,6 +168,17 @@ except ImportError:  # pragma: no cover
     RewardManager = object
 
 
+def reward_manager_overrides(manager: type) -> list[str]:
+    """The trainer's overrides that load ``manager`` (a reward manager class) from its module's file."""
+    import sys
+
+    return [
+        "reward.reward_manager.source=importlib",
+        f"reward.reward_manager.name={manager.__name__}",
+        f"reward.reward_manager.module.path={sys.modules[manager.__module__].__file__}",
+    ]
+
+
 class LearnRewardManager(RewardManager):
     """verl reward manager of the learn tasks: the score, and per-token scores for span credit."""
 
