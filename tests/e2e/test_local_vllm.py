@@ -56,9 +56,10 @@ def _leftovers(ray_dir: str | None, shm_before: set[str], system_tmp: Path) -> d
     return {"shm": shm, "tmp": sorted(os.listdir(system_tmp)), "ray_dir": ray_left, "processes": procs}
 
 
-def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGTERM, env=None, timeout=600):
-    """The local mode as a user runs it (its own private Ray cluster), optionally sent ``sig`` 3 s after the console
-    shows ``stop_at``; returns (exit code, console, run folder, leftovers right after the exit)."""
+def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGTERM, env=None, timeout=600, act=None):
+    """The local mode as a user runs it (its own private Ray cluster), optionally sent ``sig`` (or ``act(console)``
+    run) 3 s after the console shows ``stop_at``; returns (exit code, console, run folder, leftovers right after
+    the exit)."""
     run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     shm_before = shm_names()
     system_tmp = Path(tempfile.mkdtemp(prefix="maspo_t_"))  # the run's TMPDIR: short, for unix sockets
@@ -79,7 +80,7 @@ def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGT
         while proc.poll() is None and time.monotonic() - start < timeout:
             if stop_at is not None and not sent and stop_at in log.read_text(errors="replace"):
                 time.sleep(3.0)
-                proc.send_signal(sig)
+                act(log.read_text(errors="replace")) if act else proc.send_signal(sig)
                 sent = True
             time.sleep(0.5)
         if proc.poll() is None:
@@ -140,7 +141,11 @@ def test_vllm_rollout_bypass_reports_the_engine_and_its_mismatch_and_leaves_noth
     _ended_cleanly(code, console, run_dir, left)
     steps = read_step_metrics(run_dir / "metrics.jsonl")
     assert sorted(steps) == [1, 2], console[-4000:]
+    # the actor update's torch threads: the run's cores for its one trainer worker (Ray alone would give it one)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    assert f"trainer workers: 1, each with OMP_NUM_THREADS={threads} (" in console
     for step, m in steps.items():
+        assert m["actor/torch_threads"] == threads, (step, m)
         _engine_sampled_every_response(m, responses=4 * 4)
         assert 0 < m[f"{MISMATCH}rms"] and m[f"{MISMATCH}max_abs"] < 1e-4, (step, m)
         assert abs(math.exp(m[f"{MISMATCH}mean"]) - 1) < 1e-5  # the mean token ratio
