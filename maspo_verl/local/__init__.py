@@ -15,7 +15,8 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   (``missing_features``), and the mode is refused with the list of what is missing. It also installs
   the short console (``run_log``).
 - ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
-  output in the run folder, the closing block, and the private Ray cluster's temp dir removed.
+  output in the run folder, the closing block, and the private Ray cluster's temp dir removed; the run
+  stopped when a rollout server dies (``watchdog``).
 - ``prepare_task(config)`` (driver, before the batch-size checks, with ``task=turns``): the multi-turn
   toy environment's lengths and data (``turns``; its agent loop and reward manager: ``turns_agent``,
   registered in verl by ``activate``).
@@ -216,11 +217,13 @@ def check_settings(config) -> str:
 
 @contextlib.contextmanager
 def session(config):
-    """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``)."""
+    """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``), with the
+    watchdog over the rollout servers (``maspo_verl.local.watchdog``)."""
     from maspo_verl.local.run_log import session as run_session
+    from maspo_verl.local.watchdog import watching
 
     check_settings(config)
-    with run_session(config, CREATED_TEMP_DIRS):
+    with run_session(config, CREATED_TEMP_DIRS), watching():
         yield
 
 

@@ -233,6 +233,39 @@ def test_a_run_stopped_mid_step_leaves_nothing(tmp_path, cache, sig):
     assert left == NOTHING_LEFT, console[-3000:]
 
 
+def _kill_the_vllm_server(console: str) -> None:
+    """SIGKILL the run's vLLM server actor process, as Ray's OOM killer ends it."""
+    ray_dir = RAY_TEMP_DIR.search(console).group(1)
+    (pid,) = [p for p in processes_naming(ray_dir) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(SERVER)]
+    os.kill(pid, signal.SIGKILL)
+
+
+SERVER = b"ray::vLLMHttpServer"  # the process title Ray gives verl's vLLM server actor
+
+
+@pytest.mark.slow
+def test_a_dead_vllm_server_stops_the_run_with_its_cause_and_leaves_nothing(tmp_path, cache):
+    """The vLLM server's process killed during step 1 (as Ray's OOM killer kills it): verl's trainer would wait for
+    it forever; the driver's watchdog stops the run within seconds, first saying which actor died and Ray's cause,
+    the closing block names it, the command exits 1 and nothing is left behind."""
+    killed = []
+
+    def kill(console):
+        _kill_the_vllm_server(console)
+        killed.append(time.monotonic())
+
+    code, console, _, left = _run(tmp_path, ["loss=maspo_fixed"], cache, stop_at="ready to fit", act=kill)
+    print(f"from the kill to the end of the command and the leftovers check: {time.monotonic() - killed[0]:.1f} s")
+    said = f"maspo_verl local: the rollout server actor {vllm_cpu.SERVER_ACTOR_PREFIX}0_0 died (WORKER_DIED: "
+    assert code == 1 and said in console, console[-3000:]
+    stopped = console[console.index(said) :]
+    assert "step:1 - " not in stopped and "==== maspo_verl local run FAILED" in stopped, console[-3000:]
+    assert f"error        RolloutServerDied: the rollout server actor {vllm_cpu.SERVER_ACTOR_PREFIX}0_0 died" in stopped
+    assert "Traceback" not in stopped.split("==== maspo_verl local run FAILED", 1)[1], console[-3000:]
+    assert time.monotonic() - killed[0] < 90, console[-3000:]  # the watchdog polls every 3 s; the clean-up ~10-20 s
+    assert left == NOTHING_LEFT, console[-3000:]
+
+
 AGENT_CORRECTION = [
     "loss=maspo_turns", "credit=turns", "algorithm.rollout_correction.bypass_mode=false",
     "algorithm.rollout_correction.rollout_is=segment", "algorithm.rollout_correction.rollout_is_threshold=2.0",
