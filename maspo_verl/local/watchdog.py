@@ -60,14 +60,16 @@ def death_cause(cause) -> str | None:
 
 
 def dead_servers(prefixes=SERVED) -> list[tuple[str, str]]:
-    """(name, cause) of each dead actor of the cluster this process joined whose name starts with one of
-    ``prefixes`` and whose death is not the run's own end."""
+    """(name, cause) of each dead actor of this process's Ray job (a joined cluster holds other jobs' too) whose
+    name starts with one of ``prefixes`` and whose death is not the run's own end."""
+    import ray
     from ray._private import state
 
+    job = ray.get_runtime_context().get_job_id()
     found = []
     for info in state.actors(actor_state_name="DEAD").values():
         name = info.get("Name") or ""
-        if not name.startswith(tuple(prefixes)):
+        if info.get("JobID") != job or not name.startswith(tuple(prefixes)):
             continue
         cause = death_cause(info.get("DeathCause"))
         if cause is not None:

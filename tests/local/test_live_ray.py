@@ -102,3 +102,14 @@ def test_servers_ending_with_their_owner_or_other_actors_dying_do_not_stop_the_r
         time.sleep(2.0)  # polls that see both dead
     assert dog.death is None and not dog.is_alive()
     assert watchdog.dead_servers(watched) == [] and len(watchdog.dead_servers(("not_a_",))) == 1
+
+
+def test_only_the_runs_own_job_is_watched(cluster, monkeypatch):
+    """A joined cluster keeps other jobs' dead actors: a dead server seen from another job is not the run's."""
+    name = f"{watchdog.SERVER_ACTOR_PREFIX}job_0_0"
+    server = Probe.options(name=name).remote()  # held: an actor whose handles are all gone ends OUT_OF_SCOPE
+    os.kill(ray.get(server.pid.remote()), signal.SIGKILL)
+    _wait_for_death(name)
+    assert [found for found, _ in watchdog.dead_servers((name,))] == [name]
+    monkeypatch.setattr(ray.runtime_context.RuntimeContext, "get_job_id", lambda self: "7f000000")
+    assert watchdog.dead_servers((name,)) == []
