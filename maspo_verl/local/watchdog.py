@@ -39,8 +39,8 @@ class RolloutServerDied(RunStopped):
 
 def death_cause(cause) -> str | None:
     """Ray's cause of an actor's death (its ``ActorDeathCause``) in one line: the kind (``OOM``, or the reason Ray
-    gives: ``WORKER_DIED``, ``RAY_KILL``, ``NODE_DIED``, ...) and the first sentence of Ray's message; None for a
-    death that is the run's own end (``RUN_ENDED``)."""
+    gives: ``WORKER_DIED``, ``RAY_KILL``, ``NODE_DIED``, ...) and Ray's message, its first 300 characters; None for
+    a death that is the run's own end (``RUN_ENDED``)."""
     kind = cause.WhichOneof("context") if cause is not None and hasattr(cause, "WhichOneof") else None
     if kind is None:
         return "no cause recorded"

@@ -1,11 +1,12 @@
 """What the local mode relies on in Ray, on a live Ray head (one private 2-CPU cluster for the module, ~10 s to
-start; the tests ~25 s more on 2 cores):
+start; the tests ~10 s more on 2 cores):
 
 - the trainer workers' threads (``ray_cluster.threads_env``): Ray gives an actor that asks for no CPUs
   ``OMP_NUM_THREADS=1`` (torch then runs on one core) and keeps a value set in its environment from the start;
 - the rollout watchdog (``maspo_verl.local.watchdog``): a server actor killed as Ray's OOM killer kills one
   (SIGKILL) stops the run with the actor's name and Ray's cause; a server that ends with its owner (verl's
-  TaskRunner at the end of a run) does not, nor an actor of another name."""
+  TaskRunner at the end of a run) does not, nor an actor of another name or of another job; Ray's records of
+  a death (its protobuf, no head needed) read in one line."""
 
 from __future__ import annotations
 
@@ -57,6 +58,24 @@ def test_ray_gives_an_actor_one_thread_unless_its_environment_sets_them(cluster)
     assert env == {ray_cluster.THREADS_ENV: "2"}
     seen = ray.get(Probe.options(runtime_env={"env_vars": env}).remote().threads.remote())
     assert seen == ("2", 2, {ray_cluster.THREADS_METRIC: 2.0})
+
+
+def test_rays_death_causes_in_one_line():
+    """Ray's records of an actor's death, as its GCS keeps them: the OOM killer's, a killed process's, and the ends
+    of a run (its owner gone, its handles dropped), which are none."""
+    from ray.core.generated import common_pb2 as ray_pb
+
+    oom = ray_pb.ActorDeathCause(
+        oom_context=ray_pb.OomContext(error_message="Task was killed due to the node running low on memory.\nMemory on")
+    )
+    assert watchdog.death_cause(oom) == "OOM: Task was killed due to the node running low on memory. Memory on"
+    died = ray_pb.ActorDiedErrorContext(reason=ray_pb.ActorDiedErrorContext.WORKER_DIED, error_message="x" * 400)
+    said = watchdog.death_cause(ray_pb.ActorDeathCause(actor_died_error_context=died))
+    assert said == f"WORKER_DIED: {'x' * 300} ..."
+    for reason in watchdog.RUN_ENDED:
+        ended = ray_pb.ActorDiedErrorContext(reason=ray_pb.ActorDiedErrorContext.Reason.Value(reason))
+        assert watchdog.death_cause(ray_pb.ActorDeathCause(actor_died_error_context=ended)) is None
+    assert watchdog.death_cause(ray_pb.ActorDeathCause()) == "no cause recorded"
 
 
 def _wait_for_death(name: str, timeout_s: float = 30.0) -> None:
