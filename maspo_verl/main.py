@@ -220,13 +220,15 @@ def _restore_hydra_full_error() -> None:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="maspo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
-    from maspo_verl.local.run_log import remove_hydra_run_folder, run_dir
+    from maspo_verl.local.run_log import RunStopped, remove_hydra_run_folder, run_dir
 
     _restore_hydra_full_error()  # errors of the run itself: Hydra's own reporting
 
     log = run_dir() / "run.log"  # written by a local run's session from its start
     try:
         run(config)
+    except RunStopped:  # the closing block has named the cause (its first line said it as it happened)
+        sys.exit(1)
     except Exception as exc:
         cause = root_cause(exc)
         began = log.is_file()
@@ -245,9 +247,13 @@ def main(config: DictConfig) -> None:
         remove_hydra_run_folder()
 
 
+INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT), as a shell reports it
+
+
 def cli(argv: list[str] | None = None) -> None:
     """The module's command line: the ``policy_loss`` override check, then Hydra's ``main``; a misspelt
-    verl key gets the closest keys instead of Hydra's "+key" advice."""
+    verl key gets the closest keys instead of Hydra's "+key" advice. A run stopped by SIGINT or SIGTERM exits
+    with 128 + the signal's number (130, 143) and no traceback: a local run's closing block has said so."""
     overrides = sys.argv[1:] if argv is None else argv
     try:
         check_policy_loss_overrides(overrides)
@@ -258,6 +264,11 @@ def cli(argv: list[str] | None = None) -> None:
         os.environ.update({"HYDRA_FULL_ERROR": "1", _FORCED_FULL_ERROR: "1"})
     try:
         main()
+    except KeyboardInterrupt as exc:
+        status = getattr(exc, "exit_status", None)  # a local run's session (``run_log.Interrupted``) said it
+        if status is None:
+            print("maspo_verl: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED if status is None else status)
     except Exception as exc:  # raised while Hydra composes (the run's own errors Hydra reports itself)
         forced = bool(os.environ.get(_FORCED_FULL_ERROR))
         _restore_hydra_full_error()

@@ -15,7 +15,8 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   (``missing_features``), and the mode is refused with the list of what is missing. It also installs
   the short console (``run_log``).
 - ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
-  output in the run folder, the closing block, and the private Ray cluster's temp dir removed.
+  output in the run folder, the closing block, and the private Ray cluster's temp dir removed; the run
+  stopped when a rollout server dies (``watchdog``).
 - ``prepare_task(config)`` (driver, before the batch-size checks, with ``task=turns``): the multi-turn
   toy environment's lengths and data (``turns``; its agent loop and reward manager: ``turns_agent``,
   registered in verl by ``activate``).
@@ -49,7 +50,10 @@ _activated = False
 # temp dirs of private Ray clusters this process started (removed by the session)
 CREATED_TEMP_DIRS: list[str] = []
 # what a run adds to LOCAL_ENV where the user has not set it (_run_env), and its own temp folder (_run_temp_folder)
-RUN_ENV = ("TQ_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE", "TMPDIR")
+RUN_ENV = (
+    "TQ_NUM_THREADS", "OMP_NUM_THREADS", "VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_DIR", "HF_DATASETS_CACHE",
+    "TMPDIR",
+)  # fmt: skip
 # the settings of the local mode's log (hydra_configs/local/cpu.yaml, maspo.*)
 LOG_SETTINGS = ("quiet", "print_config")
 
@@ -146,7 +150,8 @@ def activate() -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from maspo_verl.local.platform import PlatformCPU
-    from maspo_verl.plugin.hooks import patch
+    from maspo_verl.local.ray_cluster import thread_metrics
+    from maspo_verl.plugin.hooks import patch, register_update_metrics
 
     platform_manager.PlatformRegistry.register(platform="cpu")(PlatformCPU)
     current = platform_manager._current_platform
@@ -168,6 +173,7 @@ def activate() -> None:
     if problem:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
     _unpin_fsdp2_offload()
+    register_update_metrics(thread_metrics)  # actor/torch_threads: what the run's OMP_NUM_THREADS gave the update
     from maspo_verl.local import turns_agent  # noqa: F401 - registers the toy multi-turn agent loop
     from maspo_verl.local.run_log import install_worker_hooks
 
@@ -211,23 +217,32 @@ def check_settings(config) -> str:
 
 @contextlib.contextmanager
 def session(config):
-    """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``)."""
+    """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``), with the
+    watchdog over the rollout servers (``maspo_verl.local.watchdog``)."""
     from maspo_verl.local.run_log import session as run_session
+    from maspo_verl.local.watchdog import watching
 
     check_settings(config)
-    with run_session(config, CREATED_TEMP_DIRS):
+    with run_session(config, CREATED_TEMP_DIRS), watching():
         yield
+
+
+def trainer_workers(config) -> int:
+    """The trainer's worker processes (its data-parallel ranks): ``trainer.nnodes * trainer.n_gpus_per_node``."""
+    return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
 
 
 def _run_env(config) -> dict[str, str]:
     """Environment of a run, on top of ``LOCAL_ENV``, unless the user set it: TransferQueue's thread
-    count within the physical cores (it warns in every process otherwise), the tracking backends'
-    files in the run folder, the datasets cache in the local mode's cache (nothing new in HOME)."""
+    count within the physical cores (it warns in every process otherwise), the trainer workers' threads
+    (``ray_cluster.threads_env``: Ray would give each one), the tracking backends' files in the run folder,
+    the datasets cache in the local mode's cache (nothing new in HOME)."""
     import psutil
 
+    from maspo_verl.local.ray_cluster import threads_env
     from maspo_verl.local.run_log import tracking_env
 
-    env = tracking_env(config)
+    env = {**tracking_env(config), **threads_env(trainer_workers(config))}
     if not (os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME")):
         # verl's dataset caches the parquet it reads; in the local mode's cache, not ~/.cache/huggingface
         from maspo_verl.util import default_cache_dir
@@ -332,6 +347,7 @@ def prepare(config) -> dict:
     check_verl_features()
     from maspo_verl.local import ray_cluster
     from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
+    from maspo_verl.local.ray_cluster import THREADS_ENV as THREADS
     from maspo_verl.local.vllm_cpu import ENGINE_ENV
 
     mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
@@ -394,7 +410,8 @@ def prepare(config) -> dict:
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
         f"val={config.data.val_files} ray_address={ray_init.get('address')} ray_temp_dir={ray_init.get('_temp_dir')}"
-        f"{folder}\nmaspo_verl local: {ray_cluster.machine_line(ray_init)}",
+        f"{folder}\nmaspo_verl local: {ray_cluster.machine_line(ray_init)}\nmaspo_verl local: "
+        + ray_cluster.threads_line(trainer_workers(config), os.environ[THREADS], THREADS not in mode_env),
         flush=True,
     )
     return {"model": arr.model.path, "train": config.data.train_files, "val": config.data.val_files, **used}
@@ -509,7 +526,7 @@ def _fit_private_cluster(config) -> None:
     """A private cluster gets at least one logical GPU per trainer worker (``trainer.nnodes *
     n_gpus_per_node``; the ranks run FSDP on gloo), for verl's resource-pool checks."""
     ray_init = config.ray_kwargs.ray_init
-    workers = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    workers = trainer_workers(config)
     if int(ray_init.get("num_gpus") or 0) < workers:
         ray_init.num_gpus = workers
 

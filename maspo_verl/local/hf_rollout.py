@@ -34,6 +34,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from maspo_verl.local.mismatch import LogProbMismatch
+from maspo_verl.local.watchdog import HF_SERVER_PREFIX
 
 logger = logging.getLogger("maspo_verl.local")
 
@@ -42,7 +43,7 @@ WEIGHTS_DUMP_ENV = "MASPO_VERL_WEIGHTS_DUMP"
 
 
 def server_name(replica_rank: int, suffix: str = "") -> str:
-    return f"maspo_hf_server_{replica_rank}{suffix}"
+    return f"{HF_SERVER_PREFIX}{replica_rank}{suffix}"
 
 
 class HFServer:

@@ -120,13 +120,55 @@ def private_token_env(temp_dir: str, environ=None, home: Path | None = None) -> 
     return {"RAY_AUTH_TOKEN_PATH": str(path)}
 
 
+def run_cpus() -> int:
+    """The CPU cores this process, and so the run, may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# Ray sets OMP_NUM_THREADS in each actor it starts to the actor's CPUs, 1 where the actor asks none (verl's
+# workers), unless it is set (``ray._private.utils.set_omp_num_threads_if_unset``): the trainer's update then runs
+# on one core. A value in the workers' environment from the start (``runtime_env.env_vars``) is kept.
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def worker_threads(cpus: int, workers: int) -> int:
+    """The threads of each of ``workers`` trainer worker processes sharing ``cpus`` cores (their updates run at
+    the same time; the rollout's engines run between them): max(1, cpus // workers)."""
+    return max(1, int(cpus) // max(1, int(workers)))
+
+
+def threads_env(workers: int, environ=None, cpus: int | None = None) -> dict[str, str]:
+    """``{OMP_NUM_THREADS: ...}`` for the run's workers (``worker_threads`` of the run's cores); {} where the user
+    set it (theirs then reaches the workers: Ray keeps a value that is set)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(THREADS_ENV):
+        return {}
+    return {THREADS_ENV: str(worker_threads(run_cpus() if cpus is None else cpus, workers))}
+
+
+THREADS_METRIC = "torch_threads"  # of the actor update's worker, as verl logs it: actor/torch_threads
+
+
+def thread_metrics() -> dict[str, float]:
+    """The intra-op threads torch runs the actor update on, in the worker that runs it."""
+    import torch
+
+    return {THREADS_METRIC: float(torch.get_num_threads())}
+
+
+def threads_line(workers: int, value: str, chosen: bool) -> str:
+    """What the start-up lines say of the trainer workers' threads (``chosen``: the user's value)."""
+    why = "yours" if chosen else f"the run's {run_cpus()} CPU cores / {workers}; Ray's default is 1"
+    return f"trainer workers: {workers}, each with {THREADS_ENV}={value} ({why})"
+
+
 def machine_line(ray_init, cpus: int | None = None, gpus: int | None = None) -> str:
     """What this machine has, and what a private cluster's Ray is told it has (logical resources that verl's
     resource-pool checks count: one "GPU" per trainer worker, CPUs for its actors): so that the run's log,
     which holds verl's ``ray init kwargs``, is not read as the machine's. ``cpus``/``gpus``: this machine's
     (default: the CPU cores this process may use, torch's CUDA device count)."""
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = run_cpus()
     if gpus is None:
         import torch
 

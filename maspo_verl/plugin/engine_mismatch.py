@@ -154,9 +154,11 @@ def delta_metrics(sums, max_abs: float, corr: Mapping | None = None) -> dict[str
     return metrics
 
 
-def attach(output) -> None:
-    """Put the collected metrics (once) in an update's output metrics (verl's ``train_mini_batch`` result)."""
+def attach(output, extra: Mapping[str, float] | None = None) -> None:
+    """Put the collected metrics (once), and ``extra``, in an update's output metrics (verl's ``train_mini_batch``
+    result)."""
     metrics, _state.metrics = _state.metrics, None
+    metrics = {**(metrics or {}), **(extra or {})}
     if not metrics or output is None:
         return
     from verl.utils import tensordict_utils as tu

@@ -392,12 +392,22 @@ class VerlUpdate:
         return self.dp_rank == 0 and (holds_outputs is None or bool(holds_outputs()))
 
 
+UPDATE_METRICS: list[Callable[[], dict[str, float]]] = []
+"""``measure()``: metrics of the worker process added to each actor update's (verl logs them under ``actor/``),
+registered by other layers (the local mode's torch threads)."""
+
+
+def register_update_metrics(measure: Callable[[], dict[str, float]]) -> None:
+    if measure not in UPDATE_METRICS:
+        UPDATE_METRICS.append(measure)
+
+
 def _with_update_scope(original):
     def train_mini_batch(self, *args, **kwargs):
         data = kwargs.get("data", args[0] if args else None)
         with update_scope(VerlUpdate(self, data, next(_updates))), engine_mismatch.update():
             out = original(self, *args, **kwargs)
-            engine_mismatch.attach(out)
+            engine_mismatch.attach(out, {k: v for measure in UPDATE_METRICS for k, v in measure().items()})
             return out
 
     return train_mini_batch

@@ -56,9 +56,10 @@ def _leftovers(ray_dir: str | None, shm_before: set[str], system_tmp: Path) -> d
     return {"shm": shm, "tmp": sorted(os.listdir(system_tmp)), "ray_dir": ray_left, "processes": procs}
 
 
-def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGTERM, env=None, timeout=600):
-    """The local mode as a user runs it (its own private Ray cluster), optionally sent ``sig`` 3 s after the console
-    shows ``stop_at``; returns (exit code, console, run folder, leftovers right after the exit)."""
+def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGTERM, env=None, timeout=600, act=None):
+    """The local mode as a user runs it (its own private Ray cluster), optionally sent ``sig`` (or ``act(console)``
+    run) 3 s after the console shows ``stop_at``; returns (exit code, console, run folder, leftovers right after
+    the exit)."""
     run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
     shm_before = shm_names()
     system_tmp = Path(tempfile.mkdtemp(prefix="maspo_t_"))  # the run's TMPDIR: short, for unix sockets
@@ -79,7 +80,7 @@ def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGT
         while proc.poll() is None and time.monotonic() - start < timeout:
             if stop_at is not None and not sent and stop_at in log.read_text(errors="replace"):
                 time.sleep(3.0)
-                proc.send_signal(sig)
+                act(log.read_text(errors="replace")) if act else proc.send_signal(sig)
                 sent = True
             time.sleep(0.5)
         if proc.poll() is None:
@@ -140,7 +141,11 @@ def test_vllm_rollout_bypass_reports_the_engine_and_its_mismatch_and_leaves_noth
     _ended_cleanly(code, console, run_dir, left)
     steps = read_step_metrics(run_dir / "metrics.jsonl")
     assert sorted(steps) == [1, 2], console[-4000:]
+    # the actor update's torch threads: the run's cores for its one trainer worker (Ray alone would give it one)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    assert f"trainer workers: 1, each with OMP_NUM_THREADS={threads} (" in console
     for step, m in steps.items():
+        assert m["actor/torch_threads"] == threads, (step, m)
         _engine_sampled_every_response(m, responses=4 * 4)
         assert 0 < m[f"{MISMATCH}rms"] and m[f"{MISMATCH}max_abs"] < 1e-4, (step, m)
         assert abs(math.exp(m[f"{MISMATCH}mean"]) - 1) < 1e-5  # the mean token ratio
@@ -219,10 +224,45 @@ STOPPED_BY = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_run_stopped_mid_step_leaves_nothing(tmp_path, cache, sig):
     """Stopped during step 1 (its rollout and first update take ~20 s), as Ctrl-C or ``kill`` stops it: the closing
-    block says which signal stopped the run (not the ``SystemExit: 1`` of Ray's own SIGTERM handler)."""
+    block says which signal stopped the run (not the ``SystemExit: 1`` of Ray's own SIGTERM handler), and the
+    command exits as a shell reports that signal (130, 143) with no traceback after the block."""
     code, console, _, left = _run(tmp_path, ["loss=maspo_fixed"], cache, stop_at="ready to fit", sig=sig)
-    assert code != 0 and "step:2 - " not in console, console[-3000:]
+    assert code == 128 + sig and "step:2 - " not in console, console[-3000:]
     assert f"error        KeyboardInterrupt: the run was stopped by {STOPPED_BY[sig]}\n" in console, console[-3000:]
+    assert "Traceback" not in console.split("==== maspo_verl local run FAILED", 1)[1], console[-3000:]
+    assert left == NOTHING_LEFT, console[-3000:]
+
+
+def _kill_the_vllm_server(console: str) -> None:
+    """SIGKILL the run's vLLM server actor process, as Ray's OOM killer ends it."""
+    ray_dir = RAY_TEMP_DIR.search(console).group(1)
+    (pid,) = [p for p in processes_naming(ray_dir) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(SERVER)]
+    os.kill(pid, signal.SIGKILL)
+
+
+SERVER = b"ray::vLLMHttpServer"  # the process title Ray gives verl's vLLM server actor
+
+
+@pytest.mark.slow
+def test_a_dead_vllm_server_stops_the_run_with_its_cause_and_leaves_nothing(tmp_path, cache):
+    """The vLLM server's process killed during step 1 (as Ray's OOM killer kills it): verl's trainer would wait for
+    it forever; the driver's watchdog stops the run within seconds, first saying which actor died and Ray's cause,
+    the closing block names it, the command exits 1 and nothing is left behind."""
+    killed = []
+
+    def kill(console):
+        _kill_the_vllm_server(console)
+        killed.append(time.monotonic())
+
+    code, console, _, left = _run(tmp_path, ["loss=maspo_fixed"], cache, stop_at="ready to fit", act=kill)
+    print(f"from the kill to the end of the command and the leftovers check: {time.monotonic() - killed[0]:.1f} s")
+    said = f"maspo_verl local: the rollout server actor {vllm_cpu.SERVER_ACTOR_PREFIX}0_0 died (WORKER_DIED: "
+    assert code == 1 and said in console, console[-3000:]
+    stopped = console[console.index(said) :]
+    assert "step:1 - " not in stopped and "==== maspo_verl local run FAILED" in stopped, console[-3000:]
+    assert f"error        RolloutServerDied: the rollout server actor {vllm_cpu.SERVER_ACTOR_PREFIX}0_0 died" in stopped
+    assert "Traceback" not in stopped.split("==== maspo_verl local run FAILED", 1)[1], console[-3000:]
+    assert time.monotonic() - killed[0] < 90, console[-3000:]  # the watchdog polls every 3 s; the clean-up ~10-20 s
     assert left == NOTHING_LEFT, console[-3000:]
 
 

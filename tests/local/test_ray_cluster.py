@@ -59,6 +59,23 @@ def test_private_cluster_without_an_address(env, tmp_path):
         shutil.rmtree(ray_init._temp_dir)  # the private token is written there
 
 
+def test_trainer_workers_share_the_runs_cores_unless_the_user_set_their_threads(env, tmp_path, capsys):
+    """Each trainer worker gets max(1, cores // workers) threads (``OMP_NUM_THREADS``, Ray's default 1), in the
+    driver and every worker, said in the start-up lines; a value the user set is theirs (the workers inherit it)."""
+    rule = ray_cluster.worker_threads
+    assert [rule(2, 1), rule(2, 2), rule(2, 3), rule(16, 3), rule(1, 1), rule(8, 0)] == [2, 1, 1, 5, 1, 8]
+    ray_init = _prepare(["trainer.n_gpus_per_node=2"], tmp_path)
+    shutil.rmtree(ray_init._temp_dir)
+    expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert ray_init.runtime_env.env_vars.OMP_NUM_THREADS == expected == os.environ["OMP_NUM_THREADS"]
+    assert f"trainer workers: 2, each with OMP_NUM_THREADS={expected} (the run's " in capsys.readouterr().out
+    env.setenv("OMP_NUM_THREADS", "3")
+    ray_init = _prepare([], tmp_path)
+    shutil.rmtree(ray_init._temp_dir)
+    assert "OMP_NUM_THREADS" not in ray_init.runtime_env.env_vars and os.environ["OMP_NUM_THREADS"] == "3"
+    assert "trainer workers: 1, each with OMP_NUM_THREADS=3 (yours)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("via", ["RAY_ADDRESS", "override"])
 def test_joins_a_given_cluster(env, tmp_path, via):
     """Inside `ray job submit` Ray sets RAY_ADDRESS: join it, with nothing ray.init refuses when connecting

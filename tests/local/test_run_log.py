@@ -73,9 +73,12 @@ NOISE = [
     "(vLLMHttpServer pid=12725) ['serve',",
     "(vLLMHttpServer pid=12725)  '--kv_cache_memory_bytes',",
     "(vLLMHttpServer pid=12725)  '67108864']",
-    "(vLLMHttpServer pid=20448)  '{\"temperature\": 1.0, \"top_k\": -1, \"top_p\": 1, \"repetition_penalty\": 1.0, '",
+    '(vLLMHttpServer pid=20448)  \'{"temperature": 1.0, "top_k": -1, "top_p": 1, "repetition_penalty": 1.0, \'',
     "(WorkerDict pid=9156) WARNING:2026-11-27 17:05:52,189:IPC is not supported on your devices. Falling back to "
     "shared memory for weight transfer.",
+    "(vLLMHttpServer pid=10647) (EngineCore pid=10726) WARNING 11-28 00:44:29 [torch_utils.py:265] OMP_NUM_THREADS=2 "
+    "is set; leaving Torch threads at 2 for serving. Multi-threaded torch CPU ops during serving can degrade "
+    "performance through spin-wait contention and cgroup CPU-quota throttling.",
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
