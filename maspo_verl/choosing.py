@@ -773,11 +773,65 @@ def granularity_section(root: Path) -> list[str]:
         )
         + ".",
         "",
+        *part3_lines(root),
         "Registered but not run yet: part 2 (the warm speech model in verl's trainer, every arm's learning rate "
-        "tuned alike, 12 fresh seeds), part 3 (SmolLM2-135M at realistic drift), part 4 (exploratory SmolLM2 RL).",
+        "tuned alike, 12 fresh seeds), part 4 (exploratory SmolLM2 RL).",
         "",
     ]
     return lines
+
+
+PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab smollm2 --granularity)
+
+
+def part3_lines(root: Path) -> list[str]:
+    """Part 3 of the registered study: its batches so far and every registered test their data allow, per drift
+    condition; until all registered batches are in, said to be interim."""
+    folder = root / RESULTS / PART3
+    design = {r["key"]: r["value"] for r in _read(folder / "design.csv")}
+    batches = _read(folder / "batches.csv")
+    head = f"**Part 3, SmolLM2-135M at realistic drift** ([`{PART3}/`](results/{PART3}/README.md))"
+    if not design or not batches:
+        return [f"{head}: no batch finished yet.", ""]
+    n, of = len(batches), int(design["batch_count"])
+    lines = [
+        f"{head}: {n} of the {of} registered batches (seeds {design['batches']}), {_mean_of(batches, 'responses'):.0f}"
+        f" responses each at their natural lengths (mean {_mean_of(batches, 'length_mean'):.0f} tokens, "
+        f"{100 * _mean_of(batches, 'ended_by_eos'):.0f} % ended by EOS), reward {_mean_of(batches, 'reward'):.2f}. "
+        "δ: the whole model after 1 or 4 Adam updates on grpo's loss of the batch. VIF(15) − null: δ's VIF(15) minus "
+        "that of the same δ permuted within each row (registered: *falsified*, no correlation at realistic drift, "
+        f"if the interval lies inside ±{design['vif_margin']}). G1: each window's gradient cosine to the on-policy "
+        "gradient minus W = 1's, each preset at its shipped band (Holm within each drift condition)."
+        + (
+            f" **Interim**: the registered tests need all {of} batches (with fewer the sign-flip p cannot reach "
+            "Holm's threshold); no verdict is drawn from these rows."
+            if n < of
+            else ""
+        ),
+        "",
+    ]
+    tests = _read(folder / "tests.csv")
+    corr = _read(folder / "correlation.csv")
+    lines += ["| lr, updates | VIF(15) − null | G1: window − W = 1 | G3: adaptive − best window |", "|---|---|---|---|"]
+    for lr, k in sorted({(r["lr"], r["updates"]) for r in corr}, key=lambda c: (_f(c[0]), int(c[1]))):
+        mine = [t for t in tests if (t["lr"], t["updates"]) == (lr, k)]
+        vif = [t for t in mine if t["test"] == "vif" and t["measure"] == "vif15 - null"]
+        if vif:
+            vif_text = f"{_span(vif[0])} → {vif[0]['outcome']}"
+        else:  # one batch: its value, no interval
+            rows = [r for r in corr if (r["lr"], r["updates"]) == (lr, k)]
+            vif_text = f"{_mean_of(rows, 'vif15') - _mean_of(rows, 'null_vif15'):+.3f} (one batch, no interval)"
+        cells = [
+            "<br>".join(
+                f"{t['arm'] if f == 'G1' else t['arm'] + ' − ' + t['vs']}: {_span(t)} → {t['outcome']}"
+                for t in mine
+                if t["family"].startswith(f)
+            )
+            or "(two batches at least)"
+            for f in ("G1", "G3")
+        ]
+        lines.append(f"| {_f(lr):g}, {k} | {vif_text} | {cells[0]} | {cells[1]} |")
+    return lines + [""]
 
 
 def _verdict_words(verdicts: list[dict], family: str) -> str:

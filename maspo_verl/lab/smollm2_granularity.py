@@ -398,8 +398,15 @@ def report(out: Path) -> None:
     corr, grad, batches = (read_csv(out / f"{n}.csv") for n in ("correlation", "gradient", "batches"))
     vif, g = vif_tests(corr), gradient_tests(grad)
     write_csv(out / "tests.csv", [r | {"test": "vif"} for r in vif] + [r | {"test": "gradient"} for r in g])
+    write_csv(out / "design.csv", design())
     (out / "README.md").write_text(readme(out, batches, corr, grad, vif, g))
     report_written(out)
+
+
+def design() -> list[dict]:
+    """The registered design that ``docs/choosing.md`` reads (it imports nothing of the package)."""
+    rows = {"batches": f"{BATCHES[0]}-{BATCHES[-1]}", "batch_count": len(BATCHES), "vif_margin": VIF_MARGIN}
+    return [{"key": k, "value": v} for k, v in rows.items()]
 
 
 DEVIATIONS = (
@@ -418,8 +425,10 @@ DEVIATIONS = (
     "Ambiguous: the VIF null is the mean over 16 within-row permutations of each batch's δ (one draw is noisier); "
     "the registration names only its falsifying reading (the interval of VIF minus null inside ±0.1); an interval "
     "above +0.1 is reported as *correlated*, anything else as —.",
-    "Part 3 runs under `nice -n 19` on the 2 shared cores beside other sessions: its wall times are upper bounds "
-    "(`cpu_s` is the process's CPU time).",
+    "Part 3 runs niced on the 2 shared cores beside other sessions: its wall times are upper bounds (`cpu_s` is "
+    "the process's CPU time). The batches from the resume of 2026-11-28 on ran with 2 torch threads (`--threads 2`, "
+    "each resume's command is in COMMAND.txt; the lost batch-200 attempts before it ran with 1): the thread count "
+    "changes the order of float sums, not what is computed.",
     "The first 8 pool problems were screened by a run started from commit c7d16e2, which screened the whole pool's "
     "need before any batch; it was stopped and resumed (`--resume`) with the code that screens only as far as the "
     "next batch needs (930a873). The screening code, pool, seeds and order are the same, so are the problems.",

@@ -243,6 +243,41 @@ def test_a_stopped_run_resumes_with_the_missing_batches(tmp_path, monkeypatch):
     assert "Batches on disk: 8 of 8" in readme and "vif5 - null" in readme
 
 
+def test_the_guide_reads_part3_as_interim_until_every_batch(tmp_path, monkeypatch):
+    """docs/choosing.md's part-3 lines come from the engine's own tables: one batch gives its value and no
+    interval, all eight the registered tests with their outcomes and no *interim*."""
+    import argparse
+
+    from maspo_verl import choosing
+
+    def one_batch(model, tok, problems, seed, args):
+        key = {"batch": seed, "lr": 1e-5, "updates": 4}
+        corr = [key | {"vif5": 1.2, "null_vif5": 1.0, "vif15": 1.3, "null_vif15": 1.0}]
+        grad = [key | {"arm": a, "cos": 0.5 + 0.01 * i} for i, a in enumerate(g3.ARMS)]
+        summary = {"batch": seed, "responses": 32, "reward": 0.5, "length_mean": 40, "ended_by_eos": 0.75, "seconds": 1}
+        return corr, grad, summary
+
+    monkeypatch.setattr(g3, "one_batch", one_batch)
+    monkeypatch.setattr(g3, "chosen_problems", lambda model, tok, args, out, need: [(f"q{i}", i) for i in range(need)])
+    monkeypatch.setattr(smollm2, "load", lambda threads: (None, None, None))
+    assert choosing.part3_lines(tmp_path)[0].endswith("no batch finished yet.")
+    out = tmp_path / choosing.RESULTS / choosing.PART3
+    args = argparse.Namespace(out=str(out), report=False, resume=False, pieces=1, prompts=4, group=8, threads=1)
+    g3.run(args, ["smollm2", "--granularity", "--pieces", "1"])
+    text = "\n".join(choosing.part3_lines(tmp_path))
+    assert "1 of the 8 registered batches (seeds 200-207)" in text and "**Interim**" in text
+    assert "75 % ended by EOS" in text and "inside ±0.1" in text
+    assert "| 1e-05, 4 | +0.300 (one batch, no interval) | (two batches at least) |" in text
+    args.resume, args.pieces = True, 0
+    g3.run(args, ["smollm2", "--granularity", "--resume"])
+    text = "\n".join(choosing.part3_lines(tmp_path))
+    assert "8 of the 8 registered batches" in text and "Interim" not in text
+    assert "+0.300 [+0.300, +0.300] → correlated" in text
+    # G1: every window above W = 1 by 0.01 i on all 8 batches (Holm 5 x 2/256 < 0.05); G3 against the best (W=128)
+    assert "W=2: +0.010 [+0.010, +0.010] → above" in text
+    assert "correlation − whole: +0.020 [+0.020, +0.020] → above" in text
+
+
 def test_the_command_writes_its_own_folder(tmp_path, monkeypatch):
     """``lab smollm2 --granularity --update-docs`` writes docs/results/granularity/smollm2; the study's knobs are
     refused without --granularity."""
