@@ -34,6 +34,7 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -256,6 +257,7 @@ def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool 
     return [f"loss={preset}", *adjustments, *changed, *widened, *([f"credit={credit}"] if credit else [])]
 
 
+@functools.cache  # composing a preset takes Hydra about a second; every run of a study asks again
 def preset_of(name: str):
     """A preset as the regime labs compose it (``regimes.Preset``), or a variant ``PRESET@field=value[,...]`` of
     one (``regimes_tuned.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
@@ -298,7 +300,7 @@ def band_overrides(preset: str, width: str) -> list[str]:
     where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
     from maspo_verl.lab.regimes_tuned import widen
 
-    shipped = preset_of(preset)
+    shipped = preset_of(word_grid.split(preset)[0])  # the word-grid arm's band is its preset's
     wide = widen(shipped, width)
     out = [f"actor_rollout_ref.actor.{k}={v!r}" for k, v in wide.actor.items() if v != shipped.actor[k]]
     out += [
