@@ -672,12 +672,14 @@ def run(args, argv) -> None:
                     for s in sorted(steps):
                         if "critic/score/mean" in steps[s]:
                             step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
-                    record = key | run_record(args, steps, code) | {"wall_s": wall}
+                    record = key | run_record(args, steps, code)
+                    record |= {"wall_s": wall, "cpu_s": result.cpu_s, "lr": args.lr}
                     runs.append(record)
                     log(
                         f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
                         f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
-                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s (run folder {result.run_dir})"
+                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s (run folder "
+                        f"{result.run_dir})"
                     )
                     # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
                     write_csv(out / "learn_steps.csv", step_rows)
