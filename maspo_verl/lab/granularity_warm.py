@@ -241,21 +241,21 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str]) -> 
 def run_piece(out: Path, piece: Piece) -> None:
     """One piece: its ``lab learn`` command, parsed by the lab CLI (a renamed flag fails here) and run."""
     from maspo_verl.lab import __main__ as lab
-    from maspo_verl.lab.runs import _children_cpu
 
     argv = piece.argv(out)
     if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
         argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
     _note(out, f"\npiece {piece.name}: python -m maspo_verl.lab {shlex.join(argv)}")
-    start, cpu = time.monotonic(), _children_cpu()
+    start = time.monotonic()
     args = lab.parse(argv)
     args.module.run(args, argv)
     rows = [r for r in learn.load_rows(Path(out) / PIECES / piece.name / "learn_runs.csv") if r["seed"] in piece.seeds]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    cpu = finite_mean(r.get("cpu_s") for r in rows)
     _note(
         out,
-        f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {_children_cpu() - cpu:.0f} CPU-s of "
-        f"trainer processes, load average {load} at the end",
+        f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {cpu:.0f} CPU-s per run (learn_runs.csv "
+        f"cpu_s), load average {load} at the end",
     )
     if rows and not any(r["ok"] for r in rows):
         codes = sorted({str(r["exit_code"]) for r in rows})
