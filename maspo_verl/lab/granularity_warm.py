@@ -410,9 +410,10 @@ READINGS = (
     "The registered prediction (part 1's outcome on its longer-unit cell, L96/stale2/U4/lr1/u24) is *confirmed* "
     "for a family where part 2's verdict is the same words.",
     "Each run's time limit is 1800 s (`--timeout`; lab learn's default 900 s can stop a run on a shared machine). "
-    "CPU time per run is the trainer's process tree as the kernel accounts reaped children (a lower bound where a "
-    "Ray process is killed unreaped); each seed's warm-started model is built once into the local cache (about a "
-    "CPU-minute each, not in the runs' times).",
+    "CPU time per run (`cpu_s`, `lab/runs.py`) is the user + system time of the run's processes (the trainer's "
+    "session and its Ray cluster, read every 0.5 s), or the kernel's count of reaped children where that is larger: "
+    "a lower bound (a process's last half second can be missed). Each seed's warm-started model is built once into "
+    "the local cache (about a CPU-minute each, not in the runs' times).",
 )
 
 
