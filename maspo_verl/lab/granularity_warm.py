@@ -114,13 +114,15 @@ def tuning_pieces() -> list[Piece]:
 
 
 def held_pieces(choices: list[dict]) -> list[Piece]:
-    """The held-out pieces the choice implies, those a registered test reads first."""
+    """The held-out pieces the choice implies, those a registered test reads first (an arm whose every tuning run
+    failed has no choice and no held-out piece: its tests stay not run)."""
     pick = {c["loss"]: c for c in choices}
-    windows = [f"{g.FIXED}{w}" for w in WINDOWS]
-    pieces = [Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in ARMS]
+    arms = [a for a in ARMS if a in pick]
+    windows = [f"{g.FIXED}{w}" for w in WINDOWS if f"{g.FIXED}{w}" in pick]
+    pieces = [Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in arms]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in windows]
-    pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows[1:] if pick[a]["kl_band"]]
-    pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in ARMS if a not in windows]
+    pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != g.TOKEN and pick[a]["kl_band"]]
+    pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in arms if a not in windows]
     return list(dict.fromkeys(pieces))  # a matched-KL lr equal to the chosen one is the chosen piece
 
 

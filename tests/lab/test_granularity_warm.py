@@ -99,6 +99,7 @@ def test_the_pieces_are_the_registered_ones():
     unclipped = [p.arm for p in held if p.unclipped]
     assert sorted(unclipped) == sorted(gw.ARMS) and unclipped[-3:] == [BAND, CORRELATION, gw.OFFSET]  # untested last
     assert len(held) == 8 + 8 + 2
+    assert not [p for p in gw.held_pieces([c for c in _choice() if c["loss"] != W[96]]) if p.arm == W[96]]
     # every piece a registered test reads comes before every one none reads
     read = {(arm, setting) for _, _, *arms in g.comparisons(_choice(), gw.design()) for arm, setting in arms}
     tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())]
