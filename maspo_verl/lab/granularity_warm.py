@@ -472,8 +472,7 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         if choices
         else f"Not chosen yet: {sum(p['done'] for p in tuned)} of {len(tuned)} "
         "tuning pieces done; `choice.csv` is written when all are, before any held-out piece runs.\n",
-        g.bracket_note(choices, d) if choices else "",
-        "",
+        *([g.bracket_note(choices, d), ""] if choices else []),
         "Tuning means per arm and learning rate (`tuning.csv`):",
         "",
         markdown_table(tables["tuning.csv"]),
