@@ -350,8 +350,12 @@ def test_a_variant_runs_with_its_fields_and_band_in_hydras_grammar():
 def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     """``--losses X --resume`` runs X for the seeds already run and summarises it beside the losses run before
     (the earlier runs are not run again); each run records its band."""
+    import tempfile
+
     from maspo_verl.lab.runs import LocalRun
 
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's logs folders: not left in /tmp
     calls = []
 
     def fake_run(overrides, run_dir, timeout_s=900):
