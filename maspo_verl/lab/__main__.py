@@ -59,9 +59,9 @@ def _require_environment() -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _require_environment()
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The lab CLI's arguments of ``argv`` (``<command> [options]``): the command's module (a mode's, where one is
+    on), its folder and ``out`` resolved. A study that runs another command in pieces parses each piece here."""
     from maspo_verl.lab import common
 
     parser = argparse.ArgumentParser(
@@ -91,6 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():
         parser.error(f"--update-docs writes docs/results/{args.folder}/ of a checkout: run it from the repository root")
     args.out = str(args.out or common.default_out(args.folder, update_docs=args.update_docs))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _require_environment()
+    from maspo_verl.lab import common
+
+    args = parse(argv)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler's USDT start/stop marker lines: none
     # the whole console output in the folder (not in the committed one: --update-docs)
     with contextlib.nullcontext() if args.update_docs else common.full_log(Path(args.out) / LOG):

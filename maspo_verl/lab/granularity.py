@@ -9,13 +9,16 @@ the arms, cells, seeds, families and decision rules below are its, and change on
 Two phases: ``--phase tune`` runs the tuning seeds and writes each arm's chosen width (``choice.csv``);
 ``--phase held`` then runs the held-out seeds and reports; ``all`` does both. ``--resume`` keeps the rows already
 in ``runs.csv`` and runs only the missing jobs, so the study runs in pieces.
+
+The analysis (``comparisons``, ``tests``, ``decisions`` and the report's sections) reads a part's ``Design``; part 2,
+the warm speech model in verl's trainer (``--part 2``), is ``granularity_warm``'s driver on the same analysis.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from maspo_verl.lab import regimes, stats
@@ -35,6 +38,50 @@ HELD_SEEDS = tuple(range(30000, 30064))
 SAMPLE_SEED = 52
 MARGIN = 0.03  # TOST margin, final reward
 ALPHA = 0.05
+NOT_RUN = "not run"  # a registered test (or a family's verdict) whose runs are not all on disk yet
+
+
+@dataclass(frozen=True)
+class Design:
+    """One part's registered design, as the shared analysis reads it: its comparisons, tests, decisions and the
+    report's sections are the same code for every part (part 1 here, part 2 in ``granularity_warm``)."""
+
+    task: str  # the runs' task column
+    cells: tuple[str, ...]
+    windows: tuple[int, ...]  # H1's windows, W = 1 first
+    aligned: str  # H2's arm aligned with the units the reward scores ...
+    controls: tuple[str, ...]  # ... and its controls
+    settings: tuple[str, ...]  # the tuned step-size knob's values, the smallest step first
+    knob: str  # what a setting is: "width" (the clip band's scale) or "lr" (Adam's learning rate)
+    smallest: str  # the smallest setting in words ("narrowest width"): a choice there is not bracketed below
+    tune_seeds: tuple[int, ...]
+    held_seeds: tuple[int, ...]
+    families: dict  # family -> what it compares
+    clip_is_knob: bool  # unclipped is the knob's value inf (part 1), else the chosen setting with the clip off
+    adaptive: tuple[str, ...] = ADAPTIVE  # H3's criteria (both, in every part)
+
+    def unclipped(self, chosen: str) -> str:
+        """The setting of an arm's unclipped runs, given its chosen one ("" where none is chosen yet)."""
+        if self.clip_is_knob:
+            return rt.UNCLIPPED
+        return f"{chosen}{NO_CLIP}" if chosen else ""
+
+    def show(self, setting: str) -> str:
+        """A setting as the report prints it beside its arm."""
+        if self.clip_is_knob:
+            return f"x{setting}"
+        return f"lr {setting.removesuffix(NO_CLIP)}" + (", no clip" if setting.endswith(NO_CLIP) else "")
+
+
+NO_CLIP = f"/{rt.UNCLIPPED}"  # a learning-rate setting with the clip off (the dual clip too): "1e-3/inf"
+
+
+def part1() -> Design:
+    """Part 1's design (read when called: the tests shrink the module's constants)."""
+    return Design(
+        "speech", CELLS, WINDOWS, ALIGNED, (OFFSET, SHUFFLED), WIDTHS, "width", "narrowest width", TUNE_SEEDS,
+        HELD_SEEDS, FAMILIES, clip_is_knob=True,
+    )  # fmt: skip
 
 
 def arms() -> list[regimes.Preset]:
@@ -94,47 +141,61 @@ def windows_of(choices: list[dict], cell: str) -> list[dict]:
     return [c for c in choices if c["cell"] == cell and c["loss"].startswith(FIXED)]
 
 
-def best_window(choices: list[dict], cell: str) -> dict:
-    """W*: the window with the best tuning mean at its chosen width (ties: the shorter)."""
-    return max(windows_of(choices, cell), key=lambda c: (c["tune_final"], -int(c["loss"][len(FIXED) :])))
+def best_window(choices: list[dict], cell: str) -> dict | None:
+    """W*: the window with the best tuning mean at its chosen setting (ties: the shorter); None before a choice."""
+    windows = windows_of(choices, cell)
+    return max(windows, key=lambda c: (c["tune_final"], -int(c["loss"][len(FIXED) :]))) if windows else None
 
 
-def comparisons(choices: list[dict]) -> list[tuple[str, str, tuple, tuple]]:
-    """(family, cell, arm a, arm b) of every registered test; an arm is (loss, width)."""
+def comparisons(choices: list[dict], design: Design | None = None) -> list[tuple[str, str, tuple, tuple]]:
+    """(family, cell, arm a, arm b) of every registered test; an arm is (loss, setting), the setting "" where
+    ``choices`` has none yet (the test is listed, not run)."""
+    d = design or part1()
     pick = {(c["cell"], c["loss"]): c for c in choices}
+
+    def arm(cell: str, loss: str, key: str = "best_band") -> tuple[str, str]:
+        return loss, str(pick.get((cell, loss), {}).get(key, ""))
+
     out = []
-    for cell in dict.fromkeys(c["cell"] for c in choices):
-        token = pick[(cell, TOKEN)]
-        for w in WINDOWS[1:]:
-            arm = pick[(cell, f"{FIXED}{w}")]
+    for cell in d.cells:
+        token = arm(cell, TOKEN)
+        for w in d.windows[1:]:
+            loss = f"{FIXED}{w}"
             out += [
-                ("F1a", cell, (arm["loss"], arm["best_band"]), (TOKEN, token["best_band"])),
-                ("F1b", cell, (arm["loss"], rt.UNCLIPPED), (TOKEN, rt.UNCLIPPED)),
-                ("F1c", cell, (arm["loss"], arm["kl_band"]), (TOKEN, token["best_band"])),
+                ("F1a", cell, arm(cell, loss), token),
+                ("F1b", cell, (loss, d.unclipped(arm(cell, loss)[1])), (TOKEN, d.unclipped(token[1]))),
+                ("F1c", cell, arm(cell, loss, "kl_band"), token),
             ]
-        aligned = (ALIGNED, pick[(cell, ALIGNED)]["best_band"])
-        for control in (OFFSET, SHUFFLED):
-            out.append(("F2", cell, aligned, (control, pick[(cell, control)]["best_band"])))
+        for control in d.controls:
+            out.append(("F2", cell, arm(cell, d.aligned), arm(cell, control)))
         star = best_window(choices, cell)
-        for name in ADAPTIVE:
-            out.append(("F3", cell, (name, pick[(cell, name)]["best_band"]), (star["loss"], star["best_band"])))
+        for name in d.adaptive:
+            out.append(("F3", cell, arm(cell, name), (star["loss"], star["best_band"]) if star else ("W*", "")))
     return out
 
 
-def tests(runs: list[dict], choices: list[dict]) -> list[dict]:
+def tests(runs: list[dict], choices: list[dict], design: Design | None = None) -> list[dict]:
     """Every registered test on the held-out seeds, with Holm's correction within each family (sign-flip p for
-    a difference, TOST p for equivalence)."""
-    held = rt._held(runs, HELD_SEEDS[0])
+    a difference, TOST p for equivalence). A test whose runs are not on disk yet stays, as "not run", and counts
+    in its family's correction with p = 1 (conservative while a part is partial; no effect once it is run)."""
+    d = design or part1()
+    held = rt._held(runs, d.held_seeds[0])
     rows = []
-    for family, cell, a, b in comparisons(choices):
-        row = rt.paired(held, "speech", cell, a, b, margin=MARGIN)
-        rows.append({"family": family, "cell": cell, "arm": a[0], "width": a[1], "vs": b[0], "vs_width": b[1], **row})
-    done = [r for r in rows if r.get("seeds")]  # a test whose runs are missing stays, as "not run"
-    for key, out in (("p_signflip", "p_holm"), ("p_tost", "p_tost_holm")):
-        stats.holm_by(done, "family", key, out)
+    for family, cell, a, b in comparisons(choices, d):
+        row = rt.paired(held, d.task, cell, a, b, margin=MARGIN)
+        rows.append(
+            {"family": family, "cell": cell, "arm": a[0], d.knob: a[1], "vs": b[0], f"vs_{d.knob}": b[1], **row}
+        )
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        for key, out in (("p_signflip", "p_holm"), ("p_tost", "p_tost_holm")):
+            adjusted = stats.holm([r[key] if r.get("seeds") else 1.0 for r in mine])
+            for r, p in zip(mine, adjusted, strict=True):
+                if r.get("seeds"):
+                    r[out] = p
     for r in rows:
         if not r.get("seeds"):
-            r["outcome"] = "not run"
+            r["outcome"] = NOT_RUN
             continue
         r["different"] = r["p_holm"] < ALPHA
         r["equivalent"] = r["p_tost_holm"] < ALPHA
@@ -173,8 +234,8 @@ def decisions(rows: list[dict]) -> list[dict]:
     or above it, falsified if below (said so where the shortfall is also within the margin)."""
     out = []
     for (family, cell), mine in _groups(rows).items():
-        if any(r["outcome"] == "not run" for r in mine):
-            out.append({"family": family, "cell": cell, "arm": "", "verdict": "not run"})
+        if any(r["outcome"] == NOT_RUN for r in mine):
+            out.append({"family": family, "cell": cell, "arm": "", "verdict": NOT_RUN})
             continue
         if family != "F3":
             out.append({"family": family, "cell": cell, "arm": "", "verdict": verdict(family, mine)})
@@ -225,16 +286,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "The pre-registered granularity study (docs/results/granularity/PREREGISTRATION.md): fixed windows 1..96 "
         "through one code path, unit-aligned / offset / shuffled segments and maspo_adaptive, each arm's clip band "
         "tuned with the same widths on seeds 20000-20031, judged on fresh seeds 30000-30063; paired t-intervals, "
-        "sign-flip tests, TOST and Holm per family."
+        "sign-flip tests, TOST and Holm per family. --part 2: the warm speech model in verl's trainer, each arm's "
+        "learning rate tuned on seeds 200-203 and judged on seeds 300-311, in resumable pieces of `lab learn` "
+        "(maspo_verl/lab/granularity_warm.py; folder granularity/warm)."
     )
+    p.add_argument("--part", type=int, choices=(1, 2), default=1, help="1: the table-policy grid; 2: the warm model")
     p.add_argument("--phase", choices=("tune", "held", "all"), default="all", help="tuning seeds, held-out, both")
-    p.add_argument("--resume", action="store_true", help="keep --out's runs.csv and run only the missing jobs")
+    p.add_argument("--resume", action="store_true", help="keep --out's runs and run only the missing jobs (pieces)")
+    p.add_argument("--pieces", type=int, default=0, help="--part 2: run at most this many pieces, then stop (0: all)")
     p.add_argument("--report", action="store_true", help="only rebuild the tables and README from --out's runs")
     regimes.engine_arguments(p, "Adam learning rate of cells without /lr<x>")
     p.set_defaults(sample_seed=SAMPLE_SEED)
 
 
+def folder_of(args: argparse.Namespace) -> str:
+    """Part 2 writes a folder of its own (``granularity/warm``), part 1 ``granularity``."""
+    from maspo_verl.lab import granularity_warm
+
+    return granularity_warm.FOLDER if args.part == 2 else OUT
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> None:
+    if args.part == 2:
+        from maspo_verl.lab import granularity_warm
+
+        return granularity_warm.run(args, argv)
+    if args.pieces:
+        raise SystemExit("--pieces: part 2 only (--part 2); part 1 resumes job by job with --resume")
     out = Path(args.out)
     if args.report:
         return report(out, args)
@@ -257,22 +335,26 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         report(out, args)
 
 
+def check_choice(path: Path, choices: list[dict]) -> None:
+    """The choice written before the held-out runs (``path``) must be the one its tuning runs make now."""
+    keys = ("cell", "loss", "best_band", "kl_band")
+    written = read_csv(path)
+    if written and [[str(c[k]) for k in keys] for c in written] != [[str(c[k]) for k in keys] for c in choices]:
+        raise SystemExit(f"{path} differs from the choice its tuning runs make: re-run --phase tune")
+
+
 def report(out: Path, args) -> None:
     from maspo_verl.lab import common
 
     runs = read_csv(out / "runs.csv")
     choices = rt.choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
-    written = read_csv(out / "choice.csv")
-    if written and [(c["cell"], c["loss"], c["best_band"]) for c in written] != [
-        (c["cell"], c["loss"], c["best_band"]) for c in choices
-    ]:
-        raise SystemExit(f"{out / 'choice.csv'} differs from the choice its tuning runs make: re-run --phase tune")
+    check_choice(out / "choice.csv", choices)
     rows = tests(runs, choices)
     verdicts = decisions(rows)
     cells = cells_table(runs, choices)
-    tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design()}
+    tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design_table(part1())}
     common.write_tables(out, tables)
-    plot(rows, out / "tests.png")
+    plot(rows, out / "tests.png", FAMILIES)
     (out / "README.md").write_text(readme(runs, choices, rows, verdicts, cells, common.command_of(out)))
     common.report_written(out)
 
@@ -295,13 +377,13 @@ DEVIATIONS = (
 
 # the registered parts not finished yet, and the engine work each needs first
 REMAINING = (
-    "Part 2, the warm speech model (about 15 h of CPU): `lab learn` runs one learning rate for all its losses, so "
-    "each (arm, lr) is one resumable piece, e.g. `python -m maspo_verl.lab learn --tasks speechwarm --cells "
-    "96/stale2/4 --steps 20 --bypass --fp32-trainer --no-adjust --losses maspo_fixed@segment_window=2 --lr 3e-4 "
-    "--first-seed 200 --seeds 4 --out docs/results/granularity/warm/tune_lr3e-4 --resume`, then each arm at its "
-    "chosen lr on `--first-seed 300 --seeds 12`. Built: the H2 offset arm, `--losses maspo_words~offset12` (the "
-    "frame grid's word ids shifted by 12 frames, `lab/word_grid.py`; at offset 0 it equals the window of 24). To "
-    "build first: the part's analysis in this module (the same `tests`/`decisions` on `learn_runs.csv`).",
+    "Part 2, the warm speech model in verl's trainer (registered at about 15 h of CPU and about 250 runs; its "
+    "design implies 320 to 368 runs): built and tested, not run yet. `python -m maspo_verl.lab granularity --part 2 "
+    "--update-docs --resume --pieces N` runs the next N pieces (a piece is one arm at one learning rate on one seed "
+    "group, one `lab learn` command; the 32 tuning pieces first, then `choice.csv`, then the held-out pieces) and "
+    "rebuilds [warm/README.md](warm/README.md): the pieces done and left, the time per run, every registered test "
+    "their data allow, and this part's readings of the registration (`lab/granularity_warm.py`; the H2 offset arm "
+    "is `lab learn --losses maspo_words~offset12`, `lab/word_grid.py`).",
     "Part 3, SmolLM2 at realistic drift (about 3 h of CPU registered): the engine is built (`python -m "
     "maspo_verl.lab smollm2 --granularity`, `lab/smollm2_granularity.py`) and runs one resumable batch at a time; "
     "its batches so far, every test their data allow and its deviations: [smollm2/README.md](smollm2/README.md). "
@@ -321,22 +403,23 @@ FAMILIES = {
 }
 
 
-def design() -> list[dict]:
-    """The registered design as a table (``docs/choosing.md`` reads it from here): seeds, widths, margin, families."""
+def design_table(d: Design) -> list[dict]:
+    """A part's registered design as a table (``docs/choosing.md`` reads part 1's): seeds, settings, margin,
+    families."""
     rows = {
-        "tune_seeds": f"{TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}",
-        "held_seeds": f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}",
-        "held_count": len(HELD_SEEDS),
-        "widths": ", ".join(WIDTHS),
+        "tune_seeds": f"{d.tune_seeds[0]}-{d.tune_seeds[-1]}",
+        "held_seeds": f"{d.held_seeds[0]}-{d.held_seeds[-1]}",
+        "held_count": len(d.held_seeds),
+        f"{d.knob}s": ", ".join(d.settings),
         "margin": MARGIN,
-        **FAMILIES,
+        **d.families,
     }
     return [{"key": k, "value": v} for k, v in rows.items()]
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, families: dict) -> None:
     plt = pyplot()
-    families = list(FAMILIES)
+    families = list(families)
     fig, axes = plt.subplots(1, len(families), figsize=(4 * len(families), 4), squeeze=False)
     for ax, family in zip(axes[0], families, strict=True):
         mine = [r for r in rows if r["family"] == family and r.get("seeds")]
@@ -358,16 +441,29 @@ def _short(arm: str) -> str:
     return arm.replace(FIXED, "W=").replace("maspo_words~", "").replace("maspo_adaptive@adaptive_criterion=", "")
 
 
-def readme(runs, choices, rows, verdicts, cells, command) -> str:
+def verdict_section(verdicts: list[dict]) -> list[str]:
+    """The report's verdicts under the pre-registered decision rules (every part's)."""
+    return [
+        "## Verdicts (the pre-registered decision rules)",
+        "",
+        markdown_table(verdicts),
+        f"*Different*: Holm-adjusted sign-flip p < {ALPHA} within the family; *equivalent*: Holm-adjusted TOST p < "
+        f"{ALPHA} with margin ±{MARGIN} final reward; `—`: neither.",
+        "",
+    ]
+
+
+def family_sections(rows: list[dict], d: Design) -> list[str]:
+    """Every registered test of each family, run or not (every part's)."""
+    arm, vs = f"arm ({d.knob})", f"vs ({d.knob})"
+
     def fmt_row(r: dict) -> dict:
         if not r.get("seeds"):
-            return {"cell": r["cell"], "arm (width)": _short(r["arm"]), "vs (width)": _short(r["vs"])} | {
-                "outcome": "not run"
-            }
+            return {"cell": r["cell"], arm: _short(r["arm"]), vs: _short(r["vs"])} | {"outcome": NOT_RUN}
         return {
             "cell": r["cell"],
-            "arm (width)": f"{_short(r['arm'])} (x{r['width']})",
-            "vs (width)": f"{_short(r['vs'])} (x{r['vs_width']})",
+            arm: f"{_short(r['arm'])} ({d.show(r[d.knob])})",
+            vs: f"{_short(r['vs'])} ({d.show(r[f'vs_{d.knob}'])})",
             "diff [95 % t]": f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]",
             "p sign-flip": r["p_signflip"],
             "Holm": r["p_holm"],
@@ -376,7 +472,24 @@ def readme(runs, choices, rows, verdicts, cells, command) -> str:
             "outcome": r["outcome"],
         }
 
-    narrow = [c for c in choices if c["best_band"] == WIDTHS[0]]
+    lines = []
+    for family, what in d.families.items():
+        mine = [fmt_row(r) for r in rows if r["family"] == family]
+        lines += [f"## {family}: {what}", "", markdown_table(mine, digits=4)]
+    return lines
+
+
+def bracket_note(choices: list[dict], d: Design) -> str:
+    """Which arms' choices sit at the smallest setting (flagged *not bracketed below*)."""
+    low = [c for c in choices if c["best_band"] == d.settings[0]]
+    if not low:
+        return f"No arm's choice is at the {d.smallest} (every choice is bracketed below)."
+    arms = ", ".join(f"{c['cell']} {c['loss']}" for c in low)
+    return f"Chosen at the {d.smallest} (not bracketed below): {arms}."
+
+
+def readme(runs, choices, rows, verdicts, cells, command) -> str:
+    d = part1()
     lines = [
         "# Granularity at matched step size: results of the pre-registered study",
         "",
@@ -393,12 +506,7 @@ def readme(runs, choices, rows, verdicts, cells, command) -> str:
         command.strip(),
         "```",
         "",
-        "## Verdicts (the pre-registered decision rules)",
-        "",
-        markdown_table(verdicts),
-        f"*Different*: Holm-adjusted sign-flip p < {ALPHA} within the family; *equivalent*: Holm-adjusted TOST p < "
-        f"{ALPHA} with margin ±{MARGIN} final reward; `—`: neither.",
-        "",
+        *verdict_section(verdicts),
         "## The cells: W = 1 and the measured correlation of its drift log-ratios",
         "",
         "`drift_*`: lag-1 and VIF(n) of log pi after each batch's updates minus the old log-probs (W = 1 at its "
@@ -406,23 +514,15 @@ def readme(runs, choices, rows, verdicts, cells, command) -> str:
         "measure of independent log-ratios (centring each row puts it below 1).",
         "",
         markdown_table(cells),
+        *family_sections(rows, d),
     ]
-    for family, what in FAMILIES.items():
-        mine = [fmt_row(r) for r in rows if r["family"] == family]
-        lines += [f"## {family}: {what}", "", markdown_table(mine, digits=4)]
-    lines += ["## Deviations from the pre-registration", "", *(f"- {d}" for d in DEVIATIONS), ""]
+    lines += ["## Deviations from the pre-registration", "", *(f"- {x}" for x in DEVIATIONS), ""]
     lines += ["## Registered, not finished yet", "", *(f"- {r}" for r in REMAINING), ""]
     lines += [
         "## The widths chosen on the tuning seeds",
         "",
         markdown_table(choices),
-        (
-            "Chosen at the narrowest width (not bracketed below): "
-            + ", ".join(f"{c['cell']} {c['loss']}" for c in narrow)
-            + "."
-            if narrow
-            else "No arm's choice is at the narrowest width (every choice is bracketed below)."
-        ),
+        bracket_note(choices, d),
         "",
         "![registered tests](tests.png)",
         "",

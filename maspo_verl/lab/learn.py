@@ -34,6 +34,7 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -256,6 +257,7 @@ def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool 
     return [f"loss={preset}", *adjustments, *changed, *widened, *([f"credit={credit}"] if credit else [])]
 
 
+@functools.cache  # composing a preset takes Hydra about a second; every run of a study asks again
 def preset_of(name: str):
     """A preset as the regime labs compose it (``regimes.Preset``), or a variant ``PRESET@field=value[,...]`` of
     one (``regimes_tuned.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
@@ -298,7 +300,7 @@ def band_overrides(preset: str, width: str) -> list[str]:
     where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
     from maspo_verl.lab.regimes_tuned import widen
 
-    shipped = preset_of(preset)
+    shipped = preset_of(word_grid.split(preset)[0])  # the word-grid arm's band is its preset's
     wide = widen(shipped, width)
     out = [f"actor_rollout_ref.actor.{k}={v!r}" for k, v in wide.actor.items() if v != shipped.actor[k]]
     out += [
@@ -670,12 +672,14 @@ def run(args, argv) -> None:
                     for s in sorted(steps):
                         if "critic/score/mean" in steps[s]:
                             step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
-                    record = key | run_record(args, steps, code) | {"wall_s": wall}
+                    record = key | run_record(args, steps, code)
+                    record |= {"wall_s": wall, "cpu_s": result.cpu_s, "lr": args.lr}
                     runs.append(record)
                     log(
                         f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
                         f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
-                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s (run folder {result.run_dir})"
+                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s (run folder "
+                        f"{result.run_dir})"
                     )
                     # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
                     write_csv(out / "learn_steps.csv", step_rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -57,6 +58,8 @@ class LocalRun:
     milestones: dict[str, float] = field(default_factory=dict)  # see MILESTONES; also first_step, last_step, exit
     ray_dir: str | None = None  # the run's Ray temp dir
     ray_dir_left: bool = False  # whether it still existed when the trainer had exited
+    # CPU seconds (user + system) of the run's processes (``_RunCPU``): a lower bound, close for long-lived ones
+    cpu_s: float = float("nan")
 
     def tail(self, n: int = 120) -> str:
         return "\n".join(self.log.splitlines()[-n:])
@@ -152,11 +155,13 @@ def run_local(
     environ = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
     environ |= {"PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", **(env or {})}
     cmd = local_command(overrides, run_dir, ray_dir)
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu()
     milestones: dict[str, float] = {}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environ, start_new_session=True, cwd=cwd
     )
+    polled = _RunCPU(proc.pid, ray_dir)
+    polled.start()
     reader = threading.Thread(target=_copy_log, args=(proc.stdout, log_path, start, milestones), daemon=True)
     reader.start()
     try:
@@ -169,6 +174,7 @@ def run_local(
             named = RAY_TEMP_DIR.search(log_path.read_text(errors="replace"))
             ray_dir = named.group(1) if named else None
         left = ray_dir is not None and os.path.exists(ray_dir)
+        polled.last()
         if ray_dir is not None:
             stop_run(proc, ray_dir)
         reader.join(timeout=15)
@@ -184,7 +190,56 @@ def run_local(
         milestones=milestones,
         ray_dir=ray_dir,
         ray_dir_left=left,
+        cpu_s=max(_children_cpu() - cpu, polled.seconds()),
     )
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _RunCPU(threading.Thread):
+    """The CPU seconds of one run's processes, polled: each process of the trainer's session or naming the run's
+    Ray temp dir (its workers, raylet), at its last reading. The kernel's count of reaped children misses those
+    Ray's raylet reaps or that are killed unreaped; this misses what a process spends after its last poll."""
+
+    def __init__(self, session: int, ray_dir: str | None, every_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.session, self.marker, self.every_s = session, (ray_dir or "").encode(), every_s
+        self.halt, self.seen = threading.Event(), {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def poll(self) -> None:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state is field 3
+                ours = int(fields[3]) == self.session
+                if not ours and self.marker:
+                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                        ours = self.marker in f.read()
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            if ours:
+                self.seen[int(entry.name)] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+
+    def run(self) -> None:
+        while not self.halt.wait(self.every_s):
+            self.poll()
+
+    def last(self) -> None:
+        """Stop polling after one last reading (before the run's leftovers are stopped)."""
+        self.halt.set()
+        self.join()
+        self.poll()
+
+    def seconds(self) -> float:
+        return sum(self.seen.values())
 
 
 def _copy_log(stream, log_path: Path, start: float, milestones: dict[str, float]) -> None:

@@ -288,6 +288,24 @@ def test_a_run_does_not_inherit_an_earlier_runs_tracking_paths(tmp_path, monkeyp
     assert "VERL_FILE_LOGGER_PATH" not in seen and "TENSORBOARD_DIR" not in seen
 
 
+def test_a_run_records_the_cpu_time_of_its_process_tree(tmp_path, monkeypatch):
+    """``run_local``'s ``cpu_s`` counts a descendant its parent never reaps (as Ray's workers are not reaped by the
+    trainer): here a child that burns 1.2 CPU-s, seen exited but left unreaped (the kernel's count of reaped
+    children would miss it)."""
+    import sys
+
+    from maspo_verl.lab import runs
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.2:\n    pass"
+    script = (
+        f"import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', {burn!r}]); "
+        "os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT); time.sleep(1.5); os._exit(0)"
+    )
+    monkeypatch.setattr(runs, "local_command", lambda overrides, run_dir, ray_dir=None: [sys.executable, "-c", script])
+    result = runs.run_local([], tmp_path / "run")
+    assert result.returncode == 0 and 1.2 <= result.cpu_s < 1.2 + 1.0
+
+
 def test_bands_scale_a_presets_clip_as_the_tuned_grid_does():
     """grpo's ratio band 0.2 x 4; maspo_fixed's log-space band 0.2 x 16; inf opens gspo's band."""
     assert learn.band_overrides("grpo", "4") == [
@@ -332,8 +350,12 @@ def test_a_variant_runs_with_its_fields_and_band_in_hydras_grammar():
 def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     """``--losses X --resume`` runs X for the seeds already run and summarises it beside the losses run before
     (the earlier runs are not run again); each run records its band."""
+    import tempfile
+
     from maspo_verl.lab.runs import LocalRun
 
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's logs folders: not left in /tmp
     calls = []
 
     def fake_run(overrides, run_dir, timeout_s=900):

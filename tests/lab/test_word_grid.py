@@ -33,6 +33,7 @@ def test_names_are_checked():
             learn.check_losses([bad])
     learn.check_losses([ARM, f"{ARM}+span"])
     assert learn.parse_bands([f"{ARM}=inf"]) == {ARM: "inf"}
+    assert learn.band_overrides(ARM, "inf") == learn.band_overrides("maspo_words", "inf")  # the report names the arm
 
 
 def _loss(preset, words):

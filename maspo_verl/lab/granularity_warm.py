@@ -1,0 +1,494 @@
+"""Part 2 of the registered granularity study (docs/results/granularity/PREREGISTRATION.md, "Part 2"): the
+warm-started speech model in verl's trainer, run as resumable pieces of ``lab learn``; its tests, Holm families,
+margin, decision rules and report sections are part 1's (``granularity``), read through this part's ``Design``.
+
+``python -m maspo_verl.lab granularity --part 2 --phase tune|held|all [--resume] [--pieces N] [--report]``
+
+A *piece* is one arm at one learning rate (clipped as shipped, or unclipped) on one seed group: one ``lab learn``
+command, parsed by the lab CLI's own parser and run in this process (each trainer run is its own subprocess),
+into ``pieces/<name>/`` with its ``learn_runs.csv``. A piece whose seeds all have a row there is done and is
+skipped; a stopped piece resumes where it stopped (``lab learn --resume``). Every piece's command is appended to
+the folder's ``COMMAND.txt`` with its wall and CPU time and the machine's load.
+
+- ``--phase tune``: every arm at every lr of ``LRS`` on seeds 200-203 (32 pieces). Once all are done it writes
+  ``choice.csv``: each arm's lr with the best tuning mean final reward (ties: the smaller), and the lr whose
+  tuning KL per update is nearest W = 1's at its chosen lr (``regimes_tuned.choose``, part 1's rule).
+- ``--phase held``: refuses without ``choice.csv``; then seeds 300-311: every arm at its chosen lr, each window
+  unclipped at its chosen lr, each window at its matched-KL lr (where that differs), then the other arms
+  unclipped (no registered test reads those; they run last).
+- ``--report`` (and after every piece): ``README.md``, ``tests.csv``, ``decisions.csv``, ``pieces.csv``,
+  ``tuning.csv``, ``cells.csv``, ``design.csv`` from what is on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from maspo_verl.lab import granularity as g
+from maspo_verl.lab import learn, regimes
+from maspo_verl.lab import regimes_tuned as rt
+from maspo_verl.lab.common import finite_mean, log, markdown_table, prepare_out, read_csv, write_csv, write_tables
+
+FOLDER = "granularity/warm"
+PIECES = "pieces"  # one folder per piece
+TASK = "speechwarm"
+CELL = "L96/stale2/U4"  # lab learn's label of --cells 96/stale2/4
+# the registered lab learn command of every piece (PREREGISTRATION.md, part 2); --last 5: part 1's final reward
+LEARN = (
+    "--tasks", TASK, "--cells", "96/stale2/4", "--steps", "20", "--bypass", "--fp32-trainer", "--no-adjust",
+    "--last", "5", "--timeout", "1800",
+)  # fmt: skip
+WINDOWS = (1, 2, 8, 24, 96)
+ALIGNED = f"{g.FIXED}24"  # the warm model's words last exactly 24 frames
+OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
+ARMS = (*(f"{g.FIXED}{w}" for w in WINDOWS), *g.ADAPTIVE, OFFSET)
+LRS = ("1e-4", "3e-4", "1e-3", "3e-3")
+TUNE_SEEDS = tuple(range(200, 204))
+HELD_SEEDS = tuple(range(300, 312))
+FAMILIES = {
+    "F1a": "H1, each at its tuned learning rate: window W minus W = 1",
+    "F1b": "H1, both unclipped at their tuned learning rates: window W minus W = 1",
+    "F1c": "H1, at matched KL per update: window W at the learning rate whose tuning KL is nearest W = 1's, minus "
+    "W = 1",
+    "F2": "H2, alignment: the window of one word (24 frames) minus the same window offset by 12 frames, each at its "
+    "tuned learning rate",
+    "F3": "H3, adaptive: each criterion minus the best fixed window W*, each at its tuned learning rate",
+}
+RATIO_METRICS = ("actor/ratio/corr_lag1", "actor/ratio/vif5", "actor/ratio/vif15", "actor/ratio/vif50")
+
+
+def design() -> g.Design:
+    return g.Design(
+        task=TASK,
+        cells=(CELL,),
+        windows=WINDOWS,
+        aligned=ALIGNED,
+        controls=(OFFSET,),
+        settings=LRS,
+        knob="lr",
+        smallest="lowest learning rate",
+        tune_seeds=TUNE_SEEDS,
+        held_seeds=HELD_SEEDS,
+        families=FAMILIES,
+        clip_is_knob=False,
+    )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One ``lab learn`` command: ``arm`` at ``lr`` (unclipped: its band and dual clip opened) on ``seeds``."""
+
+    phase: str  # "tune" or "held"
+    arm: str
+    lr: str
+    seeds: tuple[int, ...]
+    unclipped: bool = False
+
+    @property
+    def setting(self) -> str:
+        """The runs' setting as the analysis keys them: the lr, ``/inf`` where unclipped."""
+        return self.lr + (g.NO_CLIP if self.unclipped else "")
+
+    @property
+    def name(self) -> str:
+        return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}" + ("_noclip" if self.unclipped else ""))
+
+    def argv(self, out: Path) -> list[str]:
+        """The lab CLI's arguments of this piece."""
+        assert self.seeds == tuple(range(self.seeds[0], self.seeds[0] + len(self.seeds))), self.seeds
+        return [
+            "learn", "--out", str(Path(out) / PIECES / self.name), *LEARN, "--losses", self.arm, "--lr", self.lr,
+            "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
+            *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
+        ]  # fmt: skip
+
+
+def tuning_pieces() -> list[Piece]:
+    return [Piece("tune", arm, lr, TUNE_SEEDS) for arm in ARMS for lr in LRS]
+
+
+def held_pieces(choices: list[dict]) -> list[Piece]:
+    """The held-out pieces the choice implies, those a registered test reads first (an arm whose every tuning run
+    failed has no choice and no held-out piece: its tests stay not run)."""
+    pick = {c["loss"]: c for c in choices}
+    arms = [a for a in ARMS if a in pick]
+    windows = [f"{g.FIXED}{w}" for w in WINDOWS if f"{g.FIXED}{w}" in pick]
+    pieces = [Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in arms]
+    pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in windows]
+    pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != g.TOKEN and pick[a]["kl_band"]]
+    pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in arms if a not in windows]
+    return list(dict.fromkeys(pieces))  # a matched-KL lr equal to the chosen one is the chosen piece
+
+
+# ------------------------------------------------------------------ what is on disk
+
+
+def piece_rows(out: Path, piece: Piece) -> list[dict]:
+    """The piece's runs (``lab learn``'s rows), keyed for the analysis: ``band`` is the piece's setting and
+    ``ppo_kl`` the run's mean KL per update; a row that is not this piece's stops with the folder named."""
+    folder = Path(out) / PIECES / piece.name
+    rows = learn.load_rows(folder / "learn_runs.csv")
+    band = rt.UNCLIPPED if piece.unclipped else learn.SHIPPED
+    for r in rows:
+        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (TASK, CELL, piece.arm, band)
+        if not mine or r["seed"] not in piece.seeds or ("lr" in r and not math.isclose(r["lr"], float(piece.lr))):
+            raise SystemExit(
+                f"{folder}: a run of {r['loss']} (seed {r['seed']}, band {r['band']}, lr {r.get('lr')}) is not this "
+                f"piece's ({piece.arm}, lr {piece.lr}, {band}, seeds {piece.seeds[0]}-{piece.seeds[-1]}): remove it"
+            )
+    return [r | {"band": piece.setting, "ppo_kl": r["mean_ppo_kl"], "piece": piece.name} for r in rows]
+
+
+def done(out: Path, piece: Piece) -> bool:
+    return set(piece.seeds) <= {r["seed"] for r in piece_rows(out, piece)}
+
+
+def choose(rows: list[dict]) -> list[dict]:
+    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``regimes_tuned.choose``)."""
+    tuning = [r for r in rows if r["seed"] in TUNE_SEEDS and r["ok"]]
+    return rt.choose(tuning, HELD_SEEDS[0], baseline=g.TOKEN)
+
+
+def written_choice(out: Path, rows: list[dict]) -> list[dict]:
+    """The choice, once ``choice.csv`` is written (checked against the tuning runs on disk); [] before."""
+    path = Path(out) / "choice.csv"
+    if not path.is_file():
+        return []
+    choices = choose(rows)
+    g.check_choice(path, choices)
+    return choices
+
+
+# ------------------------------------------------------------------ the command
+
+
+def _engine_defaults() -> dict:
+    p = argparse.ArgumentParser()
+    regimes.engine_arguments(p)
+    p.set_defaults(sample_seed=g.SAMPLE_SEED)
+    return vars(p.parse_args([]))
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    changed = [k for k, v in _engine_defaults().items() if getattr(args, k) != v]
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise SystemExit(f"--part 2: {flags} set part 1's engine; part 2's design is fixed (granularity_warm.LEARN)")
+    if args.pieces < 0:
+        raise SystemExit(f"--pieces {args.pieces}: allowed 0 (all) or a number of pieces > 0")
+    out = Path(args.out)
+    if args.report:
+        return report(out)
+    drive(out, args.phase, args.resume, args.pieces, argv)
+
+
+def _note(out: Path, text: str) -> None:
+    with open(Path(out) / "COMMAND.txt", "a") as f:
+        f.write(text + "\n")
+
+
+def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str]) -> None:
+    """Run the missing pieces of ``phase`` (at most ``budget``, 0: all), the report rebuilt after each."""
+    choice = out / "choice.csv"
+    tuned = sum(done(out, p) for p in tuning_pieces())
+    if phase == "held" and not choice.is_file():
+        raise SystemExit(
+            f"--phase held: {choice} is missing: the held-out seeds wait for the tuning choice; run --phase tune "
+            f"(--resume) until its {len(tuning_pieces())} pieces are done ({tuned} are)"
+        )
+    on_disk = sorted(p.name for p in (out / PIECES).iterdir()) if (out / PIECES).is_dir() else []
+    if on_disk and not resume:
+        raise SystemExit(
+            f"{out}: {len(on_disk)} pieces on disk: add --resume to keep them and run the missing ones (or remove "
+            "the folder to start again)"
+        )
+    if resume and (out / "COMMAND.txt").is_file():
+        _note(out, f"\nresumed: python -m maspo_verl.lab {shlex.join(argv)}")
+    else:
+        prepare_out(out, argv)
+    ran = 0
+
+    def run_missing(pieces: list[Piece]) -> bool:
+        """Run the pieces not done yet, within the budget; whether every one is done."""
+        nonlocal ran
+        for piece in pieces:
+            if done(out, piece):
+                continue
+            if budget and ran >= budget:
+                break
+            run_piece(out, piece)
+            ran += 1
+            report(out)
+        return all(done(out, p) for p in pieces)
+
+    if phase in ("tune", "all"):
+        if run_missing(tuning_pieces()) and not choice.is_file():
+            write_csv(choice, choose([r for p in tuning_pieces() for r in piece_rows(out, p)]))
+            _note(out, "tuning done: choice.csv written (before any held-out piece)")
+    if phase in ("held", "all"):
+        if choice.is_file():
+            run_missing(held_pieces(written_choice(out, [r for p in tuning_pieces() for r in piece_rows(out, p)])))
+        else:
+            tuned = sum(done(out, p) for p in tuning_pieces())
+            log(f"granularity part 2: {tuned} of {len(tuning_pieces())} tuning pieces done; held-out pieces wait")
+    report(out)
+
+
+def run_piece(out: Path, piece: Piece) -> None:
+    """One piece: its ``lab learn`` command, parsed by the lab CLI (a renamed flag fails here) and run."""
+    from maspo_verl.lab import __main__ as lab
+
+    argv = piece.argv(out)
+    if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
+        argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
+    _note(out, f"\npiece {piece.name}: python -m maspo_verl.lab {shlex.join(argv)}")
+    start = time.monotonic()
+    args = lab.parse(argv)
+    args.module.run(args, argv)
+    rows = [r for r in learn.load_rows(Path(out) / PIECES / piece.name / "learn_runs.csv") if r["seed"] in piece.seeds]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    cpu = finite_mean(r.get("cpu_s") for r in rows)
+    _note(
+        out,
+        f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {cpu:.0f} CPU-s per run (learn_runs.csv "
+        f"cpu_s), load average {load} at the end",
+    )
+    if rows and not any(r["ok"] for r in rows):
+        codes = sorted({str(r["exit_code"]) for r in rows})
+        raise SystemExit(
+            f"piece {piece.name}: every run failed (exit codes {', '.join(codes)}; each run folder is named in the "
+            f"log above): fix the cause, remove {Path(out) / PIECES / piece.name} and run again with --resume"
+        )
+
+
+# ------------------------------------------------------------------ the report
+
+
+def pieces_table(out: Path, pieces: list[Piece]) -> list[dict]:
+    rows = []
+    for p in pieces:
+        mine = piece_rows(out, p)
+        rows.append(
+            {
+                "piece": p.name,
+                "phase": p.phase,
+                "arm": p.arm,
+                "lr": p.lr,
+                "clip": "off" if p.unclipped else "shipped",
+                "seeds": f"{p.seeds[0]}-{p.seeds[-1]}",
+                "runs": f"{len(mine)}/{len(p.seeds)}",
+                "failed": sum(not r["ok"] for r in mine),
+                "done": set(p.seeds) <= {r["seed"] for r in mine},
+                "wall_s_per_run": finite_mean(r["wall_s"] for r in mine),
+                "cpu_s_per_run": finite_mean(r.get("cpu_s") for r in mine),
+            }
+        )
+    return rows
+
+
+def tuning_table(rows: list[dict], choices: list[dict]) -> list[dict]:
+    """Per arm and lr: the tuning mean final reward and KL per update (what the choice reads)."""
+    pick = {c["loss"]: c for c in choices}
+    out = []
+    for arm in ARMS:
+        for lr in LRS:
+            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in TUNE_SEEDS and r["ok"]]
+            chosen = pick.get(arm, {})
+            out.append(
+                {
+                    "arm": arm,
+                    "lr": lr,
+                    "seeds": len(mine),
+                    "final_reward": finite_mean(r["final_reward"] for r in mine),
+                    "ppo_kl": finite_mean(r["ppo_kl"] for r in mine),
+                    "chosen": chosen.get("best_band") == lr,
+                    "matched_kl": chosen.get("kl_band") == lr,
+                }
+            )
+    return out
+
+
+def cells_table(rows: list[dict], choices: list[dict]) -> list[dict]:
+    """W = 1 at its chosen lr on the held-out seeds: final reward, gain, and the loss's measured correlation of its
+    log-ratios (lab learn's ``actor/ratio/*``, mean over steps and seeds; 1 = independent)."""
+    token = next((c for c in choices if c["loss"] == g.TOKEN), None)
+    if token is None:
+        return []
+    mine = [
+        r
+        for r in rows
+        if (r["loss"], r["band"]) == (g.TOKEN, token["best_band"]) and r["seed"] in HELD_SEEDS and r["ok"]
+    ]
+    return [
+        {
+            "cell": CELL,
+            "token_lr": token["best_band"],
+            "seeds": len(mine),
+            "token_final": finite_mean(r["final_reward"] for r in mine),
+            "token_gain": finite_mean(r["final_reward"] - r["first_reward"] for r in mine),
+            **{k.rsplit("/", 1)[-1]: finite_mean(r.get(k) for r in mine) for k in RATIO_METRICS},
+        }
+    ]
+
+
+def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
+    """The registered prediction: part 1's verdicts on its longer-unit cell beside this part's; *confirmed* where
+    both are reached and read the same."""
+    cell = g.CELLS[-1]
+    theirs = {(v["family"], v["arm"]): v["verdict"] for v in part1 if v["cell"] == cell}
+    ours = {(v["family"], v["arm"]): v["verdict"] for v in verdicts}
+    out = []
+    for family, arm in theirs or ours:
+        before, now = theirs.get((family, arm), ""), ours.get((family, arm), ours.get((family, ""), g.NOT_RUN))
+        reached = before and g.NOT_RUN not in (before, now)
+        row = {"family": family, "arm": arm, f"part 1, {cell}": before, "part 2": now}
+        out.append(row | {"confirmed": now == before if reached else ""})
+    return out
+
+
+def report(out: Path) -> None:
+    from maspo_verl.lab import common
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    d = design()
+    rows = [r for p in tuning_pieces() for r in piece_rows(out, p)]
+    choices = written_choice(out, rows)
+    held = held_pieces(choices) if choices else []
+    rows += [r for p in held for r in piece_rows(out, p)]
+    tests = g.tests([r for r in rows if r["ok"]], choices, d)
+    verdicts = g.decisions(tests)
+    pieces = pieces_table(out, tuning_pieces() + held)
+    tables = {
+        "tests.csv": tests,
+        "decisions.csv": verdicts,
+        "pieces.csv": pieces,
+        "tuning.csv": tuning_table(rows, choices),
+        "cells.csv": cells_table(rows, choices),
+        "design.csv": g.design_table(d),
+    }
+    write_tables(out, tables)
+    plotted = any(t.get("seeds") for t in tests)
+    if plotted:
+        g.plot(tests, out / "tests.png", FAMILIES)
+    predicted = prediction(verdicts, read_csv(out.parent / "decisions.csv"))
+    text = readme(rows, choices, tables, predicted, plotted, common.command_of(out))
+    (out / "README.md").write_text(text)
+    common.report_written(out)
+
+
+# how this part reads the registration where it is silent or loose, written before any of its runs
+READINGS = (
+    "Final reward (the primary metric) is part 1's: the mean of verl's `critic/score/mean` over the last 5 of the "
+    "20 steps (`lab learn --last 5`; lab learn's own default is 3).",
+    "One piece is one arm at one learning rate (clip as shipped, or off) on one seed group: a `lab learn` command "
+    "(in `COMMAND.txt`) writing `pieces/<piece>/`. The registered design implies 32 tuning pieces (8 arms x 4 "
+    "learning rates x 4 seeds: 128 runs) and 16 to 20 held-out pieces of 12 seeds (every arm at its chosen "
+    "learning rate and unclipped at it; each window W >= 2 at its matched-KL learning rate where it differs from "
+    'the chosen one): 320 to 368 runs, more than the registration\'s "about 250 runs", which left out the '
+    "unclipped and matched-KL runs. Measured time per run: the pieces table.",
+    "Ties in the tuning choice go to the smaller learning rate (part 1's rule: the narrower width; "
+    "`regimes_tuned.choose`).",
+    "Unclipped (F1b): `lab learn --bands ARM=inf`, `regimes_tuned.widen`'s no-clip: the log-space band and the dual "
+    "clip opened to exp(±30) (verl clamps log-ratios to ±20), the ratio-space clip to (0, 1e9). It runs on the "
+    "held-out seeds only, as F1b reads them. The registration says each arm: the three arms no test reads unclipped "
+    "(both adaptive criteria, the offset window) run after every piece a test reads. `maspo_adaptive`'s band "
+    "criterion reads the band, so unclipped its windows are the longest allowed (64), as in part 1.",
+    "KL per update (matched KL, F1c) is a run's mean of verl's `actor/ppo_kl` over its 20 steps, averaged over the "
+    "4 tuning seeds; the matched learning rate is the one nearest in log to W = 1's at its chosen rate (part 1's "
+    "rule). Where it equals the chosen rate the test reads the chosen piece's runs (the same configuration).",
+    "A run the trainer does not finish (exit code not 0, or fewer than 20 steps) stays in its piece's "
+    "`learn_runs.csv`, is counted in the pieces table and left out of the choice and the tests (a test's seed "
+    "count shows it); `--resume` does not run it again (remove its piece folder to re-run the piece). A piece whose "
+    "every run fails stops the study with the cause.",
+    "While a family is partial, a registered test not run yet counts in its Holm correction with p = 1 "
+    "(conservative); once every test is run the correction is the registered one.",
+    "The registered prediction (part 1's outcome on its longer-unit cell, L96/stale2/U4/lr1/u24) is *confirmed* "
+    "for a family where part 2's verdict is the same words.",
+    "Each run's time limit is 1800 s (`--timeout`; lab learn's default 900 s can stop a run on a shared machine). "
+    "CPU time per run (`cpu_s`, `lab/runs.py`) is the user + system time of the run's processes (the trainer's "
+    "session and its Ray cluster, read every 0.5 s), or the kernel's count of reaped children where that is larger: "
+    "a lower bound (a process's last half second can be missed). Each seed's warm-started model is built once into "
+    "the local cache (about a CPU-minute each, not in the runs' times).",
+)
+
+
+def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str:
+    d = design()
+    pieces = tables["pieces.csv"]
+    left = [p for p in pieces if not p["done"]]
+    runs = sum(int(p["runs"].split("/")[0]) for p in pieces)
+    tuned = [p for p in pieces if p["phase"] == "tune"]
+    status = (
+        f"{len(pieces) - len(left)} of {len(pieces)} pieces done ({runs} runs on disk, "
+        f"{sum(p['failed'] for p in pieces)} failed); "
+        + (
+            "the held-out pieces are listed once the tuning choice is written."
+            if not choices
+            else f"tuning choice written; {len(left)} pieces left."
+        )
+    )
+    wall = finite_mean(r["wall_s"] for r in rows)
+    cpu = finite_mean(r.get("cpu_s") for r in rows)
+    lines = [
+        "# Granularity at matched step size, part 2: the warm speech model in verl's trainer",
+        "",
+        'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 2"), committed before any of these '
+        "runs; part 1 is [`../README.md`](../README.md). Made by `python -m maspo_verl.lab granularity --part 2` "
+        "(`maspo_verl/lab/granularity_warm.py`: the pieces; `granularity.py`: the tests and decisions, part 1's): "
+        f"`lab learn {' '.join(LEARN)}` per piece, arms {', '.join(ARMS)}, learning "
+        f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
+        f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{g.MARGIN}.",
+        "",
+        f"**Status**: {status} Measured per run so far: "
+        + (f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run).")
+        + " The rest: `python -m maspo_verl.lab granularity --part 2 --update-docs --resume --pieces N` (the next N "
+        "pieces; tuning first).",
+        "",
+        "## Readings of the registration (written before any run)",
+        "",
+        *(f"- {x}" for x in READINGS),
+        "",
+        *g.verdict_section(tables["decisions.csv"]),
+        "## The registered prediction: part 1's longer-unit cell",
+        "",
+        markdown_table(predicted),
+        "## W = 1 at its chosen learning rate, and the measured correlation of its log-ratios",
+        "",
+        "`corr_lag1`, `vif*`: lab learn's `actor/ratio/*` (the loss's log-ratios; 1 = independent), mean over steps "
+        "and held-out seeds.",
+        "",
+        markdown_table(tables["cells.csv"]),
+        *g.family_sections(tables["tests.csv"], d),
+        "## The learning rates chosen on the tuning seeds",
+        "",
+        markdown_table(choices)
+        if choices
+        else f"Not chosen yet: {sum(p['done'] for p in tuned)} of {len(tuned)} "
+        "tuning pieces done; `choice.csv` is written when all are, before any held-out piece runs.\n",
+        *([g.bracket_note(choices, d), ""] if choices else []),
+        "Tuning means per arm and learning rate (`tuning.csv`):",
+        "",
+        markdown_table(tables["tuning.csv"]),
+        "## Pieces",
+        "",
+        markdown_table(pieces),
+        *(["![registered tests](tests.png)", ""] if plotted else []),
+        "Files: `pieces/<piece>/` (each piece's lab learn output: `learn_runs.csv`, `learn_steps.csv`, its command), "
+        "`choice.csv` (written before the held-out pieces), `tests.csv` (every registered test), `decisions.csv`, "
+        "`pieces.csv`, `tuning.csv`, `cells.csv`, `design.csv` (the registered design).",
+        "",
+        "## Commands",
+        "",
+        "```",
+        command.strip() or "(no piece run yet)",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""Part 2 of the registered granularity study (``maspo_verl.lab.granularity_warm``): its pieces, the lab learn
+command each one is (parsed by the lab CLI's own parser), the choice written before the held-out seeds, resuming,
+and the shared tests and decisions on planted results, with a fake trainer run behind the real ``lab learn``."""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+import tempfile
+import zlib
+from pathlib import Path
+
+import pytest
+
+from maspo_verl.lab import granularity as g
+from maspo_verl.lab import granularity_warm as gw
+from maspo_verl.lab import learn
+from maspo_verl.lab import regimes_tuned as rt
+from maspo_verl.lab.__main__ import main, parse
+from maspo_verl.lab.runs import LocalRun
+
+W = {w: f"{g.FIXED}{w}" for w in gw.WINDOWS}
+BAND, CORRELATION = g.ADAPTIVE
+
+# the planted study: each arm's best learning rate (W = 2 at the lowest: not bracketed below), its KL per update
+# (lr x K: W = 8's matched-KL lr is 3e-3, W = 96's its chosen one), +0.1 for W = 24 and the correlation criterion
+# wherever clipped (H1's planted gain, H2's alignment, H3's "holds"); unclipped every arm alike
+BEST = {W[1]: "1e-3", W[2]: "1e-4"}
+K = {W[8]: 10**-0.5, W[96]: 10 / 3}
+GAIN = {W[24]: 0.1, CORRELATION: 0.1}
+TAIL = (-0.02, -0.01, 0.0, 0.01, 0.02)  # the last 5 steps around the final reward (their last 3 are not)
+
+
+def planted(arm: str, lr: float, unclipped: bool, seed: int) -> float:
+    noise = random.Random(zlib.crc32(f"{arm} {lr} {unclipped} {seed}".encode())).gauss(0, 0.004)
+    peak = math.log10(float(BEST.get(arm, "3e-4")))
+    return 0.5 - 0.1 * abs(math.log10(lr) - peak) + (0.0 if unclipped else GAIN.get(arm, 0.0)) + noise
+
+
+def _value(overrides: list[str], key: str) -> str:
+    return next(o.partition("=")[2] for o in overrides if o.startswith(key + "="))
+
+
+class FakeTrainer:
+    """``learn.run_local``: steps whose last 5 average to ``planted``, KL per update lr x K; calls recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, overrides, run_dir, timeout_s=900):
+        seed, lr = int(_value(overrides, "data.seed")), float(_value(overrides, "actor_rollout_ref.actor.optim.lr"))
+        name = _value(overrides, "trainer.experiment_name")
+        (arm,) = [a for a in gw.ARMS if learn.slug(f"learn_{gw.TASK}_{a}_{seed}_{gw.CELL}") == name]
+        unclipped = "actor_rollout_ref.actor.clip_ratio_c=1000000000.0" in overrides
+        assert timeout_s == 1800 and "algorithm.rollout_correction.bypass_mode=true" in overrides
+        self.calls.append((arm, lr, unclipped, seed))
+        final = planted(arm, lr, unclipped, seed)
+        steps = int(_value(overrides, "trainer.total_training_steps"))
+        curve = ([0.2] * steps + [final + t for t in TAIL])[-steps:]
+        kl = lr * K.get(arm, 1.0)
+        steps = {i: {"critic/score/mean": r, "actor/ppo_kl": kl, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}
+                 for i, r in enumerate(curve, 1)}  # fmt: skip
+        return LocalRun(0, "", 1.0, Path(run_dir), steps, cpu_s=2.0)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    trainer = FakeTrainer()
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's logs folder: not left in /tmp
+    monkeypatch.setattr(learn, "run_local", trainer)
+    data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu", "model": "m"}
+    monkeypatch.setattr(learn, "task_data", lambda folder, task, seed, length: data)
+    monkeypatch.setattr(learn, "plot_steps", lambda *a: None)  # lab learn's per-seed plots: not what is tested
+    monkeypatch.setattr(learn, "plot_sigma", lambda *a: False)
+    return trainer
+
+
+def _choice(best=None, kl=None) -> list[dict]:
+    best, kl = best or {}, kl or {}
+    return [
+        {"cell": gw.CELL, "loss": a, "best_band": best.get(a, "3e-4"), "kl_band": kl.get(a, ""), "tune_final": 0.5}
+        for a in gw.ARMS
+    ]
+
+
+def test_the_pieces_are_the_registered_ones():
+    tune = gw.tuning_pieces()
+    assert len(tune) == 8 * 4 and {(p.arm, p.lr) for p in tune} == {(a, lr) for a in gw.ARMS for lr in gw.LRS}
+    assert {p.seeds for p in tune} == {(200, 201, 202, 203)} and not any(p.unclipped for p in tune)
+    assert len({p.name for p in tune}) == len(tune)
+    # the matched-KL lr: W = 2 and W = 8 differ from their chosen one, W = 24 equals it, W = 96 has none
+    held = gw.held_pieces(_choice({W[2]: "1e-4"}, {W[1]: "3e-4", W[2]: "1e-3", W[8]: "3e-3", W[24]: "3e-4"}))
+    assert {p.seeds for p in held} == {tuple(range(300, 312))} and len({p.name for p in held}) == len(held)
+    chosen = [(p.arm, p.lr) for p in held if not p.unclipped][: len(gw.ARMS)]
+    assert chosen == [(a, "1e-4" if a == W[2] else "3e-4") for a in gw.ARMS]
+    assert [(p.arm, p.lr) for p in held if not p.unclipped][len(gw.ARMS) :] == [(W[2], "1e-3"), (W[8], "3e-3")]
+    unclipped = [p.arm for p in held if p.unclipped]
+    assert sorted(unclipped) == sorted(gw.ARMS) and unclipped[-3:] == [BAND, CORRELATION, gw.OFFSET]  # untested last
+    assert len(held) == 8 + 8 + 2
+    assert not [p for p in gw.held_pieces([c for c in _choice() if c["loss"] != W[96]]) if p.arm == W[96]]
+    # every piece a registered test reads comes before every one none reads
+    read = {(arm, setting) for _, _, *arms in g.comparisons(_choice(), gw.design()) for arm, setting in arms}
+    tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())]
+    assert tested == sorted(tested, reverse=True) and tested.count(False) == 3
+
+
+def test_each_piece_is_a_lab_learn_command_its_parser_takes(tmp_path):
+    """Parsed by the lab CLI's own parser (a flag renamed in lab learn fails here): the registered command, the
+    arm, lr and seeds of the piece; unclipped pieces open the arm's band and dual clip (checked composed)."""
+    from tests.helpers import compose_config
+
+    choice = _choice({W[1]: "1e-3"}, {W[8]: "3e-3"})
+    for piece in gw.tuning_pieces() + gw.held_pieces(choice):
+        args = parse(piece.argv(tmp_path))
+        assert args.module is learn and args.out == str(tmp_path / gw.PIECES / piece.name)
+        assert (args.tasks, args.steps, args.last, args.lr) == (["speechwarm"], 20, 5, float(piece.lr))
+        assert args.bypass and args.fp32_trainer and args.no_adjust and args.losses == [piece.arm]
+        assert list(range(args.first_seed, args.first_seed + args.seeds)) == list(piece.seeds)
+        assert [c.label for c in learn.cells_of(args)] == [gw.CELL]
+        learn.check_losses(args.losses)
+        assert learn.parse_bands(args.bands) == ({piece.arm: rt.UNCLIPPED} if piece.unclipped else {})
+    for arm in gw.ARMS:
+        ov = learn.loss_overrides(arm, {arm: rt.UNCLIPPED}, adjust=False)
+        actor = compose_config("local=cpu", *ov).actor_rollout_ref.actor
+        for key in ("log_clip_low", "log_clip_high", "log_clip_dual"):
+            assert actor.policy_loss[key] == rt.LOG_UNCLIPPED, (arm, key)
+        assert actor.clip_ratio_c == rt.RATIO_UNCLIPPED and actor.policy_loss.clip_schedule == "log_adaptive"
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fake):
+    out = tmp_path / "warm"
+    base = ["granularity", "--part", "2", "--out", str(out)]
+    with pytest.raises(SystemExit, match=r"--phase held: .*choice.csv is missing.*32 pieces are done \(0 are\)"):
+        main([*base, "--phase", "held"])
+    assert not fake.calls and not (out / "COMMAND.txt").exists()
+    with pytest.raises(SystemExit, match="--steps set part 1's engine"):
+        main([*base, "--steps", "3"])
+
+    main([*base, "--phase", "tune", "--pieces", "5"])
+    assert len(fake.calls) == 5 * 4 and not (out / "choice.csv").exists()
+    with pytest.raises(SystemExit, match="5 pieces on disk: add --resume"):
+        main([*base, "--phase", "tune"])
+    with pytest.raises(SystemExit, match=r"choice.csv is missing.*\(5 are\)"):
+        main([*base, "--phase", "held", "--resume"])
+    assert "Not chosen yet: 5 of 32 tuning pieces done" in (out / "README.md").read_text()
+
+    main([*base, "--phase", "tune", "--resume"])
+    assert len(fake.calls) == 32 * 4 and len(set(fake.calls)) == 128
+    # the choice, by hand from the planted means: each arm's best lr; the lr whose KL is nearest W = 1's at 1e-3
+    choice = {c["loss"]: c for c in _csv(out / "choice.csv")}
+    assert {a: c["best_band"] for a, c in choice.items()} == {a: BEST.get(a, "3e-4") for a in gw.ARMS}
+    kl = {a: c["kl_band"] for a, c in choice.items() if a in W.values()}
+    assert kl == {W[1]: "1e-3", W[2]: "1e-3", W[8]: "3e-3", W[24]: "1e-3", W[96]: "3e-4"}
+    mean = sum(planted(W[1], 1e-3, False, s) for s in gw.TUNE_SEEDS) / 4  # the last 5 steps' mean, not the last 3
+    assert float(choice[W[1]]["tune_final"]) == pytest.approx(mean, abs=1e-12)
+    readme = (out / "README.md").read_text()
+    assert f"(not bracketed below): {gw.CELL} {W[2]}." in readme and "| F1a | L96/stale2/U4 |  | not run |" in readme
+
+    # two held-out pieces (W = 1 and W = 2 at their chosen lrs): one test of F1a's four is run, and Holm counts
+    # the three not run yet with p = 1
+    main([*base, "--phase", "held", "--resume", "--pieces", "2"])
+    (run,) = [t for t in _csv(out / "tests.csv") if t.get("seeds")]
+    assert (run["family"], run["arm"], run["lr"], run["vs_lr"]) == ("F1a", W[2], "1e-4", "1e-3")
+    assert float(run["p_holm"]) == pytest.approx(min(1.0, 4 * float(run["p_signflip"])))
+    main([*base, "--phase", "held", "--resume"])
+    held = fake.calls[128:]
+    assert len(held) == (8 + 8 + 3) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
+    assert {(a, lr) for a, lr, unclipped, _ in held if not unclipped} == {
+        *((a, float(BEST.get(a, "3e-4"))) for a in gw.ARMS),
+        (W[2], 1e-3), (W[8], 3e-3), (W[24], 1e-3),
+    }  # fmt: skip
+    tests = _csv(out / "tests.csv")
+    assert [t["family"] for t in tests] == ["F1a", "F1b", "F1c"] * 4 + ["F2", "F3", "F3"]
+    assert all(t["seeds"] == "12" and t["signflip"] == "exact" for t in tests)
+    f1b = [t for t in tests if t["family"] == "F1b"]
+    assert all(t["lr"].endswith("/inf") and t["vs_lr"] == "1e-3/inf" and t["outcome"] == "within ±0.03" for t in f1b)
+    f1a = {t["arm"]: t["outcome"] for t in tests if t["family"] == "F1a"}
+    assert f1a == {W[2]: "within ±0.03", W[8]: "within ±0.03", W[24]: "above", W[96]: "within ±0.03"}
+    verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
+    assert verdicts == {
+        ("F1a", ""): "supported", ("F1b", ""): "falsified", ("F1c", ""): "supported", ("F2", ""): "supported",
+        ("F3", BAND): "falsified", ("F3", CORRELATION): "holds",
+    }  # fmt: skip
+    pieces = _csv(out / "pieces.csv")
+    assert len(pieces) == 32 + 19 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
+    command = (out / "COMMAND.txt").read_text()
+    assert command.count("\npiece ") == 51 and command.index("choice.csv written") < command.index("piece held_")
+
+    # a stopped piece resumes where it stopped; a finished study runs nothing again
+    piece = gw.Piece("held", W[8], "3e-4", gw.HELD_SEEDS)
+    path = out / gw.PIECES / piece.name / "learn_runs.csv"
+    kept = [r for r in _csv(path) if r["seed"] != "305"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(kept[0]))
+        writer.writeheader()
+        writer.writerows(kept)
+    main([*base, "--phase", "all", "--resume"])
+    assert fake.calls[len(held) + 128 :] == [(W[8], 3e-4, False, 305)]
+    main([*base, "--phase", "all", "--resume", "--pieces", "3"])
+    assert len(fake.calls) == 128 + len(held) + 1
+
+
+def test_a_piece_whose_every_run_fails_stops_the_study(tmp_path, fake, monkeypatch):
+    monkeypatch.setattr(learn, "run_local", lambda overrides, run_dir, timeout_s=900: LocalRun(1, "", 1.0, run_dir))
+    with pytest.raises(SystemExit, match=r"piece tune_W_1_lr1e-4: every run failed \(exit codes 1"):
+        main(["granularity", "--part", "2", "--out", str(tmp_path), "--phase", "tune"])
+
+
+@pytest.mark.slow
+def test_one_real_piece_through_verls_trainer(tmp_path, monkeypatch):
+    """One tuning piece shrunk to 1 seed x 2 steps runs through lab learn and verl's trainer (the seed's warm model
+    is built into the cache on first use, about a minute): a finished run with its CPU time, and the choice."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's run folders: not left in /tmp
+    steps = gw.LEARN.index("--steps") + 1
+    monkeypatch.setattr(gw, "LEARN", (*gw.LEARN[:steps], "2", *gw.LEARN[steps + 1 :]))
+    monkeypatch.setattr(gw, "WINDOWS", (1,))
+    monkeypatch.setattr(gw, "ARMS", (W[1],))
+    monkeypatch.setattr(gw, "LRS", ("1e-3",))
+    monkeypatch.setattr(gw, "TUNE_SEEDS", (200,))
+    out = tmp_path / "warm"
+    main(["granularity", "--part", "2", "--out", str(out), "--phase", "tune"])
+    (run,) = gw.piece_rows(out, gw.tuning_pieces()[0])
+    assert run["ok"] and run["steps"] == 2 and math.isfinite(run["final_reward"]) and run["mean_ppo_kl"] >= 0
+    assert 0 < run["cpu_s"] and run["wall_s"] > 0
+    assert [(c["loss"], c["best_band"]) for c in _csv(out / "choice.csv")] == [(W[1], "1e-3")]
