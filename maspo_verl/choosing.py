@@ -773,15 +773,25 @@ def granularity_section(root: Path) -> list[str]:
         )
         + ".",
         "",
+        f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in verl's trainer, every arm's "
+        f"learning rate tuned alike, 12 fresh seeds): {part2_progress(root)}.",
+        "",
         *part3_lines(root),
-        "Registered but not run yet: part 2 (the warm speech model in verl's trainer, every arm's learning rate "
-        "tuned alike, 12 fresh seeds), part 4 (exploratory SmolLM2 RL).",
+        "**Part 4** (exploratory SmolLM2 RL through the vLLM rollout): not run yet.",
         "",
     ]
     return lines
 
 
+PART2 = f"{GRANULARITY}/warm"  # part 2: the warm speech model (lab granularity --part 2)
 PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab smollm2 --granularity)
+
+
+def part2_progress(root: Path) -> str:
+    """How far part 2 has run: its pieces done of those listed (the held-out ones are listed once tuning chose)."""
+    pieces = _read(root / RESULTS / PART2 / "pieces.csv")
+    done = sum(_yes(p["done"]) for p in pieces)
+    return f"{done} of its {len(pieces)} listed pieces run" if done else "built, not run yet"
 
 
 def part3_lines(root: Path) -> list[str]:

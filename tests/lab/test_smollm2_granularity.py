@@ -348,3 +348,14 @@ def test_one_batch_on_the_tiny_model(tiny, monkeypatch):
     moved = [r["cos"] for r in grad if r["lr"] == 1e-2 and r["updates"] == 4]
     assert max(moved) - min(moved) > 1e-3  # drift separates the arms
     assert summary["responses"] == 6 and summary["cpu_s"] > 0 and summary["mixed_groups"] == 2
+
+
+def test_the_guide_counts_part2s_pieces(tmp_path):
+    from maspo_verl import choosing
+    from maspo_verl.lab.common import write_csv
+
+    assert choosing.part2_progress(tmp_path) == "built, not run yet"
+    rows = [{"piece": "a", "done": "True"}, {"piece": "b", "done": "False"}, {"piece": "c", "done": "False"}]
+    (tmp_path / choosing.RESULTS / choosing.PART2).mkdir(parents=True)
+    write_csv(tmp_path / choosing.RESULTS / choosing.PART2 / "pieces.csv", rows)
+    assert choosing.part2_progress(tmp_path) == "1 of its 3 listed pieces run"
