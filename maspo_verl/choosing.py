@@ -808,7 +808,7 @@ def part3_lines(root: Path) -> list[str]:
         f"{head}: {n} of the {of} registered batches (seeds {design['batches']}), {_mean_of(batches, 'responses'):.0f}"
         f" responses each at their natural lengths (mean {_mean_of(batches, 'length_mean'):.0f} tokens, "
         f"{100 * _mean_of(batches, 'ended_by_eos'):.0f} % ended by EOS), reward {_mean_of(batches, 'reward'):.2f}. "
-        "δ: the whole model after 1 or 4 Adam updates on grpo's loss of the batch. VIF(15) − null: δ's VIF(15) minus "
+        "δ: the whole model after 1 or 4 Adam updates on grpo's loss of the batch. VIF(n) − null: δ's VIF(n) minus "
         "that of the same δ permuted within each row (registered: *falsified*, no correlation at realistic drift, "
         f"if the interval lies inside ±{design['vif_margin']}). G1: each window's gradient cosine to the on-policy "
         "gradient minus W = 1's, each preset at its shipped band (Holm within each drift condition)."
@@ -822,15 +822,18 @@ def part3_lines(root: Path) -> list[str]:
     ]
     tests = _read(folder / "tests.csv")
     corr = _read(folder / "correlation.csv")
-    lines += ["| lr, updates | VIF(15) − null | G1: window − W = 1 | G3: adaptive − best window |", "|---|---|---|---|"]
+    lines += ["| lr, updates | VIF(n) − null | G1: window − W = 1 | G3: adaptive − best window |", "|---|---|---|---|"]
     for lr, k in sorted({(r["lr"], r["updates"]) for r in corr}, key=lambda c: (_f(c[0]), int(c[1]))):
         mine = [t for t in tests if (t["lr"], t["updates"]) == (lr, k)]
-        vif = [t for t in mine if t["test"] == "vif" and t["measure"] == "vif15 - null"]
-        if vif:
-            vif_text = f"{_span(vif[0])} → {vif[0]['outcome']}"
-        else:  # one batch: its value, no interval
-            rows = [r for r in corr if (r["lr"], r["updates"]) == (lr, k)]
-            vif_text = f"{_mean_of(rows, 'vif15') - _mean_of(rows, 'null_vif15'):+.3f} (one batch, no interval)"
+        rows = [r for r in corr if (r["lr"], r["updates"]) == (lr, k)]
+        vif_text = []
+        for n in (5, 15):
+            vif = [t for t in mine if t["test"] == "vif" and t["measure"] == f"vif{n} - null"]
+            if vif:
+                vif_text.append(f"VIF({n}) {_span(vif[0])} → {vif[0]['outcome']}")
+            else:  # one batch: its value, no interval
+                diff = _mean_of(rows, f"vif{n}") - _mean_of(rows, f"null_vif{n}")
+                vif_text.append(f"VIF({n}) {diff:+.3f} (one batch, no interval)")
         cells = [
             "<br>".join(
                 f"{t['arm'] if f == 'G1' else t['arm'] + ' − ' + t['vs']}: {_span(t)} → {t['outcome']}"
@@ -840,7 +843,7 @@ def part3_lines(root: Path) -> list[str]:
             or "(two batches at least)"
             for f in ("G1", "G3")
         ]
-        lines.append(f"| {_f(lr):g}, {k} | {vif_text} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {_f(lr):g}, {k} | {'<br>'.join(vif_text)} | {cells[0]} | {cells[1]} |")
     return lines + [""]
 
 

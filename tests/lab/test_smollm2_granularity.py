@@ -267,12 +267,13 @@ def test_the_guide_reads_part3_as_interim_until_every_batch(tmp_path, monkeypatc
     text = "\n".join(choosing.part3_lines(tmp_path))
     assert "1 of the 8 registered batches (seeds 200-207)" in text and "**Interim**" in text
     assert "75 % ended by EOS" in text and "inside ±0.1" in text
-    assert "| 1e-05, 4 | +0.300 (one batch, no interval) | (two batches at least) |" in text
+    one = "VIF(5) +0.200 (one batch, no interval)<br>VIF(15) +0.300 (one batch, no interval)"
+    assert f"| 1e-05, 4 | {one} | (two batches at least) |" in text
     args.resume, args.pieces = True, 0
     g3.run(args, ["smollm2", "--granularity", "--resume"])
     text = "\n".join(choosing.part3_lines(tmp_path))
     assert "8 of the 8 registered batches" in text and "Interim" not in text
-    assert "+0.300 [+0.300, +0.300] → correlated" in text
+    assert "VIF(5) +0.200 [+0.200, +0.200] → correlated<br>VIF(15) +0.300 [+0.300, +0.300] → correlated" in text
     # G1: every window above W = 1 by 0.01 i on all 8 batches (Holm 5 x 2/256 < 0.05); G3 against the best (W=128)
     assert "W=2: +0.010 [+0.010, +0.010] → above" in text
     assert "correlation − whole: +0.020 [+0.020, +0.020] → above" in text
