@@ -387,10 +387,10 @@ REMAINING = (
     "Part 3, SmolLM2 at realistic drift (about 3 h of CPU registered): the engine is built (`python -m "
     "maspo_verl.lab smollm2 --granularity`, `lab/smollm2_granularity.py`) and runs one resumable batch at a time; "
     "its batches so far, every test their data allow and its deviations: [smollm2/README.md](smollm2/README.md). "
-    "The rest: `python -m maspo_verl.lab smollm2 --granularity --update-docs --resume`. Measured so far (2 shared "
-    "cores, nice 19): screening about 65 CPU-s per 4 pool problems; batch 200 (not finished) took about 9 CPU-min "
-    "to sample and finish the first of its four drift conditions, so about 30-35 CPU-min a batch and about 4.5 h "
-    "for the eight: more than the registered 3 h.",
+    "The rest: `python -m maspo_verl.lab smollm2 --granularity --update-docs --resume --threads 2`, alone (the "
+    "process peaks near 15 GB). Measured: screening about 65 CPU-s per 4 pool problems; batch 200 took 3250 CPU-s "
+    "(2 torch threads; 51 min wall beside other work), so about 7 CPU-h for the eight: more than the registered "
+    "3 h.",
     "Part 4, exploratory SmolLM2 RL: only where `local=cpu model=smollm2` steps in under a minute.",
 )
 
