@@ -87,14 +87,41 @@ def _wait_for_death(name: str, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"{name} is not dead after {timeout_s} s")
 
 
-def test_a_killed_rollout_server_stops_the_run_with_its_name_and_cause(cluster, capsys):
-    """SIGKILL, as Ray's OOM killer ends a worker: the watchdog interrupts the run within a few polls."""
-    name = f"{watchdog.SERVER_ACTOR_PREFIX}test_0_0"
+class _Stopped(KeyboardInterrupt):
+    pass
+
+
+def _stop(signum, frame):  # as the local session's SIGTERM handler does
+    raise _Stopped
+
+
+@pytest.fixture(params=["SIGINT", "SIGTERM"])
+def interrupts(request):
+    """The driver's main thread as the watchdog finds it: Python's SIGINT handler (a terminal), or SIGINT ignored
+    (a background job, ``nohup``) and the session's SIGTERM handler."""
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    if request.param == "SIGINT":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _stop)
+    try:
+        yield request.param
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+
+
+def test_a_killed_rollout_server_stops_the_run_with_its_name_and_cause(cluster, capsys, interrupts):
+    """SIGKILL, as Ray's OOM killer ends a worker: the watchdog interrupts the run within a few polls, by SIGINT or,
+    where SIGINT is ignored, SIGTERM."""
+    assert watchdog._interrupting_signal() == getattr(signal, interrupts)
+    name = f"{watchdog.SERVER_ACTOR_PREFIX}test_{interrupts}_0"
     server = Probe.options(name=name).remote()
     pid = ray.get(server.pid.remote())
     start = time.monotonic()
     with pytest.raises(watchdog.RolloutServerDied) as stopped:
-        with watchdog.watching(every_s=0.5):
+        with watchdog.watching((name,), every_s=0.5):  # this server only: the other case's is dead too
             os.kill(pid, signal.SIGKILL)
             time.sleep(30)
     assert time.monotonic() - start < 20
