@@ -82,8 +82,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         module.add_arguments(p)
         p.set_defaults(module=module, folder=folder)
     args = parser.parse_args(argv)
-    for flag, name in getattr(args.module, "MODES", {}).items():  # a mode in a module of its own: its run and FOLDER
-        if getattr(args, flag):
+    # a mode in a module of its own (its run and FOLDER): MODES maps a flag to the module, or the flag's values to them
+    for flag, mode in getattr(args.module, "MODES", {}).items():
+        value = getattr(args, flag)
+        name = mode.get(value) if isinstance(mode, dict) else mode if value else None
+        if name:
             args.module = importlib.import_module(f"maspo_verl.lab.{name}")
             args.folder = args.module.FOLDER
     if hasattr(args.module, "folder_of"):  # a mode with a folder of its own (bench --mode update)

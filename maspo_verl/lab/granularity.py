@@ -299,18 +299,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(sample_seed=SAMPLE_SEED)
 
 
-def folder_of(args: argparse.Namespace) -> str:
-    """Part 2 writes a folder of its own (``granularity/warm``), part 1 ``granularity``."""
-    from maspo_verl.lab import granularity_warm
-
-    return granularity_warm.FOLDER if args.part == 2 else OUT
+# --part 2 runs granularity_warm's driver and writes its folder (the lab CLI swaps the module in: it imports this one)
+MODES = {"part": {2: "granularity_warm"}}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    if args.part == 2:
-        from maspo_verl.lab import granularity_warm
-
-        return granularity_warm.run(args, argv)
     if args.pieces:
         raise SystemExit("--pieces: part 2 only (--part 2); part 1 resumes job by job with --resume")
     out = Path(args.out)
