@@ -145,8 +145,18 @@ def piece_rows(out: Path, piece: Piece) -> list[dict]:
     return [r | {"band": piece.setting, "ppo_kl": r["mean_ppo_kl"], "piece": piece.name} for r in rows]
 
 
+def covers(piece: Piece, rows: list[dict]) -> bool:
+    """Whether ``rows`` (the piece's) hold a run of every seed of the piece."""
+    return set(piece.seeds) <= {r["seed"] for r in rows}
+
+
 def done(out: Path, piece: Piece) -> bool:
-    return set(piece.seeds) <= {r["seed"] for r in piece_rows(out, piece)}
+    return covers(piece, piece_rows(out, piece))
+
+
+def tuning_rows(out: Path) -> list[dict]:
+    """The runs of every tuning piece on disk."""
+    return [r for p in tuning_pieces() for r in piece_rows(out, p)]
 
 
 def choose(rows: list[dict]) -> list[dict]:
@@ -229,11 +239,11 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str]) -> 
 
     if phase in ("tune", "all"):
         if run_missing(tuning_pieces()) and not choice.is_file():
-            write_csv(choice, choose([r for p in tuning_pieces() for r in piece_rows(out, p)]))
+            write_csv(choice, choose(tuning_rows(out)))
             _note(out, "tuning done: choice.csv written (before any held-out piece)")
     if phase in ("held", "all"):
         if choice.is_file():
-            run_missing(held_pieces(written_choice(out, [r for p in tuning_pieces() for r in piece_rows(out, p)])))
+            run_missing(held_pieces(written_choice(out, tuning_rows(out))))
         else:
             tuned = sum(done(out, p) for p in tuning_pieces())
             log(f"granularity part 2: {tuned} of {len(tuning_pieces())} tuning pieces done; held-out pieces wait")
@@ -284,7 +294,7 @@ def pieces_table(out: Path, pieces: list[Piece]) -> list[dict]:
                 "seeds": f"{p.seeds[0]}-{p.seeds[-1]}",
                 "runs": f"{len(mine)}/{len(p.seeds)}",
                 "failed": sum(not r["ok"] for r in mine),
-                "done": set(p.seeds) <= {r["seed"] for r in mine},
+                "done": covers(p, mine),
                 "wall_s_per_run": finite_mean(r["wall_s"] for r in mine),
                 "cpu_s_per_run": finite_mean(r.get("cpu_s") for r in mine),
             }
@@ -358,7 +368,7 @@ def report(out: Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     d = design()
-    rows = [r for p in tuning_pieces() for r in piece_rows(out, p)]
+    rows = tuning_rows(out)
     choices = written_choice(out, rows)
     held = held_pieces(choices) if choices else []
     rows += [r for p in held for r in piece_rows(out, p)]
