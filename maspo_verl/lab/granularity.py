@@ -381,9 +381,9 @@ REMAINING = (
     "maspo_verl.lab smollm2 --granularity`, `lab/smollm2_granularity.py`) and runs one resumable batch at a time; "
     "its batches so far, every test their data allow and its deviations: [smollm2/README.md](smollm2/README.md). "
     "The rest: `python -m maspo_verl.lab smollm2 --granularity --update-docs --resume --threads 2`, alone (the "
-    "process peaks near 15 GB). Done: batches 200 and 201. Measured: screening about 65 CPU-s per 4 pool problems; "
-    "batch 200 took 3250 CPU-s (2 torch threads; 51 min wall beside other work), batch 201 2388 CPU-s (23 min wall "
-    "alone), so about 5-7 CPU-h (2.5-3.5 h wall alone) for the eight: more than the registered 3 h.",
+    "process peaks near 15 GB). The batches done: its README. Measured: screening about 65 CPU-s per 4 pool "
+    "problems; batch 200 took 3250 CPU-s (2 torch threads; 51 min wall beside other work), batch 201 2388 CPU-s "
+    "(23 min wall alone), so about 5-7 CPU-h (2.5-3.5 h wall alone) for the eight: more than the registered 3 h.",
     "Part 4, exploratory SmolLM2 RL: only where `local=cpu model=smollm2` steps in under a minute.",
 )
 
