@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -654,6 +655,19 @@ def run(args, argv) -> None:
     args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
     done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
     logs = Path(tempfile.mkdtemp(prefix="maspo_learn_logs_"))
+    failed: list[str] = []  # run folders of failed runs
+    try:
+        _run_seeds(args, cells, bands, done, out, logs, failed, step_rows, runs)
+    finally:  # the run folders go, unless a run failed: then all stay, and the log says where
+        if failed:
+            log(f"learn: {len(failed)} run(s) failed; run folders kept in {logs} (failed: {', '.join(failed)})")
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+    log(f"learn: wrote {out}; {sum(r['wall_s'] for r in runs) / 60:.0f} min of trainer runs")
+
+
+def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str], step_rows, runs) -> None:
+    """Every (seed, task, cell, loss) run not in ``done``, in ``logs``; rows and records appended as they finish."""
     lengths = sorted({c.length for c in cells})
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for task in args.tasks:
@@ -666,6 +680,8 @@ def run(args, argv) -> None:
                     overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
                     result = run_local(overrides, logs / name, timeout_s=args.timeout)
                     steps, code, wall = result.steps, result.returncode, result.wall_s
+                    if code != 0:
+                        failed.append(str(result.run_dir))
                     key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
                     key |= {"updates": cell.updates, "loss": loss, "seed": seed}
                     key["band"] = bands.get(loss.partition(CREDIT_SEP)[0], SHIPPED)
@@ -685,7 +701,6 @@ def run(args, argv) -> None:
                     write_csv(out / "learn_steps.csv", step_rows)
                     write_csv(out / "learn_runs.csv", _uniform(runs))
         write_results(args, cells, out, step_rows, runs)  # the summary so far, after each seed
-    log(f"learn: wrote {out}; {sum(r['wall_s'] for r in runs) / 60:.0f} min of trainer runs")
 
 
 def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], runs: list[dict]) -> None:

@@ -380,3 +380,38 @@ def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     readme = (Path(out) / "README.md").read_text()
     assert "| speech | L12/none/U2 | 1 | 0.300 -> 0.410 | 0.300 -> 0.460 |" in readme  # per seed, both losses
     assert "`grpo`'s clip band x 4 (`clip_ratio_low=0.8 clip_ratio_high=0.8`)" in readme
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["all_ran", "one_failed"])
+def test_run_folders_are_removed_unless_a_run_failed(tmp_path, monkeypatch, capsys, fails):
+    """lab learn's run folders (the trainer's logs, the task data) leave nothing in the temp folder when every run
+    ran; when one failed they all stay, and the log names them."""
+    import tempfile
+
+    from maspo_verl.lab.runs import LocalRun
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+    def fake_run(overrides, run_dir, timeout_s=900):
+        Path(run_dir).mkdir(parents=True)
+        (Path(run_dir) / "console.log").write_text("a trainer's log")
+        code = 1 if fails and "loss=gspo" in overrides else 0
+        return LocalRun(code, "", 1.0, Path(run_dir), _steps([0.3, 0.4]))
+
+    monkeypatch.setattr(learn, "run_local", fake_run)
+    out = str(tmp_path / "out")
+    learn.run(
+        _args(
+            "--tasks", "speech", "--steps", "2", "--last", "1", "--seeds", "1", "--losses", "grpo", "gspo", "--out", out
+        ),
+        [],
+    )
+    left = list((tmp_path / "tmp").iterdir())
+    if not fails:
+        assert left == []
+        return
+    assert len(left) == 1 and left[0].name.startswith("maspo_learn_logs_")
+    failed = [p for p in left[0].iterdir() if "gspo" in p.name]
+    assert len(failed) == 1 and (failed[0] / "console.log").exists()
+    assert f"run folders kept in {left[0]} (failed: {failed[0]})" in capsys.readouterr().err
