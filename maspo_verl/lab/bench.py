@@ -509,7 +509,8 @@ def build_model(shape: str, dtype: torch.dtype, device: str, checkpointing: bool
 
     torch.manual_seed(seed)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialised where it runs: Llasa-1B's shape on one CPU thread takes minutes
+        model = LlamaForCausalLM(config).to(dtype=dtype)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
