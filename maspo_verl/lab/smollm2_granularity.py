@@ -81,7 +81,14 @@ def correlation(delta: torch.Tensor, mask: torch.Tensor) -> dict:
     from maspo_verl.core.metrics import correlation_metrics, correlation_sums, host_sums
 
     m = correlation_metrics(host_sums(correlation_sums(delta.double(), mask)), prefix="")
-    return {"lag1": m.get("corr_lag1", math.nan), "vif5": m.get("vif5", math.nan), "vif15": m.get("vif15", math.nan)}
+    names = {"lag1": "corr_lag1", "vif5": "vif5", "vif15": "vif15"}
+    missing = [k for k, name in names.items() if name not in m]
+    if missing:  # a row of NaN would pass into the tests' means unseen
+        raise ValueError(
+            f"correlation: {missing} undefined: δ's sd on the mask is {float(delta[mask].std()):.3g}, the longest "
+            f"response {int(mask.sum(-1).max())} tokens (the metrics need variance, and responses of 15 tokens)"
+        )
+    return {k: m[name] for k, name in names.items()}
 
 
 def correlation_row(delta: torch.Tensor, mask: torch.Tensor, seed: int) -> dict:

@@ -72,6 +72,17 @@ def test_permutation_keeps_each_row_and_removes_order():
         g3.permuted(x, mask & (torch.arange(T) != 3), gen)
 
 
+def test_correlation_refuses_what_it_cannot_measure():
+    """A δ with no variance, or responses shorter than the 15-token window: an error naming the metrics, not NaN."""
+    mask = torch.arange(40) < torch.tensor([[40], [30]])
+    delta = torch.randn(2, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert set(g3.correlation(delta, mask)) == {"lag1", "vif5", "vif15"}
+    with pytest.raises(ValueError, match=r"\['lag1', 'vif5', 'vif15'\] undefined: δ's sd on the mask is 0"):
+        g3.correlation(torch.zeros(2, 40), mask)
+    with pytest.raises(ValueError, match=r"\['vif15'\] undefined.*longest response 12 tokens"):
+        g3.correlation(delta, torch.arange(40) < torch.tensor([[12], [10]]))
+
+
 def test_whole_grads_equal_autograd_of_each_weighting(tiny):
     model, ids, attn, resp = tiny
     cs = [torch.randn(resp.shape), torch.randn(resp.shape)]
