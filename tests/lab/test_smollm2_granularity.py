@@ -72,17 +72,6 @@ def test_permutation_keeps_each_row_and_removes_order():
         g3.permuted(x, mask & (torch.arange(T) != 3), gen)
 
 
-def test_correlation_refuses_what_it_cannot_measure():
-    """A δ with no variance, or responses shorter than the 15-token window: an error naming the metrics, not NaN."""
-    mask = torch.arange(40) < torch.tensor([[40], [30]])
-    delta = torch.randn(2, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    assert set(g3.correlation(delta, mask)) == {"lag1", "vif5", "vif15"}
-    with pytest.raises(ValueError, match=r"\['lag1', 'vif5', 'vif15'\] undefined: δ's sd on the mask is 0"):
-        g3.correlation(torch.zeros(2, 40), mask)
-    with pytest.raises(ValueError, match=r"\['vif15'\] undefined.*longest response 12 tokens"):
-        g3.correlation(delta, torch.arange(40) < torch.tensor([[12], [10]]))
-
-
 def test_whole_grads_equal_autograd_of_each_weighting(tiny):
     model, ids, attn, resp = tiny
     cs = [torch.randn(resp.shape), torch.randn(resp.shape)]
@@ -215,6 +204,13 @@ def test_vif_tests_read_the_registered_margin():
     assert len(tests) == 8
     assert all(t["outcome"].startswith("falsified") for t in tests if t["lr"] == 1e-6)
     assert all(t["outcome"] == "correlated" for t in tests if t["lr"] == 1e-5)
+    # a batch whose δ had no variance (or only responses under 15 tokens): refused by name, not averaged as NaN
+    mask = torch.arange(40) < torch.tensor([[40], [12]])
+    assert math.isnan(g3.correlation(torch.zeros(2, 40), mask)["vif5"])
+    assert math.isnan(g3.correlation(torch.randn(2, 40), mask & (torch.arange(40) < 12))["vif15"])
+    rows[3]["vif15"] = math.nan
+    with pytest.raises(ValueError, match=rf"VIF\(15\) undefined for batches \[{rows[3]['batch']}\] at lr"):
+        g3.vif_tests(rows)
 
 
 def test_a_stopped_run_resumes_with_the_missing_batches(tmp_path, monkeypatch):
