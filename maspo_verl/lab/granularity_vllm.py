@@ -87,7 +87,7 @@ def design() -> g.Design:
 
 
 def part() -> gw.Part:
-    """This part as the piece engine reads it (read when called: the tests shrink the module's constants)."""
+    """This part as the piece engine reads it."""
     return gw.Part(
         4, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, METRIC, held_pieces, report, check, engine=ENGINE
     )
