@@ -774,10 +774,12 @@ def granularity_section(root: Path) -> list[str]:
         + ".",
         "",
         f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in verl's trainer, every arm's "
-        f"learning rate tuned alike, 12 fresh seeds): {part2_progress(root)}.",
+        f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}.",
         "",
         *part3_lines(root),
-        "**Part 4** (exploratory SmolLM2 RL through the vLLM rollout): not run yet.",
+        f"**Part 4** ([`{PART4}/`](results/{PART4}/README.md), exploratory (under-powered): SmolLM2-135M learning "
+        "arithmetic in verl's trainer with the vLLM rollout, grpo against W = 1 and the whole response, every arm's "
+        f"learning rate tuned alike, 4 fresh seeds): {pieces_progress(root, PART4)}.",
         "",
     ]
     return lines
@@ -785,13 +787,16 @@ def granularity_section(root: Path) -> list[str]:
 
 PART2 = f"{GRANULARITY}/warm"  # part 2: the warm speech model (lab granularity --part 2)
 PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab smollm2 --granularity)
+PART4 = f"{GRANULARITY}/vllm"  # part 4: SmolLM2-135M RL on the vLLM rollout (lab granularity --part 4)
 
 
-def part2_progress(root: Path) -> str:
-    """How far part 2 has run: its pieces done of those listed (the held-out ones are listed once tuning chose)."""
-    pieces = _read(root / RESULTS / PART2 / "pieces.csv")
+def pieces_progress(root: Path, part: str) -> str:
+    """How far a part run in pieces (2 or 4) has run: its pieces done of those listed (the held-out ones are
+    listed once tuning chose)."""
+    pieces = _read(root / RESULTS / part / "pieces.csv")
     done = sum(_yes(p["done"]) for p in pieces)
-    return f"{done} of its {len(pieces)} listed pieces run" if done else "built, not run yet"
+    listed = f"{done} of its {len(pieces)} listed pieces run"
+    return listed if done else f"built, not run yet ({listed})" if pieces else "built, not run yet"
 
 
 def part3_lines(root: Path) -> list[str]:

@@ -58,7 +58,12 @@ class Design:
     held_seeds: tuple[int, ...]
     families: dict  # family -> what it compares
     clip_is_knob: bool  # unclipped is the knob's value inf (part 1), else the chosen setting with the clip off
-    adaptive: tuple[str, ...] = ADAPTIVE  # H3's criteria (both, in every part)
+    adaptive: tuple[str, ...] = ADAPTIVE  # H3's criteria (both, in parts 1 and 2)
+    metric: str = "final_reward"  # the runs' column the tests compare
+    margin: float = MARGIN  # TOST margin, in the metric's units
+    # (family, arm, vs): tests of two arms each at its chosen setting, in place of H1-H3's (part 4)
+    pairs: tuple[tuple[str, str, str], ...] = ()
+    largest: str = ""  # the largest setting in words, where a choice there is flagged too ("": not flagged)
 
     def unclipped(self, chosen: str) -> str:
         """The setting of an arm's unclipped runs, given its chosen one ("" where none is chosen yet)."""
@@ -156,6 +161,8 @@ def comparisons(choices: list[dict], design: Design | None = None) -> list[tuple
     def arm(cell: str, loss: str, key: str = "best_band") -> tuple[str, str]:
         return loss, str(pick.get((cell, loss), {}).get(key, ""))
 
+    if d.pairs:
+        return [(family, cell, arm(cell, a), arm(cell, b)) for cell in d.cells for family, a, b in d.pairs]
     out = []
     for cell in d.cells:
         token = arm(cell, TOKEN)
@@ -182,7 +189,7 @@ def tests(runs: list[dict], choices: list[dict], design: Design | None = None) -
     held = rt._held(runs, d.held_seeds[0])
     rows = []
     for family, cell, a, b in comparisons(choices, d):
-        row = rt.paired(held, d.task, cell, a, b, margin=MARGIN)
+        row = rt.paired(held, d.task, cell, a, b, metric=d.metric, margin=d.margin)
         rows.append(
             {"family": family, "cell": cell, "arm": a[0], d.knob: a[1], "vs": b[0], f"vs_{d.knob}": b[1], **row}
         )
@@ -200,7 +207,7 @@ def tests(runs: list[dict], choices: list[dict], design: Design | None = None) -
         r["different"] = r["p_holm"] < ALPHA
         r["equivalent"] = r["p_tost_holm"] < ALPHA
         side = ("above" if r["diff"] > 0 else "below") if r["different"] else ""
-        within = f"within ±{MARGIN}" if r["equivalent"] else ""
+        within = f"within ±{d.margin}" if r["equivalent"] else ""
         r["outcome"] = ", ".join(x for x in (side, within) if x) or "—"
     return rows
 
@@ -288,24 +295,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "tuned with the same widths on seeds 20000-20031, judged on fresh seeds 30000-30063; paired t-intervals, "
         "sign-flip tests, TOST and Holm per family. --part 2: the warm speech model in verl's trainer, each arm's "
         "learning rate tuned on seeds 200-203 and judged on seeds 300-311, in resumable pieces of `lab learn` "
-        "(maspo_verl/lab/granularity_warm.py; folder granularity/warm)."
+        "(maspo_verl/lab/granularity_warm.py; folder granularity/warm). --part 4 (exploratory): SmolLM2-135M in "
+        "verl's trainer with the vLLM rollout, grpo, W = 1 and the whole response, each arm's learning rate tuned "
+        "on seeds 400-401 and judged on seeds 500-503, pieces on the same engine (granularity_vllm.py; folder "
+        "granularity/vllm)."
     )
-    p.add_argument("--part", type=int, choices=(1, 2), default=1, help="1: the table-policy grid; 2: the warm model")
+    p.add_argument(
+        "--part", type=int, choices=(1, 2, 4), default=1, help="1: the table-policy grid; 2: the warm model; 4: SmolLM2"
+    )
     p.add_argument("--phase", choices=("tune", "held", "all"), default="all", help="tuning seeds, held-out, both")
     p.add_argument("--resume", action="store_true", help="keep --out's runs and run only the missing jobs (pieces)")
-    p.add_argument("--pieces", type=int, default=0, help="--part 2: run at most this many pieces, then stop (0: all)")
+    p.add_argument(
+        "--pieces", type=int, default=0, help="--part 2 or 4: run at most this many pieces, then stop (0: all)"
+    )
     p.add_argument("--report", action="store_true", help="only rebuild the tables and README from --out's runs")
     regimes.engine_arguments(p, "Adam learning rate of cells without /lr<x>")
     p.set_defaults(sample_seed=SAMPLE_SEED)
 
 
-# --part 2 runs granularity_warm's driver and writes its folder (the lab CLI swaps the module in: it imports this one)
-MODES = {"part": {2: "granularity_warm"}}
+# --part 2 and 4 run granularity_warm's driver and write their folders (the lab CLI swaps the module in)
+MODES = {"part": {2: "granularity_warm", 4: "granularity_vllm"}}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     if args.pieces:
-        raise SystemExit("--pieces: part 2 only (--part 2); part 1 resumes job by job with --resume")
+        raise SystemExit("--pieces: parts 2 and 4 only (--part 2, --part 4); part 1 resumes job by job with --resume")
     out = Path(args.out)
     if args.report:
         return report(out, args)
@@ -384,7 +398,11 @@ REMAINING = (
     "process peaks near 15 GB). The batches done: its README. Measured: screening about 65 CPU-s per 4 pool "
     "problems; batch 200 took 3250 CPU-s (2 torch threads; 51 min wall beside other work), batch 201 2388 CPU-s "
     "(23 min wall alone), so about 5-7 CPU-h (2.5-3.5 h wall alone) for the eight: more than the registered 3 h.",
-    "Part 4, exploratory SmolLM2 RL: only where `local=cpu model=smollm2` steps in under a minute.",
+    "Part 4, exploratory SmolLM2 RL through verl's vLLM rollout (a step takes about 25-45 s): its design was "
+    "amended in the registration before any of its runs (grpo, W = 1 and the whole response, each arm's learning "
+    "rate tuned on seeds 400-401, held-out seeds 500-503; about 7 h for 30 runs): built and tested, not run yet. "
+    "`python -m maspo_verl.lab granularity --part 4 --update-docs --resume --pieces N` runs the next N pieces and "
+    "rebuilds [vllm/README.md](vllm/README.md) (`lab/granularity_vllm.py`, on part 2's engine).",
 )
 
 FAMILIES = {
@@ -404,13 +422,13 @@ def design_table(d: Design) -> list[dict]:
         "held_seeds": f"{d.held_seeds[0]}-{d.held_seeds[-1]}",
         "held_count": len(d.held_seeds),
         f"{d.knob}s": ", ".join(d.settings),
-        "margin": MARGIN,
+        "margin": d.margin,
         **d.families,
     }
     return [{"key": k, "value": v} for k, v in rows.items()]
 
 
-def plot(rows: list[dict], path: Path, families: dict) -> None:
+def plot(rows: list[dict], path: Path, families: dict, margin: float = MARGIN, what: str = "final reward") -> None:
     plt = pyplot()
     families = list(families)
     fig, axes = plt.subplots(1, len(families), figsize=(4 * len(families), 4), squeeze=False)
@@ -420,11 +438,11 @@ def plot(rows: list[dict], path: Path, families: dict) -> None:
             color = "tab:blue" if _above(r) else "tab:red" if _below(r) else "tab:green" if r["equivalent"] else "grey"
             ax.errorbar(k, r["diff"], yerr=[[r["diff"] - r["low"]], [r["high"] - r["diff"]]], fmt="o", color=color)
         ax.axhline(0, color="k", lw=0.8)
-        for m in (-MARGIN, MARGIN):
+        for m in (-margin, margin):
             ax.axhline(m, color="tab:green", lw=0.6, ls="--")
         ax.set_xticks(range(len(mine)), [f"{r['cell']}\n{_short(r['arm'])}" for r in mine], rotation=90, fontsize=5)
         ax.set_title(family, fontsize=9)
-    axes[0][0].set_ylabel("held-out final reward difference (95 % t-interval)")
+    axes[0][0].set_ylabel(f"held-out {what} difference (95 % t-interval)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -473,12 +491,18 @@ def family_sections(rows: list[dict], d: Design) -> list[str]:
 
 
 def bracket_note(choices: list[dict], d: Design) -> str:
-    """Which arms' choices sit at the smallest setting (flagged *not bracketed below*)."""
-    low = [c for c in choices if c["best_band"] == d.settings[0]]
-    if not low:
-        return f"No arm's choice is at the {d.smallest} (every choice is bracketed below)."
-    arms = ", ".join(f"{c['cell']} {c['loss']}" for c in low)
-    return f"Chosen at the {d.smallest} (not bracketed below): {arms}."
+    """Which arms' choices sit at the smallest setting (flagged *not bracketed below*), and at the largest where
+    the design flags it (*not bracketed above*)."""
+    edges = [(d.settings[0], d.smallest, "below")] + ([(d.settings[-1], d.largest, "above")] if d.largest else [])
+    notes = []
+    for setting, words, side in edges:
+        arms = ", ".join(f"{c['cell']} {c['loss']}" for c in choices if c["best_band"] == setting)
+        notes.append(
+            f"Chosen at the {words} (not bracketed {side}): {arms}."
+            if arms
+            else f"No arm's choice is at the {words} (every choice is bracketed {side})."
+        )
+    return " ".join(notes)
 
 
 def readme(runs, choices, rows, verdicts, cells, command) -> str:

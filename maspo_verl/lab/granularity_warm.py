@@ -1,6 +1,8 @@
 """Part 2 of the registered granularity study (docs/results/granularity/PREREGISTRATION.md, "Part 2"): the
 warm-started speech model in verl's trainer, run as resumable pieces of ``lab learn``; its tests, Holm families,
 margin, decision rules and report sections are part 1's (``granularity``), read through this part's ``Design``.
+The piece engine (``Part``, ``drive``, ``run_piece``, ``on_disk`` and the pieces and tuning tables) runs part 4 too
+(``granularity_vllm``).
 
 ``python -m maspo_verl.lab granularity --part 2 --phase tune|held|all [--resume] [--pieces N] [--report]``
 
@@ -27,6 +29,7 @@ import math
 import os
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,18 +102,46 @@ class Piece:
     def name(self) -> str:
         return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}" + ("_noclip" if self.unclipped else ""))
 
-    def argv(self, out: Path) -> list[str]:
-        """The lab CLI's arguments of this piece."""
+    def argv(self, out: Path, flags: tuple[str, ...] | None = None) -> list[str]:
+        """The lab CLI's arguments of this piece (``flags``: its part's registered ones, part 2's by default)."""
         assert self.seeds == tuple(range(self.seeds[0], self.seeds[0] + len(self.seeds))), self.seeds
         return [
-            "learn", "--out", str(Path(out) / PIECES / self.name), *LEARN, "--losses", self.arm, "--lr", self.lr,
+            "learn", "--out", str(Path(out) / PIECES / self.name), *(flags or LEARN), "--losses", self.arm,
+            "--lr", self.lr,
             "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
             *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
         ]  # fmt: skip
 
 
-def tuning_pieces() -> list[Piece]:
-    return [Piece("tune", arm, lr, TUNE_SEEDS) for arm in ARMS for lr in LRS]
+@dataclass(frozen=True)
+class Part:
+    """What the piece engine reads of one part run as pieces of ``lab learn``: part 2 (``part2``) here, part 4 in
+    ``granularity_vllm``."""
+
+    number: int
+    task: str  # the runs' task column
+    cell: str  # lab learn's label of the part's one cell
+    flags: tuple[str, ...]  # the registered lab learn flags of every piece
+    arms: tuple[str, ...]
+    lrs: tuple[str, ...]  # the learning rates tuned, the smallest first
+    tune_seeds: tuple[int, ...]
+    held_seeds: tuple[int, ...]
+    metric: str  # the runs' column the choice reads (its best tuning mean; ties: the smaller lr)
+    held_pieces: Callable[[list[dict]], list[Piece]]  # the held-out pieces of a choice, those a test reads first
+    report: Callable[[Path], None]
+    check: Callable[[], None] = lambda: None  # refuses to start where the registration's premise fails
+    # the rollout engine a run must name (lab learn's ``rollout`` column); a run on another counts as failed
+    engine: str = ""
+
+
+def part2() -> Part:
+    """Part 2 (read when called: the tests shrink the module's constants)."""
+    return Part(2, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, "final_reward", held_pieces, report)
+
+
+def tuning_pieces(part: Part | None = None) -> list[Piece]:
+    p = part or part2()
+    return [Piece("tune", arm, lr, p.tune_seeds) for arm in p.arms for lr in p.lrs]
 
 
 def held_pieces(choices: list[dict]) -> list[Piece]:
@@ -129,20 +160,26 @@ def held_pieces(choices: list[dict]) -> list[Piece]:
 # ------------------------------------------------------------------ what is on disk
 
 
-def piece_rows(out: Path, piece: Piece) -> list[dict]:
-    """The piece's runs (``lab learn``'s rows), keyed for the analysis: ``band`` is the piece's setting and
-    ``ppo_kl`` the run's mean KL per update; a row that is not this piece's stops with the folder named."""
+def piece_rows(out: Path, piece: Piece, part: Part | None = None) -> list[dict]:
+    """The piece's runs (``lab learn``'s rows), keyed for the analysis: ``band`` is the piece's setting,
+    ``ppo_kl`` the run's mean KL per update, ``ok`` false too where the run's rollout engine is not the part's; a
+    row that is not this piece's stops with the folder named."""
+    p = part or part2()
     folder = Path(out) / PIECES / piece.name
     rows = learn.load_rows(folder / "learn_runs.csv")
     band = rt.UNCLIPPED if piece.unclipped else learn.SHIPPED
     for r in rows:
-        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (TASK, CELL, piece.arm, band)
+        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (p.task, p.cell, piece.arm, band)
         if not mine or r["seed"] not in piece.seeds or ("lr" in r and not math.isclose(r["lr"], float(piece.lr))):
             raise SystemExit(
                 f"{folder}: a run of {r['loss']} (seed {r['seed']}, band {r['band']}, lr {r.get('lr')}) is not this "
                 f"piece's ({piece.arm}, lr {piece.lr}, {band}, seeds {piece.seeds[0]}-{piece.seeds[-1]}): remove it"
             )
-    return [r | {"band": piece.setting, "ppo_kl": r["mean_ppo_kl"], "piece": piece.name} for r in rows]
+    keyed = {"band": piece.setting, "piece": piece.name}
+    return [
+        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not p.engine or r.get("rollout") == p.engine)}
+        for r in rows
+    ]
 
 
 def covers(piece: Piece, rows: list[dict]) -> bool:
@@ -150,27 +187,29 @@ def covers(piece: Piece, rows: list[dict]) -> bool:
     return set(piece.seeds) <= {r["seed"] for r in rows}
 
 
-def done(out: Path, piece: Piece) -> bool:
-    return covers(piece, piece_rows(out, piece))
+def done(out: Path, piece: Piece, part: Part | None = None) -> bool:
+    return covers(piece, piece_rows(out, piece, part))
 
 
-def tuning_rows(out: Path) -> list[dict]:
+def tuning_rows(out: Path, part: Part | None = None) -> list[dict]:
     """The runs of every tuning piece on disk."""
-    return [r for p in tuning_pieces() for r in piece_rows(out, p)]
+    return [r for p in tuning_pieces(part) for r in piece_rows(out, p, part)]
 
 
-def choose(rows: list[dict]) -> list[dict]:
-    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``regimes_tuned.choose``)."""
-    tuning = [r for r in rows if r["seed"] in TUNE_SEEDS and r["ok"]]
-    return rt.choose(tuning, HELD_SEEDS[0], baseline=g.TOKEN)
+def choose(rows: list[dict], part: Part | None = None) -> list[dict]:
+    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``regimes_tuned.choose`` on the
+    part's metric)."""
+    p = part or part2()
+    tuning = [r for r in rows if r["seed"] in p.tune_seeds and r["ok"]]
+    return rt.choose(tuning, p.held_seeds[0], baseline=g.TOKEN, metric=p.metric)
 
 
-def written_choice(out: Path, rows: list[dict]) -> list[dict]:
+def written_choice(out: Path, rows: list[dict], part: Part | None = None) -> list[dict]:
     """The choice, once ``choice.csv`` is written (checked against the tuning runs on disk); [] before."""
     path = Path(out) / "choice.csv"
     if not path.is_file():
         return []
-    choices = choose(rows)
+    choices = choose(rows, part)
     g.check_choice(path, choices)
     return choices
 
@@ -185,17 +224,21 @@ def _engine_defaults() -> dict:
     return vars(p.parse_args([]))
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> None:
+def run(args: argparse.Namespace, argv: list[str], part: Part | None = None) -> None:
+    p = part or part2()
     changed = [k for k, v in _engine_defaults().items() if getattr(args, k) != v]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        raise SystemExit(f"--part 2: {flags} set part 1's engine; part 2's design is fixed (granularity_warm.LEARN)")
+        raise SystemExit(
+            f"--part {p.number}: {flags} set part 1's engine; part {p.number}'s design is fixed (its lab learn flags)"
+        )
     if args.pieces < 0:
         raise SystemExit(f"--pieces {args.pieces}: allowed 0 (all) or a number of pieces > 0")
     out = Path(args.out)
+    p.check()
     if args.report:
-        return report(out)
-    drive(out, args.phase, args.resume, args.pieces, argv)
+        return p.report(out)
+    drive(out, args.phase, args.resume, args.pieces, argv, p)
 
 
 def _note(out: Path, text: str) -> None:
@@ -203,14 +246,16 @@ def _note(out: Path, text: str) -> None:
         f.write(text + "\n")
 
 
-def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str]) -> None:
+def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], part: Part | None = None) -> None:
     """Run the missing pieces of ``phase`` (at most ``budget``, 0: all), the report rebuilt after each."""
+    part = part or part2()
     choice = out / "choice.csv"
-    tuned = sum(done(out, p) for p in tuning_pieces())
+    tuning = tuning_pieces(part)
+    tuned = sum(done(out, p, part) for p in tuning)
     if phase == "held" and not choice.is_file():
         raise SystemExit(
             f"--phase held: {choice} is missing: the held-out seeds wait for the tuning choice; run --phase tune "
-            f"(--resume) until its {len(tuning_pieces())} pieces are done ({tuned} are)"
+            f"(--resume) until its {len(tuning)} pieces are done ({tuned} are)"
         )
     on_disk = sorted(p.name for p in (out / PIECES).iterdir()) if (out / PIECES).is_dir() else []
     if on_disk and not resume:
@@ -228,40 +273,40 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str]) -> 
         """Run the pieces not done yet, within the budget; whether every one is done."""
         nonlocal ran
         for piece in pieces:
-            if done(out, piece):
+            if done(out, piece, part):
                 continue
             if budget and ran >= budget:
                 break
-            run_piece(out, piece)
+            run_piece(out, piece, part)
             ran += 1
-            report(out)
-        return all(done(out, p) for p in pieces)
+            part.report(out)
+        return all(done(out, p, part) for p in pieces)
 
     if phase in ("tune", "all"):
-        if run_missing(tuning_pieces()) and not choice.is_file():
-            write_csv(choice, choose(tuning_rows(out)))
+        if run_missing(tuning) and not choice.is_file():
+            write_csv(choice, choose(tuning_rows(out, part), part))
             _note(out, "tuning done: choice.csv written (before any held-out piece)")
     if phase in ("held", "all"):
         if choice.is_file():
-            run_missing(held_pieces(written_choice(out, tuning_rows(out))))
+            run_missing(part.held_pieces(written_choice(out, tuning_rows(out, part), part)))
         else:
-            tuned = sum(done(out, p) for p in tuning_pieces())
-            log(f"granularity part 2: {tuned} of {len(tuning_pieces())} tuning pieces done; held-out pieces wait")
-    report(out)
+            tuned = sum(done(out, p, part) for p in tuning)
+            log(f"granularity part {part.number}: {tuned} of {len(tuning)} tuning pieces done; held-out pieces wait")
+    part.report(out)
 
 
-def run_piece(out: Path, piece: Piece) -> None:
+def run_piece(out: Path, piece: Piece, part: Part | None = None) -> None:
     """One piece: its ``lab learn`` command, parsed by the lab CLI (a renamed flag fails here) and run."""
     from maspo_verl.lab import __main__ as lab
 
-    argv = piece.argv(out)
+    argv = piece.argv(out, (part or part2()).flags)
     if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
         argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
     _note(out, f"\npiece {piece.name}: python -m maspo_verl.lab {shlex.join(argv)}")
     start = time.monotonic()
     args = lab.parse(argv)
     args.module.run(args, argv)
-    rows = [r for r in learn.load_rows(Path(out) / PIECES / piece.name / "learn_runs.csv") if r["seed"] in piece.seeds]
+    rows = [r for r in piece_rows(out, piece, part) if r["seed"] in piece.seeds]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     cpu = finite_mean(r.get("cpu_s") for r in rows)
     _note(
@@ -271,19 +316,21 @@ def run_piece(out: Path, piece: Piece) -> None:
     )
     if rows and not any(r["ok"] for r in rows):
         codes = sorted({str(r["exit_code"]) for r in rows})
+        engines = sorted({r.get("rollout") or "?" for r in rows})
         raise SystemExit(
-            f"piece {piece.name}: every run failed (exit codes {', '.join(codes)}; each run folder is named in the "
-            f"log above): fix the cause, remove {Path(out) / PIECES / piece.name} and run again with --resume"
+            f"piece {piece.name}: every run failed (exit codes {', '.join(codes)}; rollout engines "
+            f"{', '.join(engines)}; each run folder is named in the log above): fix the cause, remove "
+            f"{Path(out) / PIECES / piece.name} and run again with --resume"
         )
 
 
 # ------------------------------------------------------------------ the report
 
 
-def pieces_table(out: Path, pieces: list[Piece]) -> list[dict]:
+def pieces_table(out: Path, pieces: list[Piece], part: Part | None = None) -> list[dict]:
     rows = []
     for p in pieces:
-        mine = piece_rows(out, p)
+        mine = piece_rows(out, p, part)
         rows.append(
             {
                 "piece": p.name,
@@ -302,20 +349,21 @@ def pieces_table(out: Path, pieces: list[Piece]) -> list[dict]:
     return rows
 
 
-def tuning_table(rows: list[dict], choices: list[dict]) -> list[dict]:
-    """Per arm and lr: the tuning mean final reward and KL per update (what the choice reads)."""
+def tuning_table(rows: list[dict], choices: list[dict], part: Part | None = None) -> list[dict]:
+    """Per arm and lr: the tuning mean of the part's metric and KL per update (what the choice reads)."""
+    p = part or part2()
     pick = {c["loss"]: c for c in choices}
     out = []
-    for arm in ARMS:
-        for lr in LRS:
-            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in TUNE_SEEDS and r["ok"]]
+    for arm in p.arms:
+        for lr in p.lrs:
+            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in p.tune_seeds and r["ok"]]
             chosen = pick.get(arm, {})
             out.append(
                 {
                     "arm": arm,
                     "lr": lr,
                     "seeds": len(mine),
-                    "final_reward": finite_mean(r["final_reward"] for r in mine),
+                    p.metric: finite_mean(r[p.metric] for r in mine),
                     "ppo_kl": finite_mean(r["ppo_kl"] for r in mine),
                     "chosen": chosen.get("best_band") == lr,
                     "matched_kl": chosen.get("kl_band") == lr,
@@ -362,16 +410,23 @@ def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
     return out
 
 
+def on_disk(out: Path, part: Part | None = None) -> tuple[list[dict], list[dict], list[Piece]]:
+    """What a part's report reads (its folder made first): the runs of its pieces on disk (the held-out ones once
+    the choice is written), the written choice, and the held-out pieces it implies."""
+    p = part or part2()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    rows = tuning_rows(out, p)
+    choices = written_choice(out, rows, p)
+    held = p.held_pieces(choices) if choices else []
+    return rows + [r for piece in held for r in piece_rows(out, piece, p)], choices, held
+
+
 def report(out: Path) -> None:
     from maspo_verl.lab import common
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     d = design()
-    rows = tuning_rows(out)
-    choices = written_choice(out, rows)
-    held = held_pieces(choices) if choices else []
-    rows += [r for p in held for r in piece_rows(out, p)]
+    rows, choices, held = on_disk(out)
     tests = g.tests([r for r in rows if r["ok"]], choices, d)
     verdicts = g.decisions(tests)
     pieces = pieces_table(out, tuning_pieces() + held)
@@ -429,13 +484,11 @@ READINGS = (
 )
 
 
-def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str:
-    d = design()
-    pieces = tables["pieces.csv"]
+def status(pieces: list[dict], choices: list[dict]) -> str:
+    """A part's pieces done and left (``pieces_table``'s rows), in a sentence."""
     left = [p for p in pieces if not p["done"]]
     runs = sum(int(p["runs"].split("/")[0]) for p in pieces)
-    tuned = [p for p in pieces if p["phase"] == "tune"]
-    status = (
+    return (
         f"{len(pieces) - len(left)} of {len(pieces)} pieces done ({runs} runs on disk, "
         f"{sum(p['failed'] for p in pieces)} failed); "
         + (
@@ -444,8 +497,18 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
             else f"tuning choice written; {len(left)} pieces left."
         )
     )
-    wall = finite_mean(r["wall_s"] for r in rows)
-    cpu = finite_mean(r.get("cpu_s") for r in rows)
+
+
+def per_run(rows: list[dict]) -> str:
+    """The mean wall and CPU time of the runs on disk, in words."""
+    wall, cpu = finite_mean(r["wall_s"] for r in rows), finite_mean(r.get("cpu_s") for r in rows)
+    return f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run)."
+
+
+def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str:
+    d = design()
+    pieces = tables["pieces.csv"]
+    tuned = [p for p in pieces if p["phase"] == "tune"]
     lines = [
         "# Granularity at matched step size, part 2: the warm speech model in verl's trainer",
         "",
@@ -456,8 +519,8 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{g.MARGIN}.",
         "",
-        f"**Status**: {status} Measured per run so far: "
-        + (f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run).")
+        f"**Status**: {status(pieces, choices)} Measured per run so far: "
+        + per_run(rows)
         + " The rest: `python -m maspo_verl.lab granularity --part 2 --update-docs --resume --pieces N` (the next N "
         "pieces; tuning first).",
         "",
@@ -486,13 +549,26 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         "Tuning means per arm and learning rate (`tuning.csv`):",
         "",
         markdown_table(tables["tuning.csv"]),
+        *ending(
+            pieces,
+            plotted,
+            "`tests.csv` (every registered test), `decisions.csv`, `pieces.csv`, `tuning.csv`, `cells.csv`",
+            command,
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def ending(pieces: list[dict], plotted: bool, files: str, command: str) -> list[str]:
+    """A part's README from its pieces table on: the plot, its files (``files``: those beside the pieces, the
+    choice and the design) and the commands that made it."""
+    return [
         "## Pieces",
         "",
         markdown_table(pieces),
         *(["![registered tests](tests.png)", ""] if plotted else []),
         "Files: `pieces/<piece>/` (each piece's lab learn output: `learn_runs.csv`, `learn_steps.csv`, its command), "
-        "`choice.csv` (written before the held-out pieces), `tests.csv` (every registered test), `decisions.csv`, "
-        "`pieces.csv`, `tuning.csv`, `cells.csv`, `design.csv` (the registered design).",
+        f"`choice.csv` (written before the held-out pieces), {files}, `design.csv` (the registered design).",
         "",
         "## Commands",
         "",
@@ -501,4 +577,3 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         "```",
         "",
     ]
-    return "\n".join(lines)

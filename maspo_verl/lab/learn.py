@@ -2,8 +2,9 @@
 
 Each run is ``python -m maspo_verl.main local=cpu loss=<preset> ...`` on the embedded tiny model with
 the toy tasks of ``learn_tasks`` (a text-like and a speech-like task, sequence-level reward, known word
-spans); everything but the loss is equal across the runs of a cell and seed (model initialisation,
-data order, batch, learning rate, rollout). A *cell* is one point of the axes:
+spans; or ``smollm2``, the local mode's pretrained SmolLM2 on its arithmetic task); everything but the
+loss is equal across the runs of a cell and seed (model initialisation, data order, batch, learning rate,
+rollout). A *cell* is one point of the axes:
 
 - response length (``--lengths``, tokens; the sentence grows with it);
 - training-inference mismatch (``--mismatch``): ``none``, ``bf16`` (the rollout server's model in
@@ -25,7 +26,8 @@ verl's ``file`` logger; else its console lines ``step:N - key:value ...``). Per 
 (``critic/score/mean``, mean of the last K steps), mean reward over all steps (the speed measure),
 steps to a reward gain, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd
 over steps), verl's ``rollout_corr/*`` and ``training/rollout_*`` diagnostics when it logs them (not
-in bypass mode), collapses. The summary gives means with 95 % t-intervals over seeds and
+in bypass mode), collapses, and verl's validation metrics (``val-core/*``) at the last step where the task
+runs one. The summary gives means with 95 % t-intervals over seeds and
 paired (same-seed) differences.
 Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``--out``): README,
 ``learn_steps.csv``, ``learn_runs.csv``,
@@ -46,7 +48,8 @@ from pathlib import Path
 from maspo_verl.lab import word_grid
 from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
 from maspo_verl.lab.runs import run_local
-from maspo_verl.local.learn_tasks import RESPONSE_TOKENS, SPEECH_WORDS, turns_of
+from maspo_verl.local import engine_of
+from maspo_verl.local.learn_tasks import PRETRAINED, RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
 
 BASELINE = "grpo"
@@ -76,6 +79,8 @@ KEYS = (
 )
 # verl's training-inference mismatch diagnostics (decoupled mode only: verl skips them in bypass mode)
 DIAGNOSTIC_PREFIXES = ("rollout_corr/", "training/rollout_")
+IGNORE_EOS = "actor_rollout_ref.rollout.ignore_eos=true"  # the toy tasks' responses have a fixed length
+VALIDATION = "val-core/"  # verl's main validation metrics (val-core/<data source>/<metric>/...)
 # averaged over steps per run, reported per loss and cell: those and the loss's ratio metrics (the correlation too)
 REPORTED_PREFIXES = (*DIAGNOSTIC_PREFIXES, "actor/ratio/")
 NO_MISMATCH = "none"
@@ -89,7 +94,8 @@ def add_arguments(p) -> None:
         "--tasks",
         nargs="+",
         default=["text", "speech"],
-        help="text, speech, speechwarm (speech on the warm-started model), turns<N> (N turns of LENGTH tokens)",
+        help="text, speech, speechwarm (speech on the warm-started model), turns<N> (N turns of LENGTH tokens), "
+        "smollm2 (model=smollm2: SmolLM2-135M-Instruct on arithmetic, answers of at most LENGTH tokens ending at EOS)",
     )
     p.add_argument(
         "--losses",
@@ -374,7 +380,8 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
         *loss_overrides(loss, parse_bands(args.bands), adjust=not args.no_adjust),
         *task_data,
         f"data.train_batch_size={args.batch}",
-        "actor_rollout_ref.rollout.ignore_eos=true",
+        # a pretrained model's answers end at EOS, and verl's greedy validation runs at the last step
+        *([f"trainer.test_freq={args.steps}"] if data.get("pretrained") else [IGNORE_EOS]),
         f"data.seed={seed}",
         f"maspo.local_seed={seed}",
         f"actor_rollout_ref.rollout.n={args.n}",
@@ -423,6 +430,9 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
     # its best K-step mean (learned, then lost it)
     reason = "failed" if not ok else "non-finite" if nonfinite else "drop" if final < best - COLLAPSE_DROP else ""
     diagnostics = sorted({key for s in trained for key in steps[s] if key.startswith(REPORTED_PREFIXES)})
+    extra = {key: _mean([steps[s].get(key) for s in trained]) for key in diagnostics}
+    if trained:  # verl's validation at the last step, where the task runs one (learn_tasks.PRETRAINED)
+        extra |= {key: v for key, v in steps[trained[-1]].items() if key.startswith(VALIDATION)}
     return {
         "ok": ok,
         "exit_code": code,
@@ -441,7 +451,7 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
         "grad_norm_mean": _mean(grads),
         "grad_norm_sd": statistics.pstdev(grads) if len(grads) > 1 and all(map(math.isfinite, grads)) else math.nan,
         "s_per_step": _mean([steps[s].get("timing_s/step") for s in trained[1:]]),
-    } | {key: _mean([steps[s].get(key) for s in trained]) for key in diagnostics}
+    } | extra
 
 
 # -- summary ----------------------------------------------------------------------------------
@@ -631,7 +641,8 @@ def run(args, argv) -> None:
     bands = parse_bands(args.bands)
     unknown = [task for task in args.tasks if not learn_tasks.known(task)]
     if unknown:
-        raise SystemExit(f"--tasks: unknown {unknown}; allowed {list(learn_tasks.TASKS)} or turns<N> (N turns)")
+        allowed = [*learn_tasks.TASKS, learn_tasks.PRETRAINED]
+        raise SystemExit(f"--tasks: unknown {unknown}; allowed {allowed} or turns<N> (N turns)")
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
     if args.report:  # the tables, plots and README again from --out's runs, with the arguments that made them
@@ -689,7 +700,12 @@ def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str
                         if "critic/score/mean" in steps[s]:
                             step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
                     record = key | run_record(args, steps, code)
-                    record |= {"wall_s": wall, "cpu_s": result.cpu_s, "lr": args.lr}
+                    record |= {
+                        "wall_s": wall,
+                        "cpu_s": result.cpu_s,
+                        "lr": args.lr,
+                        "rollout": engine_of(result.log) or "",
+                    }
                     runs.append(record)
                     log(
                         f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
@@ -718,7 +734,7 @@ def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], run
 
 
 INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
-TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band")
+TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout")
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -889,6 +905,13 @@ def readme(args, cells, summary, comparisons, runs, total_s: float, sigma_plot: 
                 " observations (the next turn's reference) between them; a turn scores the share of its tokens"
                 " in its reference's byte blocks, the reward is the mean over the N turns."
                 if any(turns_of(t) for t in args.tasks)
+                else ""
+            )
+            + (
+                f" *{PRETRAINED}*: the local mode's pretrained SmolLM2-135M-Instruct (`model={PRETRAINED}`) on its"
+                " arithmetic problems from the seed (`maspo_verl/pretrained/arith.py`, math-verify reward); its"
+                " answers end at EOS (not forced to the length), and verl's greedy validation runs at the last step."
+                if PRETRAINED in args.tasks
                 else ""
             ),
             f"Per step: {args.batch} prompts x {args.n} responses, lr {args.lr:g}; seeds set the model"

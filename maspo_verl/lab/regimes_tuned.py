@@ -141,15 +141,15 @@ def jobs_of(args) -> list[regimes.Job]:
 # ------------------------------------------------------------------ analysis
 
 
-def choose(runs: list[dict], tune: int, baseline: str = BASELINE) -> list[dict]:
-    """Per (task, cell, loss): the width with the best mean final reward on the tuning seeds (those below
-    ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
+def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = "final_reward") -> list[dict]:
+    """Per (task, cell, loss): the width with the best mean ``metric`` (final reward) on the tuning seeds (those
+    below ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
     chosen width (log scale)."""
     per_band: dict[tuple, dict] = {}
     for r in runs:
         if int(r["seed"]) < tune:
             s = per_band.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
-            s["final"].append(_f(r["final_reward"]))
+            s["final"].append(_f(r[metric]))
             s["kl"].append(_f(r["ppo_kl"]))
     groups: dict[tuple, list] = {}
     for (task, cell, loss, band), s in per_band.items():

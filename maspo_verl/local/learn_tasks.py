@@ -25,6 +25,10 @@ masked environment observations between them, the reward the mean of the turns' 
 agent loop and reward come with that task inside the trainer run (``write_dataset`` only returns the
 overrides that select it), so the environment's code has one place.
 
+``smollm2`` is the local mode's pretrained model (``model=smollm2``: SmolLM2-135M-Instruct on the arithmetic
+problems of ``maspo_verl.pretrained.arith``, generated from ``maspo.local_seed``, graded by math-verify): its data,
+model and reward come with that model config inside the trainer run, as ``turns<N>``'s do; its answers end at EOS.
+
 Special tokens (ids >= 256) decode to nothing. The reward is sequence level:
 ``1 - edit_distance(hyp, ref) / max(|hyp|, |ref|)`` (a WER normalised by the longer word sequence, so
 it stays in [0, 1] and ranks a group of responses from the start). The word spans are known, so the
@@ -37,6 +41,9 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+
+# the local mode's pretrained model and its task (hydra_configs/model/smollm2.yaml)
+from maspo_verl.pretrained.smollm2 import NAME as PRETRAINED
 
 WORDS = ("ka", "lo", "mi", "nu")
 BLOCK = 64  # ids per word
@@ -57,7 +64,7 @@ def turns_of(task: str) -> int | None:
 
 
 def known(task: str) -> bool:
-    return task in TASKS or turns_of(task) is not None
+    return task in TASKS or task == PRETRAINED or turns_of(task) is not None
 
 
 def decode(task: str, ids: list[int]) -> list[tuple[str, int, int]]:
@@ -146,7 +153,11 @@ def write_dataset(
 ) -> dict:
     """The task's train and val parquet in ``folder`` (paths and the run's sentence); for ``turns<N>``
     nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn (the
-    warm-started model of ``speechwarm``: ``maspo_verl.local.speechwarm.ensure_model``)."""
+    warm-started model of ``speechwarm``: ``maspo_verl.local.speechwarm.ensure_model``); for ``smollm2`` the
+    overrides that select the model config, answers of at most ``length`` tokens, and ``pretrained`` (natural
+    lengths: EOS ends an answer; verl's greedy validation at the last step)."""
+    if task == PRETRAINED:
+        return {"overrides": [f"model={task}", f"data.max_response_length={length}"], "pretrained": True}
     n_turns = turns_of(task)
     if n_turns is not None:
         return {"overrides": [f"task={TURNS}", f"maspo.turns={n_turns}", f"maspo.turn_tokens={length}"]}

@@ -33,3 +33,18 @@ def plain_log_probs(model, ids, attn, resp, masked=()):
     logits = model(input_ids=seq, attention_mask=mask).logits[:, ids.shape[1] - 1 : -1].float()
     logits[..., list(masked)] = -math.inf
     return torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+
+
+def fake_learn_runs(monkeypatch, tmp_path, trainer):
+    """``lab learn`` with ``trainer`` in place of the local trainer run (``learn.run_local``), its logs folder in
+    ``tmp_path`` (not left in /tmp) and no per-seed plots (not what the piece engines' tests test)."""
+    import tempfile
+
+    from maspo_verl.lab import learn
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(learn, "run_local", trainer)
+    monkeypatch.setattr(learn, "plot_steps", lambda *a: None)
+    monkeypatch.setattr(learn, "plot_sigma", lambda *a: False)
+    return trainer

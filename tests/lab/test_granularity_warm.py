@@ -19,6 +19,7 @@ from maspo_verl.lab import learn
 from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main, parse
 from maspo_verl.lab.runs import LocalRun
+from tests.lab.conftest import fake_learn_runs
 
 W = {w: f"{g.FIXED}{w}" for w in gw.WINDOWS}
 BAND, CORRELATION = g.ADAPTIVE
@@ -66,14 +67,9 @@ class FakeTrainer:
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    trainer = FakeTrainer()
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's logs folder: not left in /tmp
-    monkeypatch.setattr(learn, "run_local", trainer)
+    trainer = fake_learn_runs(monkeypatch, tmp_path, FakeTrainer())
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu", "model": "m"}
     monkeypatch.setattr(learn, "task_data", lambda folder, task, seed, length: data)
-    monkeypatch.setattr(learn, "plot_steps", lambda *a: None)  # lab learn's per-seed plots: not what is tested
-    monkeypatch.setattr(learn, "plot_sigma", lambda *a: False)
     return trainer
 
 

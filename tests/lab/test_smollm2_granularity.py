@@ -358,12 +358,18 @@ def test_one_batch_on_the_tiny_model(tiny, monkeypatch):
     assert summary["responses"] == 6 and summary["cpu_s"] > 0 and summary["mixed_groups"] == 2
 
 
-def test_the_guide_counts_part2s_pieces(tmp_path):
+@pytest.mark.parametrize("part", ["PART2", "PART4"])
+def test_the_guide_counts_the_pieces_of_parts_2_and_4(tmp_path, part):
     from maspo_verl import choosing
     from maspo_verl.lab.common import write_csv
 
-    assert choosing.part2_progress(tmp_path) == "built, not run yet"
-    rows = [{"piece": "a", "done": "True"}, {"piece": "b", "done": "False"}, {"piece": "c", "done": "False"}]
-    (tmp_path / choosing.RESULTS / choosing.PART2).mkdir(parents=True)
-    write_csv(tmp_path / choosing.RESULTS / choosing.PART2 / "pieces.csv", rows)
-    assert choosing.part2_progress(tmp_path) == "1 of its 3 listed pieces run"
+    folder = getattr(choosing, part)
+    assert choosing.pieces_progress(tmp_path, folder) == "built, not run yet"
+    rows = [{"piece": "a", "done": "False"}, {"piece": "b", "done": "False"}, {"piece": "c", "done": "False"}]
+    (tmp_path / choosing.RESULTS / folder).mkdir(parents=True)
+    write_csv(tmp_path / choosing.RESULTS / folder / "pieces.csv", rows)
+    assert choosing.pieces_progress(tmp_path, folder) == "built, not run yet (0 of its 3 listed pieces run)"
+    write_csv(tmp_path / choosing.RESULTS / folder / "pieces.csv", [rows[0] | {"done": "True"}, *rows[1:]])
+    assert choosing.pieces_progress(tmp_path, folder) == "1 of its 3 listed pieces run"
+    (other,) = {"PART2", "PART4"} - {part}
+    assert choosing.pieces_progress(tmp_path, getattr(choosing, other)) == "built, not run yet"
