@@ -48,6 +48,9 @@ def metric_sums(
     valid = float_mask(mask, ratio.dtype)
     on_valid = ratio * valid
     top = torch.finfo(ratio.dtype).max
+    ratio_sum, ratio_max = on_valid.sum(), on_valid.amax()
+    ratio_min = on_valid.add_(valid.mul_(-top).add_(top)).amin()
+    del valid, on_valid  # before the running sums below (peak memory)
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
     # running sums at those starts, with no [B, T] bucket index.
@@ -56,6 +59,7 @@ def metric_sums(
     seen = torch.cumsum(mask, -1, dtype=torch.int32)
     clipped_seen = torch.cumsum(clips[0] | clips[1] | clips[2], -1, dtype=torch.int32)
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
+    del seen
     before = clipped_seen.gather(-1, (first_at - 1).clamp_(min=0)).mul_(first_at > 0)
     parts = {
         # low, high, dual; one by one, as a bool sum first converts its input to the sum's dtype (peak memory)
@@ -72,8 +76,7 @@ def metric_sums(
     parts.update(rule_metrics)
     parts.update(correlation)
     parts["delta_sum"] = delta_sum
-    parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
-    parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
+    parts["ratio_sum"], parts["ratio_max"], parts["ratio_min"] = ratio_sum, ratio_max, ratio_min
     # one float64 vector: the integer parts, then the floating ones, each group joined before its one conversion
     # (exact: int32 joins int64, float32 joins float64)
     groups = ([], [])
