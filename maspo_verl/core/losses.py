@@ -116,7 +116,7 @@ class LossStep:
     mask: torch.Tensor  # the tokens in the loss
     ratio: torch.Tensor  # each token's shared ratio (a value)
     token_losses: TokenLosses
-    segment_ids: torch.Tensor | None  # the token set's segment ids (None: not segments)
+    segment_ids: torch.Tensor | None  # the token set's segment ids (None: not segments, or no inspect_dir)
 
 
 def loss_body(
@@ -182,6 +182,8 @@ def loss_body(
             set_sizes = sets.at_tokens(sets.sizes)
         rule_metrics = sets.metrics
         del sets
+        if policy_loss.inspect_dir is None:  # only an inspected step reads the ids again (int64: peak memory)
+            ids = None
     # 6. the ratio in stop-gradient form r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, "Group Sequence
     # Policy Optimization", Zheng et al. 2025): value exp(l_t), gradient r_t grad log pi_t (none at the tokens the
     # surrogate's step 3 clipped)
@@ -198,7 +200,7 @@ def loss_body(
     r, log_r = ratio * (1.0 + score), log_ratio + score
     del log_ratio, score
     token_losses = surrogate.loss(r, log_r, adv, log_pi, params)
-    del r, log_r
+    del r, log_r, log_pi, adv
     if clipped_below is not None:  # the tokens step 3 clipped count as clipped too
         token_losses.clipped_low = token_losses.clipped_low | clipped_below
         token_losses.clipped_high = token_losses.clipped_high | clipped_above

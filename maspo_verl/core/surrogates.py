@@ -250,8 +250,9 @@ class PPOClip(Surrogate[ClipBounds]):
         minus_adv = -adv  # one tensor, which autograd saves once for both products (peak memory)
         pessimistic = torch.maximum(minus_adv * r, minus_adv * clipped)
         del clipped
-        negative = adv < 0
-        loss = torch.where(negative, torch.minimum(pessimistic, minus_adv * c), pessimistic)  # dual clip
+        negative, cap = adv < 0, minus_adv * c
+        del c
+        loss = torch.where(negative, torch.minimum(pessimistic, cap), pessimistic)  # dual clip
         return TokenLosses(loss, negative & below, (adv > 0) & above, negative & over_c)
 
 
