@@ -77,7 +77,7 @@ def window_sums(x: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, n: t
     tokens): each window's sum of x, windows of the row's ``n`` [B, 1] consecutive valid tokens from its first,
     whole windows only, flat [B * (T + 1)] (row b's at b * (T + 1) ...), and the row's expectation under
     independence, sum over its windows of n (1 - n/L) [B, 1]. (``metrics.correlation_sums`` does the same for its
-    three fixed n at once, for the batch's metric.)"""
+    three fixed n, for the batch's metric.)"""
     slots = mask.shape[-1] + 1
     # the window of each token (its position among the row's valid tokens // n), int64 as scatter's index, in place
     index = torch.cumsum(mask, -1).sub_(1).div_(n, rounding_mode="floor")
