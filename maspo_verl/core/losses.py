@@ -116,7 +116,7 @@ class LossStep:
     mask: torch.Tensor  # the tokens in the loss
     ratio: torch.Tensor  # each token's shared ratio (a value)
     token_losses: TokenLosses
-    segment_ids: torch.Tensor | None  # the token set's segment ids (None: not segments)
+    segment_ids: torch.Tensor | None  # the token set's segment ids (None: not segments, or no inspect_dir)
 
 
 def loss_body(
@@ -159,6 +159,8 @@ def loss_body(
         token_clip = surrogate.clip_tokens(policy_loss, actor, delta, adv)
         # 4. who shares a ratio: the sums of the log-ratios over each token's set S(t) and the set sizes
         sets = TOKEN_SETS[loss_mode].sums(policy_loss, old_log_prob, mask, token_clip.delta)
+        keeps_grad, clipped_below, clipped_above = token_clip.keeps_grad, token_clip.below, token_clip.above
+        del token_clip  # its log-ratios are summed: freed with delta below (peak memory)
         ids = sets.segment_ids
         num_segments = None if ids is None else ids.amax(dim=-1, keepdim=True) + 1  # K_i [B, 1]
         correlation = correlation_sums(correlation_input, mask, ids)
@@ -171,6 +173,7 @@ def loss_body(
             if sets.alpha != 1.0:
                 n.pow_(sets.alpha)
             log_ratio = torch.div(sets.totals, n, out=n).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            del n
         log_ratio = sets.at_tokens(log_ratio)
         ratio = log_ratio.exp()
         # per-token set sizes n_t, where the clip schedule or the aggregation reads them
@@ -179,25 +182,33 @@ def loss_body(
             set_sizes = sets.at_tokens(sets.sizes)
         rule_metrics = sets.metrics
         del sets
+        if policy_loss.inspect_dir is None:  # only an inspected step reads the ids again (int64: peak memory)
+            ids = None
     # 6. the ratio in stop-gradient form r_t = exp(sg[l_t] + log pi_t - sg[log pi_t]) (GSPO-token, "Group Sequence
     # Policy Optimization", Zheng et al. 2025): value exp(l_t), gradient r_t grad log pi_t (none at the tokens the
     # surrogate's step 3 clipped)
     log_pi = torch.where(mask, log_prob.to(dtype), 0.0)
     score = log_pi - log_pi.detach()  # value 0, gradient grad log pi
-    if token_clip.keeps_grad is not None:
-        score = score * float_mask(token_clip.keeps_grad, dtype)
+    if keeps_grad is not None:
+        score = score * float_mask(keeps_grad, dtype)
     # 7. the clip schedule's bounds (or the surrogate's own parameters), values
     params = surrogate.params(policy_loss, actor, set_sizes)
-    # 8. the surrogate's formula; autograd gives its gradient. Times the rollout weights; zero outside the mask
-    token_losses = surrogate.loss(ratio * score.exp(), log_ratio + score, adv, log_pi, params)
-    if token_clip.below is not None:  # the tokens step 3 clipped count as clipped too
-        token_losses.clipped_low = token_losses.clipped_low | token_clip.below
-        token_losses.clipped_high = token_losses.clipped_high | token_clip.above
+    if policy_loss.agg_mode != "seg-mean-token-mean":  # read by the aggregation only there
+        set_sizes = None
+    # 8. the surrogate's formula; autograd gives its gradient. Times the rollout weights; zero outside the mask.
+    # ratio * (1 + score) is ratio * exp(score) at score = 0 exactly, value and gradient, without exp's saved output
+    r, log_r = ratio * (1.0 + score), log_ratio + score
+    del log_ratio, score
+    token_losses = surrogate.loss(r, log_r, adv, log_pi, params)
+    del r, log_r, log_pi, adv
+    if clipped_below is not None:  # the tokens step 3 clipped count as clipped too
+        token_losses.clipped_low = token_losses.clipped_low | clipped_below
+        token_losses.clipped_high = token_losses.clipped_high | clipped_above
     loss_mat = token_losses.loss
     if rollout_is_weights is not None:
         loss_mat = loss_mat * torch.where(mask, rollout_is_weights.to(dtype), 0.0)
     token_losses.loss = loss_mat = torch.where(mask, loss_mat, 0.0)
-    del log_ratio, params, score, token_clip
+    del params, keeps_grad, clipped_below, clipped_above
     # 9. verl's agg_loss. seg-mean-token-mean weights token t by 1 / (|seg(t)| K_i), K_i the row's number of
     # segments: each row then sums to the mean over its segments of the token-mean inside each, and verl's
     # seq-mean-token-sum averages rows over the global batch (invariant to data parallelism like verl's own modes)

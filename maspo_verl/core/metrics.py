@@ -48,6 +48,9 @@ def metric_sums(
     valid = float_mask(mask, ratio.dtype)
     on_valid = ratio * valid
     top = torch.finfo(ratio.dtype).max
+    ratio_sum, ratio_max = on_valid.sum(), on_valid.amax()
+    ratio_min = on_valid.add_(valid.mul_(-top).add_(top)).amin()
+    del valid, on_valid  # before the running sums below (peak memory)
     # Clip fraction by position bucket: valid position p of a row of length L is in bucket
     # floor(p K / L), so bucket k holds positions [ceil(k L / K), ceil((k + 1) L / K)); counted from
     # running sums at those starts, with no [B, T] bucket index.
@@ -56,6 +59,7 @@ def metric_sums(
     seen = torch.cumsum(mask, -1, dtype=torch.int32)
     clipped_seen = torch.cumsum(clips[0] | clips[1] | clips[2], -1, dtype=torch.int32)
     first_at = torch.searchsorted(seen, starts, right=True)  # first t with more than `start` valid tokens
+    del seen
     before = clipped_seen.gather(-1, (first_at - 1).clamp_(min=0)).mul_(first_at > 0)
     parts = {
         # low, high, dual; one by one, as a bool sum first converts its input to the sum's dtype (peak memory)
@@ -72,8 +76,7 @@ def metric_sums(
     parts.update(rule_metrics)
     parts.update(correlation)
     parts["delta_sum"] = delta_sum
-    parts["ratio_sum"], parts["ratio_max"] = on_valid.sum(), on_valid.amax()
-    parts["ratio_min"] = on_valid.add_(valid.mul_(-top).add_(top)).amin()
+    parts["ratio_sum"], parts["ratio_max"], parts["ratio_min"] = ratio_sum, ratio_max, ratio_min
     # one float64 vector: the integer parts, then the floating ones, each group joined before its one conversion
     # (exact: int32 joins int64, float32 joins float64)
     groups = ([], [])
@@ -164,40 +167,48 @@ def correlation_sums(
     valid = float_mask(mask, delta.dtype)
     lengths = valid.sum(-1, keepdim=True)  # [B, 1]
     mean = (delta * valid).sum(-1, keepdim=True) / lengths.clamp(min=1.0)
-    x = (delta - mean) * valid
-    # the previous valid token of each column: the last valid column before it (-1: none)
-    cols = torch.arange(mask.shape[-1], device=mask.device)
+    x = (delta - mean).mul_(valid)
+    # the previous valid token of each column: the last valid column before it (-1: none). Here and below, indices
+    # in int32 where no op needs int64 and each [B, T] tensor freed after its last use (the loss's peak memory)
+    B, T = mask.shape
+    cols = torch.arange(T, device=mask.device, dtype=torch.int32)
     last = torch.where(mask, cols, -1).cummax(-1).values
     prev = torch.nn.functional.pad(last[:, :-1], (1, 0), value=-1)
+    del last
     has_prev = float_mask(mask & (prev >= 0), x.dtype)
-    x_prev = x.gather(-1, prev.clamp(min=0)) * has_prev
+    x_prev = x.gather(-1, prev.clamp_(min=0).long()).mul_(has_prev)
+    del prev
     n_tokens = lengths.sum()
-    tokens = torch.stack([n_tokens, n_tokens - (lengths > 0).sum(), (x * x).sum(), has_prev.sum(), (x * x_prev).sum()])
-    # windows of each size n at once [n, B, T]: position among the row's valid tokens // n, whole windows only,
-    # summed by one scatter into consecutive blocks of B * (T // n + 1) slots, one block per n
-    B, T = mask.shape
-    slots = [T // n + 1 for n in WINDOWS]
-    starts = [B * sum(slots[:i]) for i in range(len(WINDOWS))]
-    position = torch.cumsum(mask, -1) - 1
+    lag_prod = x_prev.mul_(x).sum()
+    del x_prev
+    tokens = torch.stack([n_tokens, n_tokens - (lengths > 0).sum(), (x * x).sum(), has_prev.sum(), lag_prod])
+    del has_prev
+    # windows of each size n: position among the row's valid tokens // n, whole windows only, summed by a scatter
+    # into B * (T // n + 1) slots (each row's windows from its first slot), one size at a time
+    position = torch.cumsum(mask, -1, dtype=torch.int32).sub_(1)
     rows = torch.arange(B, device=mask.device).unsqueeze(-1)
-    window = torch.stack([position // n for n in WINDOWS])
-    count = torch.stack([torch.div(lengths, n, rounding_mode="floor") for n in WINDOWS])  # whole windows per row
-    whole = mask & (window < count)
-    first = torch.stack([rows * k + start for k, start in zip(slots, starts, strict=True)])  # each row's first slot
-    index = torch.where(whole, first + window, 0)
-    window_sum = torch.zeros(B * sum(slots), dtype=x.dtype, device=x.device)
-    window_sum.scatter_add_(0, index.reshape(-1), (x * float_mask(whole, x.dtype)).reshape(-1))
-    squares, at_least_one = window_sum.mul_(window_sum), lengths.clamp(min=1.0)
+    at_least_one = lengths.clamp(min=1.0)
     windows = []
-    for n, c, k, start in zip(WINDOWS, count, slots, starts, strict=True):  # three sizes, not a loop over tokens
-        windows += [squares[start : start + B * k].sum(), (c * n * (1.0 - n / at_least_one)).sum()]
+    for n in WINDOWS:  # three sizes, not a loop over tokens
+        k = T // n + 1
+        window = torch.div(position, n, rounding_mode="floor")
+        count = torch.div(lengths, n, rounding_mode="floor")  # whole windows per row
+        whole = mask & (window < count)
+        index = window.long().add_(rows * k).masked_fill_(~whole, 0)
+        del window
+        window_sum = torch.zeros(B * k, dtype=x.dtype, device=x.device)
+        window_sum.scatter_add_(0, index.reshape(-1), torch.where(whole, x, 0.0).reshape(-1))
+        del index, whole
+        windows += [window_sum.mul_(window_sum).sum(), (count * n * (1.0 - n / at_least_one)).sum()]
+    del position
     parts = {"corr_tokens": tokens, "corr_windows": torch.stack(windows)}
     if segment_ids is not None:
-        ids = torch.where(mask, segment_ids.long(), torch.zeros_like(segment_ids, dtype=torch.long))
+        ids = torch.where(mask, segment_ids, 0).long()
         seg_sum = torch.zeros_like(x).scatter_add_(-1, ids, x)
         seg_len = torch.zeros_like(x).scatter_add_(-1, ids, valid)
-        expected = seg_len * (1.0 - seg_len / lengths.clamp(min=1.0))
-        parts["corr_segments"] = torch.stack([(seg_sum * seg_sum).sum(), expected.sum()])
+        del ids
+        expected = seg_len * (1.0 - seg_len / at_least_one)
+        parts["corr_segments"] = torch.stack([seg_sum.mul_(seg_sum).sum(), expected.sum()])
     return parts
 
 

@@ -247,9 +247,12 @@ class PPOClip(Surrogate[ClipBounds]):
 
     def loss(self, r, log_r, adv, log_pi, params):
         clipped, below, above, c, over_c = params.clip(r, log_r)
-        pessimistic = torch.maximum(-adv * r, -adv * clipped)
-        negative = adv < 0
-        loss = torch.where(negative, torch.minimum(pessimistic, -adv * c), pessimistic)  # dual clip
+        minus_adv = -adv  # one tensor, which autograd saves once for both products (peak memory)
+        pessimistic = torch.maximum(minus_adv * r, minus_adv * clipped)
+        del clipped
+        negative, cap = adv < 0, minus_adv * c
+        del c
+        loss = torch.where(negative, torch.minimum(pessimistic, cap), pessimistic)  # dual clip
         return TokenLosses(loss, negative & below, (adv > 0) & above, negative & over_c)
 
 

@@ -77,15 +77,16 @@ def window_sums(x: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, n: t
     tokens): each window's sum of x, windows of the row's ``n`` [B, 1] consecutive valid tokens from its first,
     whole windows only, flat [B * (T + 1)] (row b's at b * (T + 1) ...), and the row's expectation under
     independence, sum over its windows of n (1 - n/L) [B, 1]. (``metrics.correlation_sums`` does the same for its
-    three fixed n at once, for the batch's metric.)"""
+    three fixed n, for the batch's metric.)"""
     slots = mask.shape[-1] + 1
-    position = torch.cumsum(mask, -1) - 1  # position among the row's valid tokens
-    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1)
+    # the window of each token (its position among the row's valid tokens // n), int64 as scatter's index, in place
+    index = torch.cumsum(mask, -1).sub_(1).div_(n, rounding_mode="floor")
     count = torch.div(lengths, n, rounding_mode="floor")  # whole windows per row [B, 1]
-    whole = mask & (position // n < count)
-    index = torch.where(whole, rows * slots + position // n, torch.zeros_like(position))
+    whole = mask & (index < count)
+    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1)
+    index.add_(rows * slots).masked_fill_(~whole, 0)
     window_sum = torch.zeros(mask.shape[0] * slots, dtype=x.dtype, device=x.device)
-    window_sum.scatter_add_(0, index.reshape(-1), (x * whole.to(x.dtype)).reshape(-1))
+    window_sum.scatter_add_(0, index.reshape(-1), torch.where(whole, x, 0.0).reshape(-1))
     return window_sum, count * n * (1.0 - n / lengths.clamp(min=1.0))
 
 
@@ -122,7 +123,8 @@ def adaptive_choice(
     d = torch.where(mask, delta.double(), 0.0)
     lengths = valid.sum(-1, keepdim=True)  # [B, 1]
     total = d.sum(-1, keepdim=True)
-    y = (d * lengths - total) * valid
+    y = (d * lengths - total).mul_(valid)
+    del d, valid  # float64 [B, T]: freed before the window sums (peak memory)
     squared = (y * y).sum(-1, keepdim=True)
     window = measurement_windows(lengths.long(), max_len, mask.shape[-1])
     sums, expected = window_sums(y, mask, lengths, window)
