@@ -102,11 +102,11 @@ class Piece:
     def name(self) -> str:
         return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}" + ("_noclip" if self.unclipped else ""))
 
-    def argv(self, out: Path, flags: tuple[str, ...] | None = None) -> list[str]:
-        """The lab CLI's arguments of this piece (``flags``: its part's registered ones, part 2's by default)."""
+    def argv(self, out: Path, flags: tuple[str, ...]) -> list[str]:
+        """The lab CLI's arguments of this piece (``flags``: its part's registered lab learn flags)."""
         assert self.seeds == tuple(range(self.seeds[0], self.seeds[0] + len(self.seeds))), self.seeds
         return [
-            "learn", "--out", str(Path(out) / PIECES / self.name), *(flags or LEARN), "--losses", self.arm,
+            "learn", "--out", str(Path(out) / PIECES / self.name), *flags, "--losses", self.arm,
             "--lr", self.lr,
             "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
             *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
@@ -139,9 +139,8 @@ def part2() -> Part:
     return Part(2, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, "final_reward", held_pieces, report)
 
 
-def tuning_pieces(part: Part | None = None) -> list[Piece]:
-    p = part or part2()
-    return [Piece("tune", arm, lr, p.tune_seeds) for arm in p.arms for lr in p.lrs]
+def tuning_pieces(part: Part) -> list[Piece]:
+    return [Piece("tune", arm, lr, part.tune_seeds) for arm in part.arms for lr in part.lrs]
 
 
 def held_pieces(choices: list[dict]) -> list[Piece]:
@@ -160,16 +159,15 @@ def held_pieces(choices: list[dict]) -> list[Piece]:
 # ------------------------------------------------------------------ what is on disk
 
 
-def piece_rows(out: Path, piece: Piece, part: Part | None = None) -> list[dict]:
+def piece_rows(out: Path, piece: Piece, part: Part) -> list[dict]:
     """The piece's runs (``lab learn``'s rows), keyed for the analysis: ``band`` is the piece's setting,
     ``ppo_kl`` the run's mean KL per update, ``ok`` false too where the run's rollout engine is not the part's; a
     row that is not this piece's stops with the folder named."""
-    p = part or part2()
     folder = Path(out) / PIECES / piece.name
     rows = learn.load_rows(folder / "learn_runs.csv")
     band = rt.UNCLIPPED if piece.unclipped else learn.SHIPPED
     for r in rows:
-        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (p.task, p.cell, piece.arm, band)
+        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (part.task, part.cell, piece.arm, band)
         if not mine or r["seed"] not in piece.seeds or ("lr" in r and not math.isclose(r["lr"], float(piece.lr))):
             raise SystemExit(
                 f"{folder}: a run of {r['loss']} (seed {r['seed']}, band {r['band']}, lr {r.get('lr')}) is not this "
@@ -177,7 +175,7 @@ def piece_rows(out: Path, piece: Piece, part: Part | None = None) -> list[dict]:
             )
     keyed = {"band": piece.setting, "piece": piece.name}
     return [
-        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not p.engine or r.get("rollout") == p.engine)}
+        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not part.engine or r.get("rollout") == part.engine)}
         for r in rows
     ]
 
@@ -187,24 +185,23 @@ def covers(piece: Piece, rows: list[dict]) -> bool:
     return set(piece.seeds) <= {r["seed"] for r in rows}
 
 
-def done(out: Path, piece: Piece, part: Part | None = None) -> bool:
+def done(out: Path, piece: Piece, part: Part) -> bool:
     return covers(piece, piece_rows(out, piece, part))
 
 
-def tuning_rows(out: Path, part: Part | None = None) -> list[dict]:
+def tuning_rows(out: Path, part: Part) -> list[dict]:
     """The runs of every tuning piece on disk."""
     return [r for p in tuning_pieces(part) for r in piece_rows(out, p, part)]
 
 
-def choose(rows: list[dict], part: Part | None = None) -> list[dict]:
+def choose(rows: list[dict], part: Part) -> list[dict]:
     """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``regimes_tuned.choose`` on the
     part's metric)."""
-    p = part or part2()
-    tuning = [r for r in rows if r["seed"] in p.tune_seeds and r["ok"]]
-    return rt.choose(tuning, p.held_seeds[0], baseline=g.TOKEN, metric=p.metric)
+    tuning = [r for r in rows if r["seed"] in part.tune_seeds and r["ok"]]
+    return rt.choose(tuning, part.held_seeds[0], baseline=g.TOKEN, metric=part.metric)
 
 
-def written_choice(out: Path, rows: list[dict], part: Part | None = None) -> list[dict]:
+def written_choice(out: Path, rows: list[dict], part: Part) -> list[dict]:
     """The choice, once ``choice.csv`` is written (checked against the tuning runs on disk); [] before."""
     path = Path(out) / "choice.csv"
     if not path.is_file():
@@ -246,9 +243,8 @@ def _note(out: Path, text: str) -> None:
         f.write(text + "\n")
 
 
-def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], part: Part | None = None) -> None:
+def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], part: Part) -> None:
     """Run the missing pieces of ``phase`` (at most ``budget``, 0: all), the report rebuilt after each."""
-    part = part or part2()
     choice = out / "choice.csv"
     tuning = tuning_pieces(part)
     tuned = sum(done(out, p, part) for p in tuning)
@@ -295,11 +291,11 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], par
     part.report(out)
 
 
-def run_piece(out: Path, piece: Piece, part: Part | None = None) -> None:
+def run_piece(out: Path, piece: Piece, part: Part) -> None:
     """One piece: its ``lab learn`` command, parsed by the lab CLI (a renamed flag fails here) and run."""
     from maspo_verl.lab import __main__ as lab
 
-    argv = piece.argv(out, (part or part2()).flags)
+    argv = piece.argv(out, part.flags)
     if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
         argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
     _note(out, f"\npiece {piece.name}: python -m maspo_verl.lab {shlex.join(argv)}")
@@ -327,7 +323,7 @@ def run_piece(out: Path, piece: Piece, part: Part | None = None) -> None:
 # ------------------------------------------------------------------ the report
 
 
-def pieces_table(out: Path, pieces: list[Piece], part: Part | None = None) -> list[dict]:
+def pieces_table(out: Path, pieces: list[Piece], part: Part) -> list[dict]:
     rows = []
     for p in pieces:
         mine = piece_rows(out, p, part)
@@ -349,21 +345,20 @@ def pieces_table(out: Path, pieces: list[Piece], part: Part | None = None) -> li
     return rows
 
 
-def tuning_table(rows: list[dict], choices: list[dict], part: Part | None = None) -> list[dict]:
+def tuning_table(rows: list[dict], choices: list[dict], part: Part) -> list[dict]:
     """Per arm and lr: the tuning mean of the part's metric and KL per update (what the choice reads)."""
-    p = part or part2()
     pick = {c["loss"]: c for c in choices}
     out = []
-    for arm in p.arms:
-        for lr in p.lrs:
-            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in p.tune_seeds and r["ok"]]
+    for arm in part.arms:
+        for lr in part.lrs:
+            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in part.tune_seeds and r["ok"]]
             chosen = pick.get(arm, {})
             out.append(
                 {
                     "arm": arm,
                     "lr": lr,
                     "seeds": len(mine),
-                    p.metric: finite_mean(r[p.metric] for r in mine),
+                    part.metric: finite_mean(r[part.metric] for r in mine),
                     "ppo_kl": finite_mean(r["ppo_kl"] for r in mine),
                     "chosen": chosen.get("best_band") == lr,
                     "matched_kl": chosen.get("kl_band") == lr,
@@ -410,31 +405,30 @@ def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
     return out
 
 
-def on_disk(out: Path, part: Part | None = None) -> tuple[list[dict], list[dict], list[Piece]]:
+def on_disk(out: Path, part: Part) -> tuple[list[dict], list[dict], list[Piece]]:
     """What a part's report reads (its folder made first): the runs of its pieces on disk (the held-out ones once
     the choice is written), the written choice, and the held-out pieces it implies."""
-    p = part or part2()
     Path(out).mkdir(parents=True, exist_ok=True)
-    rows = tuning_rows(out, p)
-    choices = written_choice(out, rows, p)
-    held = p.held_pieces(choices) if choices else []
-    return rows + [r for piece in held for r in piece_rows(out, piece, p)], choices, held
+    rows = tuning_rows(out, part)
+    choices = written_choice(out, rows, part)
+    held = part.held_pieces(choices) if choices else []
+    return rows + [r for piece in held for r in piece_rows(out, piece, part)], choices, held
 
 
 def report(out: Path) -> None:
     from maspo_verl.lab import common
 
     out = Path(out)
-    d = design()
-    rows, choices, held = on_disk(out)
+    d, p = design(), part2()
+    rows, choices, held = on_disk(out, p)
     tests = g.tests([r for r in rows if r["ok"]], choices, d)
     verdicts = g.decisions(tests)
-    pieces = pieces_table(out, tuning_pieces() + held)
+    pieces = pieces_table(out, tuning_pieces(p) + held, p)
     tables = {
         "tests.csv": tests,
         "decisions.csv": verdicts,
         "pieces.csv": pieces,
-        "tuning.csv": tuning_table(rows, choices),
+        "tuning.csv": tuning_table(rows, choices, p),
         "cells.csv": cells_table(rows, choices),
         "design.csv": g.design_table(d),
     }

@@ -82,7 +82,7 @@ def _choice(best=None, kl=None) -> list[dict]:
 
 
 def test_the_pieces_are_the_registered_ones():
-    tune = gw.tuning_pieces()
+    tune = gw.tuning_pieces(gw.part2())
     assert len(tune) == 8 * 4 and {(p.arm, p.lr) for p in tune} == {(a, lr) for a in gw.ARMS for lr in gw.LRS}
     assert {p.seeds for p in tune} == {(200, 201, 202, 203)} and not any(p.unclipped for p in tune)
     assert len({p.name for p in tune}) == len(tune)
@@ -108,8 +108,8 @@ def test_each_piece_is_a_lab_learn_command_its_parser_takes(tmp_path):
     from tests.helpers import compose_config
 
     choice = _choice({W[1]: "1e-3"}, {W[8]: "3e-3"})
-    for piece in gw.tuning_pieces() + gw.held_pieces(choice):
-        args = parse(piece.argv(tmp_path))
+    for piece in gw.tuning_pieces(gw.part2()) + gw.held_pieces(choice):
+        args = parse(piece.argv(tmp_path, gw.LEARN))
         assert args.module is learn and args.out == str(tmp_path / gw.PIECES / piece.name)
         assert (args.tasks, args.steps, args.last, args.lr) == (["speechwarm"], 20, 5, float(piece.lr))
         assert args.bypass and args.fp32_trainer and args.no_adjust and args.losses == [piece.arm]
@@ -223,7 +223,7 @@ def test_one_real_piece_through_verls_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(gw, "TUNE_SEEDS", (200,))
     out = tmp_path / "warm"
     main(["granularity", "--part", "2", "--out", str(out), "--phase", "tune"])
-    (run,) = gw.piece_rows(out, gw.tuning_pieces()[0])
+    (run,) = gw.piece_rows(out, gw.tuning_pieces(gw.part2())[0], gw.part2())
     assert run["ok"] and run["steps"] == 2 and math.isfinite(run["final_reward"]) and run["mean_ppo_kl"] >= 0
     assert 0 < run["cpu_s"] and run["wall_s"] > 0
     assert [(c["loss"], c["best_band"]) for c in _csv(out / "choice.csv")] == [(W[1], "1e-3")]
