@@ -821,7 +821,7 @@ def part3_lines(root: Path) -> list[str]:
             f" **Interim**: the registered tests need all {of} batches (with fewer the sign-flip p cannot reach "
             "Holm's threshold); no verdict is drawn from these rows."
             if n < of
-            else ""
+            else " " + part3_outcome(_read(folder / "tests.csv"), design["vif_margin"])
         ),
         "",
     ]
@@ -850,6 +850,34 @@ def part3_lines(root: Path) -> list[str]:
         ]
         lines.append(f"| {_f(lr):g}, {k} | {'<br>'.join(vif_text)} | {cells[0]} | {cells[1]} |")
     return lines + [""]
+
+
+CRITERIA = {"maspo_adaptive": "band criterion", "correlation": "correlation criterion"}  # part 3's G3 arms
+
+
+def part3_outcome(tests: list[dict], margin: str) -> str:
+    """Part 3's registered outcomes in words, counted from its tests: the correlation claim's falsification test,
+    then the windows' (G1) and the adaptive criteria's (G3) gradient tests."""
+    vif = [t for t in tests if t["test"] == "vif"]
+    inside = sum(t["outcome"].startswith("falsified") for t in vif)
+    above = sum(t["outcome"] == "correlated" for t in vif)
+
+    def count(family: str, arm: str | None = None) -> str:
+        mine = [t for t in tests if t["family"].startswith(family) and arm in (None, t["arm"])]
+        return (
+            f"{sum(t['outcome'] == 'above' for t in mine)} above and {sum(t['outcome'] == 'below' for t in mine)} "
+            f"below of {len(mine)}"
+        )
+
+    criteria = sorted({t["arm"] for t in tests if t["family"].startswith("G3")})
+    return (
+        f"**Registered outcome**: the claim of correlated log-ratios at realistic drift is falsified in "
+        f"{inside} of {len(vif)} VIF tests (interval inside ±{margin}); in {above} the interval lies wholly above "
+        f"+{margin} (*correlated*); the other {len(vif) - inside - above} reach neither reading. G1 (Holm within each "
+        f"drift condition): {count('G1')} window tests against W = 1. G3: "
+        + "; ".join(f"the {CRITERIA.get(c, c)} {count('G3', c)}" for c in criteria)
+        + " tests against the best window."
+    )
 
 
 def _verdict_words(verdicts: list[dict], family: str) -> str:
@@ -888,6 +916,14 @@ def which_loss(root: Path) -> list[str]:
             f"reward's units against offset and shuffled ones (F2): {_verdict_words(verdicts, 'F2')}. H3, "
             f"`maspo_adaptive` against the best fixed window (F3): {_verdict_words(verdicts, 'F3')}.",
         ]
+    part3 = _read(root / RESULTS / PART3 / "tests.csv")
+    design3 = {r["key"]: r["value"] for r in _read(root / RESULTS / PART3 / "design.csv")}
+    if part3 and len(_read(root / RESULTS / PART3 / "batches.csv")) == int(design3["batch_count"]):
+        lines.append(
+            f"- **Pre-registered, SmolLM2-135M at realistic drift** ([part 3](docs/results/{PART3}/README.md), "
+            f"{design3['batch_count']} batches, gradients at the shipped bands): "
+            + part3_outcome(part3, design3["vif_margin"]).removeprefix("**Registered outcome**: ")
+        )
     if tuned:
         lines.append(
             "- **Earlier, not pre-registered** ([regimes_tuned](docs/results/regimes_tuned/README.md), every preset "

@@ -284,6 +284,10 @@ def test_the_guide_reads_part3_as_interim_until_every_batch(tmp_path, monkeypatc
     # G1: every window above W = 1 by 0.01 i on all 8 batches (Holm 5 x 2/256 < 0.05); G3 against the best (W=128)
     assert "W=2: +0.010 [+0.010, +0.010] → above" in text
     assert "correlation − whole: +0.020 [+0.020, +0.020] → above" in text
+    # the registered outcome in words, counted from the same tests
+    assert "falsified in 0 of 2 VIF tests (interval inside ±0.1); in 2 the interval lies wholly above +0.1" in text
+    assert "5 above and 0 below of 5 window tests against W = 1" in text
+    assert "the correlation criterion 1 above and 0 below of 1; the band criterion 1 above and 0 below of 1" in text
 
 
 def test_the_command_writes_its_own_folder(tmp_path, monkeypatch):
