@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -105,11 +106,39 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler's USDT start/stop marker lines: none
     # the whole console output in the folder (not in the committed one: --update-docs)
-    with contextlib.nullcontext() if args.update_docs else common.full_log(Path(args.out) / LOG):
+    with (
+        _terminate_as_interrupt(),
+        contextlib.nullcontext() if args.update_docs else common.full_log(Path(args.out) / LOG),
+    ):
         args.module.run(args, argv)
     out = Path(args.out).resolve()
     print(f"results: {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (``kill``, a scheduler's stop) ends a command as Ctrl-C does: its clean-up runs, so a trainer run
+    it started is stopped with its Ray cluster and its temp folders go (Python's default ends it at once and
+    leaves the run behind)."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: no handler can be set
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as exc:
+        name = str(exc) or "SIGINT"
+        print(f"python -m maspo_verl.lab: stopped by {name}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[name].value if name in signal.Signals.__members__ else 130)

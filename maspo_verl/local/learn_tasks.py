@@ -154,10 +154,12 @@ def write_dataset(
     """The task's train and val parquet in ``folder`` (paths and the run's sentence); for ``turns<N>``
     nothing is written: the overrides that select the local mode's task, with ``length`` tokens a turn (the
     warm-started model of ``speechwarm``: ``maspo_verl.local.speechwarm.ensure_model``); for ``smollm2`` the
-    overrides that select the model config, answers of at most ``length`` tokens, and ``pretrained`` (natural
-    lengths: EOS ends an answer; verl's greedy validation at the last step)."""
+    overrides that select the model config, answers of at most ``length`` tokens, verl's vLLM rollout, and
+    ``pretrained`` (natural lengths: EOS ends an answer; verl's greedy validation at the last step)."""
     if task == PRETRAINED:
-        return {"overrides": [f"model={task}", f"data.max_response_length={length}"], "pretrained": True}
+        # verl's vLLM rollout, the local mode's engine (the lab runner pins the transformers one for the toy tasks)
+        overrides = [f"model={task}", f"data.max_response_length={length}", "actor_rollout_ref.rollout.name=vllm"]
+        return {"overrides": overrides, "pretrained": True}
     n_turns = turns_of(task)
     if n_turns is not None:
         return {"overrides": [f"task={TURNS}", f"maspo.turns={n_turns}", f"maspo.turn_tokens={length}"]}

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import granularity_vllm as gv
 from maspo_verl.lab import granularity_warm as gw
-from maspo_verl.lab import learn
+from maspo_verl.lab import learn, runs
 from maspo_verl.lab.__main__ import main, parse
 from maspo_verl.lab.common import write_csv
 from maspo_verl.lab.runs import LocalRun
@@ -166,7 +166,10 @@ def test_each_piece_is_a_lab_learn_command_of_the_registered_design():
         args = parse(piece.argv(Path("out"), part.flags))
         data = learn.task_data(Path("never_written"), gv.TASK, 401, cell.length)
         overrides = learn.overrides_for(args, gv.TASK, arm, 401, data, cell)
-        run = compose_config("local=cpu", *overrides)
+        # the trainer's command line as the lab runner writes it (with its pins for what the overrides leave)
+        command = runs.local_command(overrides, Path("never_written"))
+        run = compose_config(*[o for o in command[command.index("local=cpu") :] if not o.startswith("hydra.")])
+        assert run.actor_rollout_ref.rollout.name == "vllm"  # not the runner's pinned transformers rollout
         assert run.maspo.model == gv.TASK and run.maspo.local_seed == 401 and run.data.train_files is None
         assert run.data.max_response_length == 64 and not run.actor_rollout_ref.rollout.ignore_eos
         assert run.trainer.test_freq == run.trainer.total_training_steps == 20
