@@ -803,8 +803,7 @@ def part3_lines(root: Path) -> list[str]:
     """Part 3 of the registered study: its batches so far and every registered test their data allow, per drift
     condition; until all registered batches are in, said to be interim."""
     folder = root / RESULTS / PART3
-    design = {r["key"]: r["value"] for r in _read(folder / "design.csv")}
-    batches = _read(folder / "batches.csv")
+    design, batches, tests = part3_tables(root)
     head = f"**Part 3, SmolLM2-135M at realistic drift** ([`{PART3}/`](results/{PART3}/README.md))"
     if not design or not batches:
         return [f"{head}: no batch finished yet.", ""]
@@ -821,11 +820,10 @@ def part3_lines(root: Path) -> list[str]:
             f" **Interim**: the registered tests need all {of} batches (with fewer the sign-flip p cannot reach "
             "Holm's threshold); no verdict is drawn from these rows."
             if n < of
-            else " " + part3_outcome(_read(folder / "tests.csv"), design["vif_margin"])
+            else " **Registered outcome**: " + part3_outcome(tests, design["vif_margin"])
         ),
         "",
     ]
-    tests = _read(folder / "tests.csv")
     corr = _read(folder / "correlation.csv")
     lines += ["| lr, updates | VIF(n) − null | G1: window − W = 1 | G3: adaptive − best window |", "|---|---|---|---|"]
     for lr, k in sorted({(r["lr"], r["updates"]) for r in corr}, key=lambda c: (_f(c[0]), int(c[1]))):
@@ -855,6 +853,13 @@ def part3_lines(root: Path) -> list[str]:
 CRITERIA = {"maspo_adaptive": "band criterion", "correlation": "correlation criterion"}  # part 3's G3 arms
 
 
+def part3_tables(root: Path) -> tuple[dict, list[dict], list[dict]]:
+    """Part 3's design (key -> value), its batches on disk and its registered tests."""
+    folder = root / RESULTS / PART3
+    design = {r["key"]: r["value"] for r in _read(folder / "design.csv")}
+    return design, _read(folder / "batches.csv"), _read(folder / "tests.csv")
+
+
 def part3_outcome(tests: list[dict], margin: str) -> str:
     """Part 3's registered outcomes in words, counted from its tests: the correlation claim's falsification test,
     then the windows' (G1) and the adaptive criteria's (G3) gradient tests."""
@@ -871,7 +876,7 @@ def part3_outcome(tests: list[dict], margin: str) -> str:
 
     criteria = sorted({t["arm"] for t in tests if t["family"].startswith("G3")})
     return (
-        f"**Registered outcome**: the claim of correlated log-ratios at realistic drift is falsified in "
+        f"the claim of correlated log-ratios at realistic drift is falsified in "
         f"{inside} of {len(vif)} VIF tests (interval inside ±{margin}); in {above} the interval lies wholly above "
         f"+{margin} (*correlated*); the other {len(vif) - inside - above} reach neither reading. G1 (Holm within each "
         f"drift condition): {count('G1')} window tests against W = 1. G3: "
@@ -916,13 +921,12 @@ def which_loss(root: Path) -> list[str]:
             f"reward's units against offset and shuffled ones (F2): {_verdict_words(verdicts, 'F2')}. H3, "
             f"`maspo_adaptive` against the best fixed window (F3): {_verdict_words(verdicts, 'F3')}.",
         ]
-    part3 = _read(root / RESULTS / PART3 / "tests.csv")
-    design3 = {r["key"]: r["value"] for r in _read(root / RESULTS / PART3 / "design.csv")}
-    if part3 and len(_read(root / RESULTS / PART3 / "batches.csv")) == int(design3["batch_count"]):
+    design3, batches3, tests3 = part3_tables(root)
+    if tests3 and len(batches3) == int(design3["batch_count"]):
         lines.append(
             f"- **Pre-registered, SmolLM2-135M at realistic drift** ([part 3](docs/results/{PART3}/README.md), "
             f"{design3['batch_count']} batches, gradients at the shipped bands): "
-            + part3_outcome(part3, design3["vif_margin"]).removeprefix("**Registered outcome**: ")
+            + part3_outcome(tests3, design3["vif_margin"])
         )
     if tuned:
         lines.append(

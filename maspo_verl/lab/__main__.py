@@ -121,8 +121,10 @@ def _terminate_as_interrupt():
     it started is stopped with its Ray cluster and its temp folders go (Python's default ends it at once and
     leaves the run behind)."""
 
+    from maspo_verl.local.run_log import Interrupted
+
     def handler(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        raise Interrupted(signum)
 
     try:
         previous = signal.signal(signal.SIGTERM, handler)
@@ -139,6 +141,8 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as exc:
-        name = str(exc) or "SIGINT"
-        print(f"python -m maspo_verl.lab: stopped by {name}", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name].value if name in signal.Signals.__members__ else 130)
+        from maspo_verl.local.run_log import Interrupted
+
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"python -m maspo_verl.lab: stopped by {stop}", file=sys.stderr)
+        sys.exit(stop.exit_status)

@@ -11,14 +11,13 @@ from pathlib import Path
 
 # ``lab learn`` with its trainer replaced by a process that writes its pid and sleeps
 DRIVER = """
-import sys
+import runpy, sys
 from maspo_verl.lab import runs
 child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)"
 pid_file = sys.argv[1]
 runs.local_command = lambda overrides, run_dir, ray_dir=None: [sys.executable, "-c", child, pid_file]
 sys.argv = [sys.argv[0], *sys.argv[2:]]
-from maspo_verl.lab import __main__ as lab
-exec(compile(open(lab.__file__).read(), lab.__file__, "exec"), {"__name__": "__main__", "__file__": lab.__file__})
+runpy.run_module("maspo_verl.lab", run_name="__main__", alter_sys=True)
 """
 
 
