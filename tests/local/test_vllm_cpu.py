@@ -120,16 +120,25 @@ class _Engine:
         time.sleep(0.3)  # the core's process exiting
 
 
-def test_an_engine_shut_down_from_outside_its_loop_logs_no_engine_dead_error():
+@pytest.mark.parametrize("inside", [False, True], ids=["from_another_thread", "inside_its_loop"])
+def test_an_engine_shut_down_logs_no_engine_dead_error(inside):
     """The output handler is cancelled, and has ended, before the engine core stops: the core's end never reaches
-    it (shutting the client down first, as before, logged the error in this stand-in as in vLLM's server)."""
+    it (shutting the client down first, as before, logged the error in this stand-in as in vLLM's server). Called
+    from another thread (where Ray runs ``__ray_call__``) or inside the loop (which then waits for nothing)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
         engine = _Engine(loop)
         server = type("Server", (), {"engine": engine})()
-        assert vllm_cpu._shut_engine_down(server)
+
+        async def inside_the_loop():
+            return vllm_cpu._shut_engine_down(server)
+
+        if inside:
+            assert asyncio.run_coroutine_threadsafe(inside_the_loop(), loop).result(5)
+        else:
+            assert vllm_cpu._shut_engine_down(server)
         time.sleep(0.2)  # what the loop would still run
         assert engine.logged == [] and engine.output_handler.cancelled()
     finally:
