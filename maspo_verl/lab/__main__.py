@@ -18,6 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
+from maspo_verl.local.run_log import Interrupted
+
 LOG = "lab.log"  # each command's whole console output, in its folder
 
 # name (also the module of maspo_verl.lab), what it measures
@@ -121,8 +123,6 @@ def _terminate_as_interrupt():
     it started is stopped with its Ray cluster and its temp folders go (Python's default ends it at once and
     leaves the run behind)."""
 
-    from maspo_verl.local.run_log import Interrupted
-
     def handler(signum, frame):
         raise Interrupted(signum)
 
@@ -141,8 +141,6 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as exc:
-        from maspo_verl.local.run_log import Interrupted
-
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         print(f"python -m maspo_verl.lab: stopped by {stop}", file=sys.stderr)
         sys.exit(stop.exit_status)
