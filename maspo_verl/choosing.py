@@ -773,7 +773,8 @@ def granularity_section(root: Path) -> list[str]:
         )
         + ".",
         "",
-        f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in verl's trainer, every arm's "
+        f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in the lab's engine (the "
+        "trainer run's computation in one process; verl's trainer confirms it on 24 registered runs), every arm's "
         f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}.",
         "",
         *part3_lines(root),

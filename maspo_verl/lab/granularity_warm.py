@@ -1,25 +1,28 @@
-"""Part 2 of the registered granularity study (docs/results/granularity/PREREGISTRATION.md, "Part 2"): the
-warm-started speech model in verl's trainer, run as resumable pieces of ``lab learn``; its tests, Holm families,
-margin, decision rules and report sections are part 1's (``granularity``), read through this part's ``Design``.
+"""Part 2 of the registered granularity study (docs/results/granularity/PREREGISTRATION.md, "Part 2" and its
+amendment of 2026-11-28 (2)): the warm-started speech model, run as resumable pieces of ``lab learn`` in the lab's
+engine (``learn_engine``: the trainer run's computation in one process), confirmed by verl's trainer on a
+registered subset (family C, ``confirmation``); its tests, Holm families, margin, decision rules and report
+sections are part 1's (``granularity``), read through this part's ``Design``.
 The piece engine (``Part``, ``drive``, ``run_piece``, ``on_disk`` and the pieces and tuning tables) runs part 4 too
 (``granularity_vllm``).
 
 ``python -m maspo_verl.lab granularity --part 2 --phase tune|held|all [--resume] [--pieces N] [--report]``
 
 A *piece* is one arm at one learning rate (clipped as shipped, or unclipped) on one seed group: one ``lab learn``
-command, parsed by the lab CLI's own parser and run in this process (each trainer run is its own subprocess),
-into ``pieces/<name>/`` with its ``learn_runs.csv``. A piece whose seeds all have a row there is done and is
-skipped; a stopped piece resumes where it stopped (``lab learn --resume``). Every piece's command is appended to
-the folder's ``COMMAND.txt`` with its wall and CPU time and the machine's load.
+command, parsed by the lab CLI's own parser and run in this process (an engine run in it too, a trainer run in its
+own subprocess), into ``pieces/<name>/`` with its ``learn_runs.csv``. A piece whose seeds all have a row there is
+done and is skipped; a stopped piece resumes where it stopped (``lab learn --resume``). Every piece's command is
+appended to the folder's ``COMMAND.txt`` with its wall and CPU time and the machine's load.
 
 - ``--phase tune``: every arm at every lr of ``LRS`` on seeds 200-203 (32 pieces). Once all are done it writes
   ``choice.csv``: each arm's lr with the best tuning mean final reward (ties: the smaller), and the lr whose
   tuning KL per update is nearest W = 1's at its chosen lr (``regimes_tuned.choose``, part 1's rule).
 - ``--phase held``: refuses without ``choice.csv``; then seeds 300-311: every arm at its chosen lr, each window
   unclipped at its chosen lr, each window at its matched-KL lr (where that differs), then the other arms
-  unclipped (no registered test reads those; they run last).
-- ``--report`` (and after every piece): ``README.md``, ``tests.csv``, ``decisions.csv``, ``pieces.csv``,
-  ``tuning.csv``, ``cells.csv``, ``design.csv`` from what is on disk.
+  unclipped (no registered test reads those), then the trainer's confirmation pieces (``--engine trainer``:
+  W = 1 and W = 96 at their chosen lrs).
+- ``--report`` (and after every piece): ``README.md``, ``tests.csv``, ``decisions.csv``, ``confirmation.csv``,
+  ``pieces.csv``, ``tuning.csv``, ``cells.csv``, ``design.csv`` from what is on disk.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab import granularity as g
-from maspo_verl.lab import learn, regimes
+from maspo_verl.lab import learn, regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.common import finite_mean, log, markdown_table, prepare_out, read_csv, write_csv, write_tables
 
@@ -45,8 +48,13 @@ CELL = "L96/stale2/U4"  # lab learn's label of --cells 96/stale2/4
 # the registered lab learn command of every piece (PREREGISTRATION.md, part 2); --last 5: part 1's final reward
 LEARN = (
     "--tasks", TASK, "--cells", "96/stale2/4", "--steps", "20", "--bypass", "--fp32-trainer", "--no-adjust",
-    "--last", "5", "--timeout", "1800",
+    "--last", "5", "--timeout", "1800", "--engine", "lab", "--workers", "2",
 )  # fmt: skip
+# the amendment of 2026-11-28 (2): the lab engine runs every piece; the trainer (the same command with --engine
+# trainer, its transformers rollout) runs W = 1 and W = whole at their chosen learning rates on the held-out seeds
+ENGINE, TRAINER = "lab", "hf"  # the rollout each one's runs name (lab learn's ``rollout`` column)
+CONFIRM_ARMS = (g.TOKEN, f"{g.FIXED}96")
+ON_TRAINER = "/trainer"  # the setting of a confirmation run: its lr, then this
 WINDOWS = (1, 2, 8, 24, 96)
 ALIGNED = f"{g.FIXED}24"  # the warm model's words last exactly 24 frames
 OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
@@ -92,15 +100,18 @@ class Piece:
     lr: str
     seeds: tuple[int, ...]
     unclipped: bool = False
+    trainer: bool = False  # run by verl's trainer (``--engine trainer``), not the part's engine
 
     @property
     def setting(self) -> str:
-        """The runs' setting as the analysis keys them: the lr, ``/inf`` where unclipped."""
-        return self.lr + (g.NO_CLIP if self.unclipped else "")
+        """The runs' setting as the analysis keys them: the lr, ``/inf`` where unclipped, ``/trainer`` where the
+        trainer runs it."""
+        return self.lr + (g.NO_CLIP if self.unclipped else "") + (ON_TRAINER if self.trainer else "")
 
     @property
     def name(self) -> str:
-        return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}" + ("_noclip" if self.unclipped else ""))
+        suffix = ("_noclip" if self.unclipped else "") + ("_trainer" if self.trainer else "")
+        return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}{suffix}")
 
     def argv(self, out: Path, flags: tuple[str, ...]) -> list[str]:
         """The lab CLI's arguments of this piece (``flags``: its part's registered lab learn flags)."""
@@ -110,6 +121,7 @@ class Piece:
             "--lr", self.lr,
             "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
             *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
+            *(["--engine", "trainer", "--workers", "1"] if self.trainer else []),
         ]  # fmt: skip
 
 
@@ -136,7 +148,9 @@ class Part:
 
 def part2() -> Part:
     """Part 2 (read when called: the tests shrink the module's constants)."""
-    return Part(2, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, "final_reward", held_pieces, report)
+    return Part(
+        2, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, "final_reward", held_pieces, report, engine=ENGINE
+    )
 
 
 def tuning_pieces(part: Part) -> list[Piece]:
@@ -153,6 +167,8 @@ def held_pieces(choices: list[dict]) -> list[Piece]:
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in windows]
     pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != g.TOKEN and pick[a]["kl_band"]]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in arms if a not in windows]
+    # the trainer's confirmation, after every piece of the engine
+    pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, trainer=True) for a in CONFIRM_ARMS if a in pick]
     return list(dict.fromkeys(pieces))  # a matched-KL lr equal to the chosen one is the chosen piece
 
 
@@ -174,8 +190,9 @@ def piece_rows(out: Path, piece: Piece, part: Part) -> list[dict]:
                 f"piece's ({piece.arm}, lr {piece.lr}, {band}, seeds {piece.seeds[0]}-{piece.seeds[-1]}): remove it"
             )
     keyed = {"band": piece.setting, "piece": piece.name}
+    engine = TRAINER if piece.trainer else part.engine
     return [
-        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not part.engine or r.get("rollout") == part.engine)}
+        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not engine or r.get("rollout") == engine)}
         for r in rows
     ]
 
@@ -390,6 +407,60 @@ def cells_table(rows: list[dict], choices: list[dict]) -> list[dict]:
     ]
 
 
+def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str]:
+    """Family C (the amendment of 2026-11-28 (2)): on the held-out seeds, paired by seed, the trainer minus the lab
+    engine for W = 1 and for W = whole at their chosen lrs, and the F1a difference (W = whole minus W = 1) of the
+    trainer minus the engine's; TOST at part 1's margin, Holm within C (a test not run yet counts with p = 1). The
+    verdict: *confirmed* where every test is equivalent, *contradicted* where one is different, else *not shown
+    either way*; ``not run`` until every test is."""
+    pick = {c["loss"]: c["best_band"] for c in choices}
+    final = {(r["loss"], r["band"], r["seed"]): r["final_reward"] for r in rows if r["ok"] and r["seed"] in HELD_SEEDS}
+
+    def value(arm: str, trainer: bool, seed: int) -> float | None:
+        return final.get((arm, pick.get(arm, "") + (ON_TRAINER if trainer else ""), seed))
+
+    def diffs(of) -> list[float]:
+        values = [of(s) for s in HELD_SEEDS]
+        return [v for v in values if v is not None and math.isfinite(v)]
+
+    def gap(arm: str):
+        def of(s):
+            on, off = value(arm, True, s), value(arm, False, s)
+            return None if on is None or off is None else on - off
+
+        return of
+
+    token, whole = (gap(a) for a in CONFIRM_ARMS)
+    comparisons = [
+        *((f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", gap(a)) for a in CONFIRM_ARMS),
+        (
+            f"{g._short(CONFIRM_ARMS[1])} minus {g._short(CONFIRM_ARMS[0])}, trainer",
+            "the same, lab engine",
+            lambda s: None if whole(s) is None or token(s) is None else whole(s) - token(s),
+        ),
+    ]
+    out = []
+    for arm, vs, of in comparisons:
+        d = diffs(of)
+        out.append({"family": "C", "arm": arm, "vs": vs, **(stats.paired_summary(d, g.MARGIN) if len(d) > 1 else {})})
+    for key, adjusted in (("p_signflip", "p_holm"), ("p_tost", "p_tost_holm")):
+        for r, q in zip(out, stats.holm([r.get(key, 1.0) for r in out]), strict=True):
+            if r.get("seeds"):
+                r[adjusted] = q
+    for r in out:
+        if r.get("seeds", 0) != len(HELD_SEEDS):
+            r["outcome"] = g.NOT_RUN
+            continue
+        r["different"], r["equivalent"] = r["p_holm"] < g.ALPHA, r["p_tost_holm"] < g.ALPHA
+        side = ("above" if r["diff"] > 0 else "below") if r["different"] else ""
+        r["outcome"] = ", ".join(x for x in (side, f"within ±{g.MARGIN}" if r["equivalent"] else "") if x) or "—"
+    if any(r["outcome"] == g.NOT_RUN for r in out):
+        return out, g.NOT_RUN
+    if any(r["different"] for r in out):
+        return out, "contradicted"
+    return out, "confirmed" if all(r["equivalent"] for r in out) else "not shown either way"
+
+
 def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
     """The registered prediction: part 1's verdicts on its longer-unit cell beside this part's; *confirmed* where
     both are reached and read the same."""
@@ -423,6 +494,7 @@ def report(out: Path) -> None:
     rows, choices, held = on_disk(out, p)
     tests = g.tests([r for r in rows if r["ok"]], choices, d)
     verdicts = g.decisions(tests)
+    confirm, confirmed = confirmation(rows, choices)
     pieces = pieces_table(out, tuning_pieces(p) + held, p)
     tables = {
         "tests.csv": tests,
@@ -430,6 +502,7 @@ def report(out: Path) -> None:
         "pieces.csv": pieces,
         "tuning.csv": tuning_table(rows, choices, p),
         "cells.csv": cells_table(rows, choices),
+        "confirmation.csv": confirm,
         "design.csv": g.design_table(d),
     }
     write_tables(out, tables)
@@ -437,7 +510,7 @@ def report(out: Path) -> None:
     if plotted:
         g.plot(tests, out / "tests.png", FAMILIES)
     predicted = prediction(verdicts, read_csv(out.parent / "decisions.csv"))
-    text = readme(rows, choices, tables, predicted, plotted, common.command_of(out))
+    text = readme(rows, choices, tables, predicted, confirmed, plotted, common.command_of(out))
     (out / "README.md").write_text(text)
     common.report_written(out)
 
@@ -462,7 +535,7 @@ READINGS = (
     "KL per update (matched KL, F1c) is a run's mean of verl's `actor/ppo_kl` over its 20 steps, averaged over the "
     "4 tuning seeds; the matched learning rate is the one nearest in log to W = 1's at its chosen rate (part 1's "
     "rule). Where it equals the chosen rate the test reads the chosen piece's runs (the same configuration).",
-    "A run the trainer does not finish (exit code not 0, or fewer than 20 steps) stays in its piece's "
+    "A run that does not finish (exit code not 0, or fewer than 20 steps) stays in its piece's "
     "`learn_runs.csv`, is counted in the pieces table and left out of the choice and the tests (a test's seed "
     "count shows it); `--resume` does not run it again (remove its piece folder to re-run the piece). A piece whose "
     "every run fails stops the study with the cause.",
@@ -470,11 +543,14 @@ READINGS = (
     "(conservative); once every test is run the correction is the registered one.",
     "The registered prediction (part 1's outcome on its longer-unit cell, L96/stale2/U4/lr1/u24) is *confirmed* "
     "for a family where part 2's verdict is the same words.",
-    "Each run's time limit is 1800 s (`--timeout`; lab learn's default 900 s can stop a run on a shared machine). "
-    "CPU time per run (`cpu_s`, `lab/runs.py`) is the user + system time of the run's processes (the trainer's "
-    "session and its Ray cluster, read every 0.5 s), or the kernel's count of reaped children where that is larger: "
-    "a lower bound (a process's last half second can be missed). Each seed's warm-started model is built once into "
-    "the local cache (about a CPU-minute each, not in the runs' times).",
+    "A trainer run's time limit is 1800 s (`--timeout`; lab learn's default 900 s can stop a run on a shared "
+    "machine). CPU time per run (`cpu_s`): the lab engine's, its process's user + system time during the run; the "
+    "trainer's (`lab/runs.py`), the user + system time of the run's processes (the trainer's session and its Ray "
+    "cluster, read every 0.5 s), or the kernel's count of reaped children where that is larger: a lower bound (a "
+    "process's last half second can be missed). Each seed's warm-started model is built once into the local cache "
+    "(about a CPU-minute each, not in the runs' times).",
+    "Family C's tests pair a seed's trainer run with its engine run of the same arm and learning rate; a seed "
+    "missing from either is left out of C (its seed count shows it), and C's verdict waits for all 12 seeds.",
 )
 
 
@@ -499,15 +575,17 @@ def per_run(rows: list[dict]) -> str:
     return f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run)."
 
 
-def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str:
+def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, command: str) -> str:
     d = design()
     pieces = tables["pieces.csv"]
     tuned = [p for p in pieces if p["phase"] == "tune"]
     lines = [
-        "# Granularity at matched step size, part 2: the warm speech model in verl's trainer",
+        "# Granularity at matched step size, part 2: the warm speech model (the lab engine, confirmed by verl's "
+        "trainer)",
         "",
-        'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 2"), committed before any of these '
-        "runs; part 1 is [`../README.md`](../README.md). Made by `python -m maspo_verl.lab granularity --part 2` "
+        'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 2" and its amendment of 2026-11-28 '
+        "(2)), committed before any of these runs; part 1 is [`../README.md`](../README.md). Made by "
+        "`python -m maspo_verl.lab granularity --part 2` "
         "(`maspo_verl/lab/granularity_warm.py`: the pieces; `granularity.py`: the tests and decisions, part 1's): "
         f"`lab learn {' '.join(LEARN)}` per piece, arms {', '.join(ARMS)}, learning "
         f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
@@ -526,6 +604,23 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         "## The registered prediction: part 1's longer-unit cell",
         "",
         markdown_table(predicted),
+        "## The trainer's confirmation of the lab engine (family C)",
+        "",
+        f"**{confirmed}**. verl's trainer (`--engine trainer`) against the lab engine on the held-out seeds, paired "
+        "by seed: final reward of W = 1 and of W = whole, each at its chosen learning rate, and their F1a difference; "
+        f"*equivalent*: Holm-adjusted TOST p < 0.05 (margin ±{g.MARGIN}); *different*: Holm-adjusted sign-flip p < "
+        "0.05 (`confirmation.csv`). Where the engine is contradicted, the verdicts above are the engine's only.",
+        "",
+        markdown_table(
+            [
+                {"test": f"C{i}", "arm": r["arm"], "vs": r["vs"], "seeds": r.get("seeds", 0)}
+                | ({"diff [95 % t]": f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]"} if r.get("seeds") else {})
+                | {k: r[k] for k in ("p_holm", "p_tost_holm") if k in r}
+                | {"outcome": r["outcome"]}
+                for i, r in enumerate(tables["confirmation.csv"], 1)
+            ],
+            digits=4,
+        ),
         "## W = 1 at its chosen learning rate, and the measured correlation of its log-ratios",
         "",
         "`corr_lag1`, `vif*`: lab learn's `actor/ratio/*` (the loss's log-ratios; 1 = independent), mean over steps "
@@ -546,7 +641,8 @@ def readme(rows, choices, tables, predicted, plotted: bool, command: str) -> str
         *ending(
             pieces,
             plotted,
-            "`tests.csv` (every registered test), `decisions.csv`, `pieces.csv`, `tuning.csv`, `cells.csv`",
+            "`tests.csv` (every registered test), `decisions.csv`, `confirmation.csv` (family C), `pieces.csv`, "
+            "`tuning.csv`, `cells.csv`",
             command,
         ),
     ]

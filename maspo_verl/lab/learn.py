@@ -45,8 +45,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab import word_grid
+from maspo_verl.lab import learn_engine, word_grid
 from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
+from maspo_verl.lab.learn_engine import ENGINES
 from maspo_verl.lab.runs import run_local
 from maspo_verl.local import engine_of
 from maspo_verl.local.learn_tasks import PRETRAINED, RESPONSE_TOKENS, SPEECH_WORDS, turns_of
@@ -141,6 +142,16 @@ def add_arguments(p) -> None:
         help="a preset's clip band scaled by WIDTH (a number > 0, or inf: no clip), as lab regimes_tuned scales it",
     )
     p.add_argument("--no-adjust", action="store_true", help="presets as shipped (without learn.ADJUSTMENTS)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help="trainer: verl's trainer in the local mode (a process and a Ray cluster per run); lab: the same "
+        "config's RL loop in this process (lab/learn_engine.py; speechwarm only)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="--engine lab: runs at a time, each in its own process on one core"
+    )
 
 
 # -- cells --------------------------------------------------------------------------------------
@@ -643,6 +654,13 @@ def run(args, argv) -> None:
     if unknown:
         allowed = [*learn_tasks.TASKS, learn_tasks.PRETRAINED]
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {allowed} or turns<N> (N turns)")
+    if args.engine == "lab":
+        for task in args.tasks:
+            learn_engine.check_task(task)
+    if args.workers < 1 or (args.workers > 1 and args.engine != "lab"):
+        raise SystemExit(
+            f"--workers {args.workers}: allowed 1, or more with --engine lab (a trainer run takes both cores)"
+        )
     cells = cells_of(args)
     out = Path(args.out)  # the lab CLI resolves --out / --update-docs
     if args.report:  # the tables, plots and README again from --out's runs, with the arguments that made them
@@ -677,46 +695,94 @@ def run(args, argv) -> None:
     log(f"learn: wrote {out}; {sum(r['wall_s'] for r in runs) / 60:.0f} min of trainer runs")
 
 
-def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str], step_rows, runs) -> None:
-    """Every (seed, task, cell, loss) run not in ``done``, in ``logs``; rows and records appended as they finish."""
+@dataclass(frozen=True)
+class Job:
+    """One run of ``lab learn``: its trainer overrides and run folder."""
+
+    task: str
+    cell: Cell
+    loss: str
+    seed: int
+    overrides: list[str]
+    run_dir: Path
+    sentence: str | None
+
+
+def jobs_of(args, cells, done, logs: Path):
+    """Every (seed, task, cell, loss) run not in ``done``, in order; a seed's data made when its first run is."""
     lengths = sorted({c.length for c in cells})
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for task in args.tasks:
-            data = {length: task_data(logs / f"data_seed{seed}_L{length}", task, seed, length) for length in lengths}
+            data = None
             for cell in cells:
                 for loss in args.losses:
                     if (task, cell.label, loss, seed) in done:
                         continue
-                    name = slug(f"{task}_{cell.label}_{loss}_{seed}")
+                    if data is None:
+                        data = {n: task_data(logs / f"data_seed{seed}_L{n}", task, seed, n) for n in lengths}
                     overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
-                    result = run_local(overrides, logs / name, timeout_s=args.timeout)
-                    steps, code, wall = result.steps, result.returncode, result.wall_s
-                    if code != 0:
-                        failed.append(str(result.run_dir))
-                    key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
-                    key |= {"updates": cell.updates, "loss": loss, "seed": seed}
-                    key["band"] = bands.get(loss.partition(CREDIT_SEP)[0], SHIPPED)
-                    for s in sorted(steps):
-                        if "critic/score/mean" in steps[s]:
-                            step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
-                    record = key | run_record(args, steps, code)
-                    record |= {
-                        "wall_s": wall,
-                        "cpu_s": result.cpu_s,
-                        "lr": args.lr,
-                        "rollout": engine_of(result.log) or "",
-                    }
-                    runs.append(record)
-                    log(
-                        f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
-                        f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
-                        f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s (run folder "
-                        f"{result.run_dir})"
-                    )
-                    # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
-                    write_csv(out / "learn_steps.csv", step_rows)
-                    write_csv(out / "learn_runs.csv", _uniform(runs))
-        write_results(args, cells, out, step_rows, runs)  # the summary so far, after each seed
+                    name = slug(f"{task}_{cell.label}_{loss}_{seed}")
+                    yield Job(task, cell, loss, seed, overrides, logs / name, data[cell.length].get("sentence"))
+
+
+def run_job(job: Job, engine: str, timeout_s: float):
+    """One run: in this process (``--engine lab``) or verl's trainer in its own (``run_local``)."""
+    if engine == "lab":
+        return learn_engine.run(job.overrides, job.run_dir, job.sentence, job.task)
+    return run_local(job.overrides, job.run_dir, timeout_s=timeout_s)
+
+
+def results_of(args, jobs):
+    """(job, result) in the jobs' order; ``--workers`` lab-engine runs at a time in fresh processes."""
+    if args.workers == 1:
+        yield from ((job, run_job(job, args.engine, args.timeout)) for job in jobs)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = list(jobs)
+    pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(run_job, job, args.engine, args.timeout) for job in jobs]
+        yield from ((job, future.result()) for job, future in zip(jobs, futures, strict=True))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str], step_rows, runs) -> None:
+    """Every (seed, task, cell, loss) run not in ``done``, in ``logs``; rows and records appended as they finish."""
+    last = None
+    for job, result in results_of(args, jobs_of(args, cells, done, logs)):
+        if last is not None and job.seed != last:
+            write_results(args, cells, out, step_rows, runs)  # the summary so far, after each seed
+        last, task, cell, loss, seed = job.seed, job.task, job.cell, job.loss, job.seed
+        steps, code, wall = result.steps, result.returncode, result.wall_s
+        if code != 0:
+            failed.append(str(result.run_dir))
+        key = {"task": task, "cell": cell.label, "length": cell.length, "mismatch": cell.mismatch}
+        key |= {"updates": cell.updates, "loss": loss, "seed": seed}
+        key["band"] = bands.get(loss.partition(CREDIT_SEP)[0], SHIPPED)
+        for s in sorted(steps):
+            if "critic/score/mean" in steps[s]:
+                step_rows.append(key | {"step": s} | {k: steps[s].get(k, float("nan")) for k in KEYS})
+        record = key | run_record(args, steps, code)
+        record |= {
+            "wall_s": wall,
+            "cpu_s": result.cpu_s,
+            "lr": args.lr,
+            "rollout": getattr(result, "rollout", None) or engine_of(result.log) or "",
+        }
+        runs.append(record)
+        log(
+            f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
+            f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
+            f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s (run folder "
+            f"{result.run_dir})"
+        )
+        # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
+        write_csv(out / "learn_steps.csv", step_rows)
+        write_csv(out / "learn_runs.csv", _uniform(runs))
+    write_results(args, cells, out, step_rows, runs)
 
 
 def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], runs: list[dict]) -> None:

@@ -127,12 +127,16 @@ INHERITED_NOT = (
 RUNNER_DEFAULTS = ("actor_rollout_ref.rollout.name=hf", "algorithm.rollout_correction.bypass_mode=false")
 
 
+def pinned(overrides: list[str]) -> list[str]:
+    """``overrides`` after the runner's defaults that they do not set (``RUNNER_DEFAULTS``)."""
+    chosen = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return [*(d for d in RUNNER_DEFAULTS if d.split("=", 1)[0] not in chosen), *overrides]
+
+
 def local_command(overrides: list[str], run_dir: Path, ray_dir: str | None = None) -> list[str]:
     """``python -m maspo_verl.main local=cpu`` with the run folder, the Ray temp dir and ``overrides``."""
     ray = [f"+ray_kwargs.ray_init._temp_dir={ray_dir}"] if ray_dir else []
-    chosen = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    pins = [d for d in RUNNER_DEFAULTS if d.split("=", 1)[0] not in chosen]
-    return [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"hydra.run.dir={run_dir}", *ray, *pins, *overrides]
+    return [sys.executable, "-m", "maspo_verl.main", "local=cpu", f"hydra.run.dir={run_dir}", *ray, *pinned(overrides)]
 
 
 def run_local(

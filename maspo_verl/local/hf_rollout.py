@@ -46,6 +46,49 @@ def server_name(replica_rank: int, suffix: str = "") -> str:
     return f"{HF_SERVER_PREFIX}{replica_rank}{suffix}"
 
 
+def sample_tokens(
+    model, prompt_ids: list[int], params: dict[str, Any], max_tokens: int, generator, eos_ids: torch.Tensor
+) -> tuple[list[int], list[float]]:
+    """One response of ``model`` after ``prompt_ids``, token by token with a KV cache, drawing from ``generator``:
+    the sampled ids and their log-probs (log-softmax of logits / temperature); what the server returns for a
+    request (``lab learn --engine lab`` samples with it too)."""
+    temperature = float(params.get("temperature", 1.0) or 0.0)
+    top_k = int(params.get("top_k", -1) or -1)
+    top_p = float(params.get("top_p", 1.0) or 1.0)
+    ignore_eos = bool(params.get("ignore_eos", False))
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+    tokens: list[int] = []
+    log_probs: list[float] = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            if temperature > 0:
+                logits = logits / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            if temperature <= 0:
+                token = int(torch.argmax(logp))
+            else:
+                masked = logp.clone()
+                if 0 < top_k < masked.numel():
+                    kth = torch.topk(masked, top_k).values[-1]
+                    masked[masked < kth] = -float("inf")
+                if top_p < 1.0:
+                    sorted_lp, order = torch.sort(masked, descending=True)
+                    cum = torch.cumsum(sorted_lp.exp(), dim=-1)
+                    drop = cum - sorted_lp.exp() > top_p
+                    masked[order[drop]] = -float("inf")
+                token = int(torch.multinomial(torch.softmax(masked, -1), 1, generator=generator))
+            tokens.append(token)
+            log_probs.append(float(logp[token]))
+            if not ignore_eos and bool((eos_ids == token).any()):
+                break
+            input_ids = torch.tensor([[token]], dtype=torch.long)
+    return tokens, log_probs
+
+
 class HFServer:
     """Token-in/token-out generation with a ``transformers`` causal LM on the host."""
 
@@ -114,40 +157,7 @@ class HFServer:
 
     # -- generation ------------------------------------------------------------------------
     def _sample(self, prompt_ids: list[int], params: dict[str, Any], max_tokens: int) -> tuple[list[int], list[float]]:
-        temperature = float(params.get("temperature", 1.0) or 0.0)
-        top_k = int(params.get("top_k", -1) or -1)
-        top_p = float(params.get("top_p", 1.0) or 1.0)
-        ignore_eos = bool(params.get("ignore_eos", False))
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-        tokens: list[int] = []
-        log_probs: list[float] = []
-        past = None
-        with torch.inference_mode():
-            for _ in range(max_tokens):
-                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                logits = out.logits[0, -1].float()
-                if temperature > 0:
-                    logits = logits / temperature
-                logp = torch.log_softmax(logits, dim=-1)
-                if temperature <= 0:
-                    token = int(torch.argmax(logp))
-                else:
-                    masked = logp.clone()
-                    if 0 < top_k < masked.numel():
-                        kth = torch.topk(masked, top_k).values[-1]
-                        masked[masked < kth] = -float("inf")
-                    if top_p < 1.0:
-                        sorted_lp, order = torch.sort(masked, descending=True)
-                        cum = torch.cumsum(sorted_lp.exp(), dim=-1)
-                        drop = cum - sorted_lp.exp() > top_p
-                        masked[order[drop]] = -float("inf")
-                    token = int(torch.multinomial(torch.softmax(masked, -1), 1, generator=self.generator))
-                tokens.append(token)
-                log_probs.append(float(logp[token]))
-                if not ignore_eos and bool((self.eos_ids == token).any()):
-                    break
-                input_ids = torch.tensor([[token]], dtype=torch.long)
+        tokens, log_probs = sample_tokens(self.model, prompt_ids, params, max_tokens, self.generator, self.eos_ids)
         if self.mismatch.noise_std > 0 and log_probs:
             noise = torch.randn(len(log_probs), generator=self.noise_generator, dtype=torch.float64)
             log_probs = (torch.tensor(log_probs, dtype=torch.float64) + self.mismatch.noise_std * noise).tolist()

@@ -18,7 +18,9 @@ from maspo_verl.lab import granularity_warm as gw
 from maspo_verl.lab import learn
 from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main, parse
+from maspo_verl.lab.learn_engine import EngineRun
 from maspo_verl.lab.runs import LocalRun
+from maspo_verl.local import ENGINE_LINE, ENGINE_WORDS
 from tests.lab.conftest import fake_learn_runs
 
 W = {w: f"{g.FIXED}{w}" for w in gw.WINDOWS}
@@ -44,30 +46,44 @@ def _value(overrides: list[str], key: str) -> str:
 
 
 class FakeTrainer:
-    """``learn.run_local``: steps whose last 5 average to ``planted``, KL per update lr x K; calls recorded."""
+    """``learn_engine.run`` (``engine``) and ``learn.run_local`` (the trainer, ``__call__``): steps whose last 5
+    average to ``planted`` (the trainer's off by ``TRAINER_OFF``), KL per update lr x K; calls recorded."""
+
+    TRAINER_OFF = 0.002
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.trainer_calls = [], []
 
-    def __call__(self, overrides, run_dir, timeout_s=900):
+    def steps(self, overrides, calls, off=0.0):
         seed, lr = int(_value(overrides, "data.seed")), float(_value(overrides, "actor_rollout_ref.actor.optim.lr"))
         name = _value(overrides, "trainer.experiment_name")
         (arm,) = [a for a in gw.ARMS if learn.slug(f"learn_{gw.TASK}_{a}_{seed}_{gw.CELL}") == name]
         unclipped = "actor_rollout_ref.actor.clip_ratio_c=1000000000.0" in overrides
-        assert timeout_s == 1800 and "algorithm.rollout_correction.bypass_mode=true" in overrides
-        self.calls.append((arm, lr, unclipped, seed))
-        final = planted(arm, lr, unclipped, seed)
+        assert "algorithm.rollout_correction.bypass_mode=true" in overrides
+        calls.append((arm, lr, unclipped, seed))
+        final = planted(arm, lr, unclipped, seed) + off * (1 if seed % 2 else -0.5)
         steps = int(_value(overrides, "trainer.total_training_steps"))
         curve = ([0.2] * steps + [final + t for t in TAIL])[-steps:]
         kl = lr * K.get(arm, 1.0)
-        steps = {i: {"critic/score/mean": r, "actor/ppo_kl": kl, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}
-                 for i, r in enumerate(curve, 1)}  # fmt: skip
-        return LocalRun(0, "", 1.0, Path(run_dir), steps, cpu_s=2.0)
+        return {i: {"critic/score/mean": r, "actor/ppo_kl": kl, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}
+                for i, r in enumerate(curve, 1)}  # fmt: skip
+
+    def engine(self, overrides, run_dir, sentence, task):
+        assert task == gw.TASK and sentence
+        return EngineRun(0, self.steps(overrides, self.calls), 1.0, 2.0, "", Path(run_dir))
+
+    def __call__(self, overrides, run_dir, timeout_s=900):
+        assert timeout_s == 1800
+        steps = self.steps(overrides, self.trainer_calls, self.TRAINER_OFF)
+        return LocalRun(0, f"{ENGINE_LINE}{ENGINE_WORDS['hf']}", 1.0, Path(run_dir), steps, cpu_s=2.0)
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     trainer = fake_learn_runs(monkeypatch, tmp_path, FakeTrainer())
+    monkeypatch.setattr(learn.learn_engine, "run", trainer.engine)
+    # the runs in this process, where the fakes are (--workers 2 would start fresh ones: test_learn_engine.py)
+    monkeypatch.setattr(learn, "results_of", lambda a, jobs: ((j, learn.run_job(j, a.engine, a.timeout)) for j in jobs))
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu", "model": "m"}
     monkeypatch.setattr(learn, "task_data", lambda folder, task, seed, length: data)
     return trainer
@@ -87,8 +103,12 @@ def test_the_pieces_are_the_registered_ones():
     assert {p.seeds for p in tune} == {(200, 201, 202, 203)} and not any(p.unclipped for p in tune)
     assert len({p.name for p in tune}) == len(tune)
     # the matched-KL lr: W = 2 and W = 8 differ from their chosen one, W = 24 equals it, W = 96 has none
-    held = gw.held_pieces(_choice({W[2]: "1e-4"}, {W[1]: "3e-4", W[2]: "1e-3", W[8]: "3e-3", W[24]: "3e-4"}))
-    assert {p.seeds for p in held} == {tuple(range(300, 312))} and len({p.name for p in held}) == len(held)
+    every = gw.held_pieces(_choice({W[2]: "1e-4"}, {W[1]: "3e-4", W[2]: "1e-3", W[8]: "3e-3", W[24]: "3e-4"}))
+    assert {p.seeds for p in every} == {tuple(range(300, 312))} and len({p.name for p in every}) == len(every)
+    # the trainer's confirmation last: W = 1 and W = whole at their chosen lrs
+    held, confirm = every[:-2], every[-2:]
+    assert [(p.arm, p.lr, p.trainer, p.unclipped) for p in confirm] == [(W[1], "3e-4", 1, 0), (W[96], "3e-4", 1, 0)]
+    assert not any(p.trainer for p in held)
     chosen = [(p.arm, p.lr) for p in held if not p.unclipped][: len(gw.ARMS)]
     assert chosen == [(a, "1e-4" if a == W[2] else "3e-4") for a in gw.ARMS]
     assert [(p.arm, p.lr) for p in held if not p.unclipped][len(gw.ARMS) :] == [(W[2], "1e-3"), (W[8], "3e-3")]
@@ -96,9 +116,9 @@ def test_the_pieces_are_the_registered_ones():
     assert sorted(unclipped) == sorted(gw.ARMS) and unclipped[-3:] == [BAND, CORRELATION, gw.OFFSET]  # untested last
     assert len(held) == 8 + 8 + 2
     assert not [p for p in gw.held_pieces([c for c in _choice() if c["loss"] != W[96]]) if p.arm == W[96]]
-    # every piece a registered test reads comes before every one none reads
+    # every piece a registered test reads comes before every one none reads, the trainer's after the engine's
     read = {(arm, setting) for _, _, *arms in g.comparisons(_choice(), gw.design()) for arm, setting in arms}
-    tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())]
+    tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())[:-2]]
     assert tested == sorted(tested, reverse=True) and tested.count(False) == 3
 
 
@@ -113,6 +133,7 @@ def test_each_piece_is_a_lab_learn_command_its_parser_takes(tmp_path):
         assert args.module is learn and args.out == str(tmp_path / gw.PIECES / piece.name)
         assert (args.tasks, args.steps, args.last, args.lr) == (["speechwarm"], 20, 5, float(piece.lr))
         assert args.bypass and args.fp32_trainer and args.no_adjust and args.losses == [piece.arm]
+        assert (args.engine, args.workers) == (("trainer", 1) if piece.trainer else ("lab", 2))
         assert list(range(args.first_seed, args.first_seed + args.seeds)) == list(piece.seeds)
         assert [c.label for c in learn.cells_of(args)] == [gw.CELL]
         learn.check_losses(args.losses)
@@ -168,6 +189,8 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     main([*base, "--phase", "held", "--resume"])
     held = fake.calls[128:]
     assert len(held) == (8 + 8 + 3) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
+    best = {a: float(BEST.get(a, "3e-4")) for a in gw.ARMS}
+    assert fake.trainer_calls == [(a, best[a], False, s) for a in gw.CONFIRM_ARMS for s in gw.HELD_SEEDS]
     assert {(a, lr) for a, lr, unclipped, _ in held if not unclipped} == {
         *((a, float(BEST.get(a, "3e-4"))) for a in gw.ARMS),
         (W[2], 1e-3), (W[8], 3e-3), (W[24], 1e-3),
@@ -184,10 +207,17 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
         ("F1a", ""): "supported", ("F1b", ""): "falsified", ("F1c", ""): "supported", ("F2", ""): "supported",
         ("F3", BAND): "falsified", ("F3", CORRELATION): "holds",
     }  # fmt: skip
+    # the trainer is within 0.002 of the engine on every seed: confirmed
+    confirm = _csv(out / "confirmation.csv")
+    assert [(c["arm"], c["seeds"], c["equivalent"], c["different"]) for c in confirm] == [
+        ("W=1, trainer", "12", "True", "False"), ("W=96, trainer", "12", "True", "False"),
+        ("W=96 minus W=1, trainer", "12", "True", "False"),
+    ]  # fmt: skip
+    assert "**confirmed**" in (out / "README.md").read_text()
     pieces = _csv(out / "pieces.csv")
-    assert len(pieces) == 32 + 19 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
+    assert len(pieces) == 32 + 21 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
     command = (out / "COMMAND.txt").read_text()
-    assert command.count("\npiece ") == 51 and command.index("choice.csv written") < command.index("piece held_")
+    assert command.count("\npiece ") == 53 and command.index("choice.csv written") < command.index("piece held_")
 
     # a stopped piece resumes where it stopped; a finished study runs nothing again
     piece = gw.Piece("held", W[8], "3e-4", gw.HELD_SEEDS)
@@ -203,15 +233,46 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert len(fake.calls) == 128 + len(held) + 1
 
 
+def test_the_trainers_confirmation_reads_as_registered():
+    """Family C on planted final rewards: the trainer within noise of the engine (confirmed); the trainer's W = 96
+    0.1 above on every seed (C2 and C3 different: contradicted); a seed missing (not run)."""
+    choice = _choice({W[1]: "1e-3"})
+    noise = random.Random(1)
+
+    def rows(offset96=0.0, seeds=gw.HELD_SEEDS):
+        out = []
+        for arm, lr in ((W[1], "1e-3"), (W[96], "3e-4")):
+            for s in seeds:
+                engine = planted(arm, float(lr), False, s)
+                trainer = engine + noise.gauss(0, 0.002) + (offset96 if arm == W[96] else 0.0)
+                out += [
+                    {"loss": arm, "band": lr, "seed": s, "ok": True, "final_reward": engine},
+                    {"loss": arm, "band": lr + gw.ON_TRAINER, "seed": s, "ok": True, "final_reward": trainer},
+                ]
+        return out
+
+    tests, verdict = gw.confirmation(rows(), choice)
+    assert verdict == "confirmed" and [t["arm"] for t in tests] == [
+        "W=1, trainer", "W=96, trainer", "W=96 minus W=1, trainer",
+    ]  # fmt: skip
+    assert all(t["seeds"] == 12 and t["equivalent"] and not t["different"] for t in tests)
+    tests, verdict = gw.confirmation(rows(0.1), choice)
+    assert verdict == "contradicted" and [t["different"] for t in tests] == [False, True, True]
+    assert tests[1]["diff"] == pytest.approx(0.1, abs=0.01) and tests[2]["diff"] == pytest.approx(0.1, abs=0.01)
+    tests, verdict = gw.confirmation(rows(seeds=gw.HELD_SEEDS[:-1]), choice)
+    assert verdict == g.NOT_RUN and {(t["seeds"], t["outcome"]) for t in tests} == {(11, g.NOT_RUN)}
+    assert gw.confirmation([], choice)[1] == g.NOT_RUN
+
+
 def test_a_piece_whose_every_run_fails_stops_the_study(tmp_path, fake, monkeypatch):
-    monkeypatch.setattr(learn, "run_local", lambda overrides, run_dir, timeout_s=900: LocalRun(1, "", 1.0, run_dir))
+    monkeypatch.setattr(learn.learn_engine, "run", lambda o, run_dir, s, t: EngineRun(1, {}, 1.0, 0.0, "", run_dir))
     with pytest.raises(SystemExit, match=r"piece tune_W_1_lr1e-4: every run failed \(exit codes 1"):
         main(["granularity", "--part", "2", "--out", str(tmp_path), "--phase", "tune"])
 
 
 @pytest.mark.slow
-def test_one_real_piece_through_verls_trainer(tmp_path, monkeypatch):
-    """One tuning piece shrunk to 1 seed x 2 steps runs through lab learn and verl's trainer (the seed's warm model
+def test_one_real_piece_through_the_lab_engine(tmp_path, monkeypatch):
+    """One tuning piece shrunk to 1 seed x 2 steps runs through lab learn and the lab engine (the seed's warm model
     is built into the cache on first use, about a minute): a finished run with its CPU time, and the choice."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's run folders: not left in /tmp
