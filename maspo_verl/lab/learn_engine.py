@@ -279,14 +279,28 @@ def step_metrics(updates: list[dict]) -> dict[str, float]:
     return dict(zip(names, means, strict=True))
 
 
+def _load(path: str):
+    """The model in fp32, without transformers' per-load progress bar (one per run in the lab's log)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def train(s: Settings, fn, cfg, progress=None) -> dict[int, dict[str, float]]:
     """The run: ``s.steps`` steps of sampling, reward, advantage and updates; verl's per-step metrics."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from maspo_verl.local.speechwarm import prompt_ids
 
-    actor = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32)
+    actor = _load(s.model)
     actor.train()
     opt = torch.optim.AdamW(actor.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     rollout = Rollout(actor, s.stale)

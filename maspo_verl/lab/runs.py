@@ -161,27 +161,33 @@ def run_local(
     cmd = local_command(overrides, run_dir, ray_dir)
     start, cpu = time.monotonic(), _children_cpu()
     milestones: dict[str, float] = {}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environ, start_new_session=True, cwd=cwd
-    )
-    polled = _RunCPU(proc.pid, ray_dir)
-    polled.start()
-    reader = threading.Thread(target=_copy_log, args=(proc.stdout, log_path, start, milestones), daemon=True)
-    reader.start()
+    # everything after the start inside the try: a stop (SIGTERM, Ctrl-C) that lands at any point stops the run
+    proc = polled = reader = None
     try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environ, start_new_session=True, cwd=cwd
+        )
+        poller = _RunCPU(proc.pid, ray_dir)
+        poller.start()
+        polled = poller  # started (a stop inside ``start`` leaves it None: nothing to join)
+        copier = threading.Thread(target=_copy_log, args=(proc.stdout, log_path, start, milestones), daemon=True)
+        copier.start()
+        reader = copier
         returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         returncode = None
     finally:
         milestones["exit"] = time.monotonic() - start
-        if ray_dir is None:  # the one the local mode named in its start line (read long before the exit)
+        if ray_dir is None and log_path.exists():  # the one the local mode named in its start line
             named = RAY_TEMP_DIR.search(log_path.read_text(errors="replace"))
             ray_dir = named.group(1) if named else None
         left = ray_dir is not None and os.path.exists(ray_dir)
-        polled.last()
-        if ray_dir is not None:
+        if polled is not None:
+            polled.last()
+        if proc is not None:
             stop_run(proc, ray_dir)
-        reader.join(timeout=15)
+        if reader is not None:
+            reader.join(timeout=15)
         if ray_dir is not None:
             shutil.rmtree(ray_dir, ignore_errors=True)
     log = log_path.read_text(errors="replace")
@@ -263,8 +269,9 @@ def _copy_log(stream, log_path: Path, start: float, milestones: dict[str, float]
     stream.close()
 
 
-def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
-    """Stop the run's process group, then any process of its private Ray cluster (named by its temp dir)."""
+def stop_run(proc: subprocess.Popen, ray_dir: str | None) -> None:
+    """Stop the run's process group, then any process of its private Ray cluster (named by its temp dir; none to
+    look for without one)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -275,7 +282,7 @@ def stop_run(proc: subprocess.Popen, ray_dir: str) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for attempt in range(10):
+    for attempt in range(10 if ray_dir else 0):
         left = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and int(entry.name) != os.getpid():

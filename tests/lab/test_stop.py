@@ -58,3 +58,32 @@ def test_sigterm_stops_the_trainer_run_and_its_folders(tmp_path):
         lab.kill()
         if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_stop_as_the_trainer_starts_leaves_nothing_running(tmp_path, monkeypatch):
+    """A SIGTERM or Ctrl-C that lands between the trainer's start and the wait for it (planted: the CPU poller's
+    start raises) still stops the trainer and removes its Ray temp dir."""
+    import pytest
+
+    from maspo_verl.lab import runs
+
+    started, made, real_popen, real_mkdtemp = [], [], subprocess.Popen, runs.tempfile.mkdtemp
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def stop(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(
+        runs, "local_command", lambda o, d, r=None: [sys.executable, "-c", "import time; time.sleep(300)"]
+    )
+    monkeypatch.setattr(runs.subprocess, "Popen", popen)
+    monkeypatch.setattr(runs.tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(dir=tmp_path)) or made[-1])
+    monkeypatch.setattr(runs._RunCPU, "start", stop)
+    with pytest.raises(KeyboardInterrupt):
+        runs.run_local([], tmp_path / "run")
+    (proc,) = started
+    assert proc.poll() is not None and not _alive(proc.pid)
+    assert made and not Path(made[0]).exists()
