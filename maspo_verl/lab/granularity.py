@@ -193,21 +193,28 @@ def tests(runs: list[dict], choices: list[dict], design: Design | None = None) -
         rows.append(
             {"family": family, "cell": cell, "arm": a[0], d.knob: a[1], "vs": b[0], f"vs_{d.knob}": b[1], **row}
         )
+    return judge(rows, d.margin)
+
+
+def judge(rows: list[dict], margin: float, run=lambda r: bool(r.get("seeds"))) -> list[dict]:
+    """Holm's correction within each family of ``rows`` (``stats.paired_summary`` rows with a ``family``), for the
+    difference tests (sign-flip p) and the equivalence tests (TOST p), a test not ``run`` yet counting with p = 1;
+    then each run test's outcome (``NOT_RUN`` for the others)."""
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family]
         for key, out in (("p_signflip", "p_holm"), ("p_tost", "p_tost_holm")):
-            adjusted = stats.holm([r[key] if r.get("seeds") else 1.0 for r in mine])
+            adjusted = stats.holm([r[key] if run(r) else 1.0 for r in mine])
             for r, p in zip(mine, adjusted, strict=True):
-                if r.get("seeds"):
+                if run(r):
                     r[out] = p
     for r in rows:
-        if not r.get("seeds"):
+        if not run(r):
             r["outcome"] = NOT_RUN
             continue
         r["different"] = r["p_holm"] < ALPHA
         r["equivalent"] = r["p_tost_holm"] < ALPHA
         side = ("above" if r["diff"] > 0 else "below") if r["different"] else ""
-        within = f"within ±{d.margin}" if r["equivalent"] else ""
+        within = f"within ±{margin}" if r["equivalent"] else ""
         r["outcome"] = ", ".join(x for x in (side, within) if x) or "—"
     return rows
 

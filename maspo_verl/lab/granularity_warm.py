@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab import granularity as g
-from maspo_verl.lab import learn, regimes, stats
+from maspo_verl.lab import learn, learn_engine, regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.common import finite_mean, log, markdown_table, prepare_out, read_csv, write_csv, write_tables
 
@@ -48,11 +48,12 @@ CELL = "L96/stale2/U4"  # lab learn's label of --cells 96/stale2/4
 # the registered lab learn command of every piece (PREREGISTRATION.md, part 2); --last 5: part 1's final reward
 LEARN = (
     "--tasks", TASK, "--cells", "96/stale2/4", "--steps", "20", "--bypass", "--fp32-trainer", "--no-adjust",
-    "--last", "5", "--timeout", "1800", "--engine", "lab", "--workers", "2",
+    "--last", "5", "--timeout", "1800", "--engine", learn_engine.LAB, "--workers", "2",
 )  # fmt: skip
 # the amendment of 2026-11-28 (2): the lab engine runs every piece; the trainer (the same command with --engine
-# trainer, its transformers rollout) runs W = 1 and W = whole at their chosen learning rates on the held-out seeds
-ENGINE, TRAINER = "lab", "hf"  # the rollout each one's runs name (lab learn's ``rollout`` column)
+# trainer) runs W = 1 and W = whole at their chosen learning rates on the held-out seeds, with the rollout the
+# engine reproduces; the rollout each one's runs name (lab learn's ``rollout`` column)
+ENGINE, TRAINER_ROLLOUT = learn_engine.LAB, learn_engine.REQUIRED["actor_rollout_ref.rollout.name"]
 CONFIRM_ARMS = (g.TOKEN, f"{g.FIXED}96")
 ON_TRAINER = "/trainer"  # the setting of a confirmation run: its lr, then this
 WINDOWS = (1, 2, 8, 24, 96)
@@ -121,7 +122,7 @@ class Piece:
             "--lr", self.lr,
             "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
             *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
-            *(["--engine", "trainer", "--workers", "1"] if self.trainer else []),
+            *(["--engine", learn_engine.TRAINER, "--workers", "1"] if self.trainer else []),
         ]  # fmt: skip
 
 
@@ -190,7 +191,7 @@ def piece_rows(out: Path, piece: Piece, part: Part) -> list[dict]:
                 f"piece's ({piece.arm}, lr {piece.lr}, {band}, seeds {piece.seeds[0]}-{piece.seeds[-1]}): remove it"
             )
     keyed = {"band": piece.setting, "piece": piece.name}
-    engine = TRAINER if piece.trainer else part.engine
+    engine = TRAINER_ROLLOUT if piece.trainer else part.engine
     return [
         r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not engine or r.get("rollout") == engine)}
         for r in rows
@@ -414,46 +415,40 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
     verdict: *confirmed* where every test is equivalent, *contradicted* where one is different, else *not shown
     either way*; ``not run`` until every test is."""
     pick = {c["loss"]: c["best_band"] for c in choices}
-    final = {(r["loss"], r["band"], r["seed"]): r["final_reward"] for r in rows if r["ok"] and r["seed"] in HELD_SEEDS}
+    final = {
+        (r["loss"], r["band"], r["seed"]): r["final_reward"]
+        for r in rows
+        if r["ok"] and r["seed"] in HELD_SEEDS and math.isfinite(r["final_reward"])
+    }
 
-    def value(arm: str, trainer: bool, seed: int) -> float | None:
-        return final.get((arm, pick.get(arm, "") + (ON_TRAINER if trainer else ""), seed))
+    def gap(arm: str) -> dict[int, float]:
+        """Per seed with both runs: the trainer's final reward minus the engine's."""
+        on, off = (
+            {s: v for (a, band, s), v in final.items() if (a, band) == (arm, pick.get(arm, "") + suffix)}
+            for suffix in (ON_TRAINER, "")
+        )
+        return {s: on[s] - off[s] for s in on.keys() & off.keys()}
 
-    def diffs(of) -> list[float]:
-        values = [of(s) for s in HELD_SEEDS]
-        return [v for v in values if v is not None and math.isfinite(v)]
-
-    def gap(arm: str):
-        def of(s):
-            on, off = value(arm, True, s), value(arm, False, s)
-            return None if on is None or off is None else on - off
-
-        return of
-
-    token, whole = (gap(a) for a in CONFIRM_ARMS)
+    gaps = [gap(a) for a in CONFIRM_ARMS]
+    token, whole = gaps
     comparisons = [
-        *((f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", gap(a)) for a in CONFIRM_ARMS),
+        *(
+            (f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", d)
+            for a, d in zip(CONFIRM_ARMS, gaps, strict=True)
+        ),
         (
             f"{g._short(CONFIRM_ARMS[1])} minus {g._short(CONFIRM_ARMS[0])}, trainer",
             "the same, lab engine",
-            lambda s: None if whole(s) is None or token(s) is None else whole(s) - token(s),
+            {s: whole[s] - token[s] for s in token.keys() & whole.keys()},
         ),
     ]
     out = []
-    for arm, vs, of in comparisons:
-        d = diffs(of)
-        out.append({"family": "C", "arm": arm, "vs": vs, **(stats.paired_summary(d, g.MARGIN) if len(d) > 1 else {})})
-    for key, adjusted in (("p_signflip", "p_holm"), ("p_tost", "p_tost_holm")):
-        for r, q in zip(out, stats.holm([r.get(key, 1.0) for r in out]), strict=True):
-            if r.get("seeds"):
-                r[adjusted] = q
-    for r in out:
-        if r.get("seeds", 0) != len(HELD_SEEDS):
-            r["outcome"] = g.NOT_RUN
-            continue
-        r["different"], r["equivalent"] = r["p_holm"] < g.ALPHA, r["p_tost_holm"] < g.ALPHA
-        side = ("above" if r["diff"] > 0 else "below") if r["different"] else ""
-        r["outcome"] = ", ".join(x for x in (side, f"within ±{g.MARGIN}" if r["equivalent"] else "") if x) or "—"
+    for arm, vs, d in comparisons:
+        values = [d[s] for s in sorted(d)]
+        out.append(
+            {"family": "C", "arm": arm, "vs": vs, **(stats.paired_summary(values, g.MARGIN) if len(d) > 1 else {})}
+        )
+    g.judge(out, g.MARGIN, run=lambda r: r.get("seeds", 0) == len(HELD_SEEDS))
     if any(r["outcome"] == g.NOT_RUN for r in out):
         return out, g.NOT_RUN
     if any(r["different"] for r in out):

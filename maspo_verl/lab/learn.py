@@ -654,10 +654,10 @@ def run(args, argv) -> None:
     if unknown:
         allowed = [*learn_tasks.TASKS, learn_tasks.PRETRAINED]
         raise SystemExit(f"--tasks: unknown {unknown}; allowed {allowed} or turns<N> (N turns)")
-    if args.engine == "lab":
+    if args.engine == learn_engine.LAB:
         for task in args.tasks:
             learn_engine.check_task(task)
-    if args.workers < 1 or (args.workers > 1 and args.engine != "lab"):
+    if args.workers < 1 or (args.workers > 1 and args.engine != learn_engine.LAB):
         raise SystemExit(
             f"--workers {args.workers}: allowed 1, or more with --engine lab (a trainer run takes both cores)"
         )
@@ -727,7 +727,7 @@ def jobs_of(args, cells, done, logs: Path):
 
 def run_job(job: Job, engine: str, timeout_s: float):
     """One run: in this process (``--engine lab``) or verl's trainer in its own (``run_local``)."""
-    if engine == "lab":
+    if engine == learn_engine.LAB:
         return learn_engine.run(job.overrides, job.run_dir, job.sentence, job.task)
     return run_local(job.overrides, job.run_dir, timeout_s=timeout_s)
 

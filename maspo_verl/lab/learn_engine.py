@@ -45,7 +45,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINES = ("trainer", "lab")
+TRAINER, LAB = "trainer", "lab"  # lab learn --engine: verl's trainer, or this engine (also its runs' rollout name)
+ENGINES = (TRAINER, LAB)
 # trainer config fields and the only values this engine implements (anything else: refused, named)
 REQUIRED = {
     "algorithm.adv_estimator": "grpo",
@@ -87,7 +88,7 @@ class EngineRun:
     cpu_s: float
     log: str
     run_dir: Path
-    rollout: str = "lab"
+    rollout: str = LAB
 
 
 def _select(config, path: str):
