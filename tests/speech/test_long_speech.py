@@ -108,12 +108,26 @@ def test_paragraph_word_times_cover_the_whole_clip(scored):
 
 
 def test_a_silent_tail_neither_flips_the_clip_nor_adds_words(scored):
+    import jiwer
+
     wave, r, tr = scored["first_then_silence"]
     first_wave, first, first_tr = scored["first"]
     assert len(wave) / SR > 45
-    assert r["invalid_nonspeech"] == 0 and r["wer"] <= first["wer"] + 0.1, (r, first)
-    assert r["no_speech_prob"] < 0.6
+    assert r["invalid_nonspeech"] == 0 and r["no_speech_prob"] < 0.6, (r, first)
     assert tr.words and tr.words[-1].end <= len(first_wave) / SR + 0.5, tr.words[-3:]
+    # what a tail can do wrong is add words (hallucinated in silence) or lose them (speech cut at the window):
+    # insertions and deletions against the text, no more than the clip without the tail. Substitutions are
+    # Whisper tiny's own spread: ctranslate2 4.8.5 hears one sentence differently with 1.9 s more padding
+    # in its window (WER 0.39 vs 0.29), the same way in every repeat of it
+    ref = normalize_text(" ".join(FIRST))
+
+    def ins_del(text):
+        o = jiwer.process_words(ref, normalize_text(text))
+        return o.insertions + o.deletions
+
+    n_ref = len(ref.split())
+    assert ins_del(tr.text) <= ins_del(first_tr.text) + 0.05 * n_ref, (tr.text, first_tr.text)
+    assert r["wer"] <= first["wer"] + 0.2, (r, first)
 
 
 def test_split_at_silences_cuts_in_pauses_and_covers_any_length():
