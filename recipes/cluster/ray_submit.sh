@@ -40,6 +40,7 @@ argv_file=$(mktemp)
 trap 'rm -f "$argv_file"' EXIT
 (cd "$REPO" && PYTHON=python3 PRINT_ARGV=1 bash "$RECIPE" "$@") >"$argv_file"
 mapfile -d '' -t ENTRYPOINT <"$argv_file"
+rm -f "$argv_file"  # here: the `exec` below ends this shell without running its EXIT trap
 
 # Variables for the job (driver and every worker). Nothing verl or the local mode sets itself
 # (TOKENIZERS_PARALLELISM, NCCL_DEBUG, ...): Ray refuses a driver's ray.init naming a job's variable.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -71,6 +72,28 @@ def test_ray_submit_entrypoint_survives_rays_quoting():
     logger = "trainer.logger=['console','wandb']"
     recipe = run_script("recipes/math/run_gspo.sh", logger, PRINT_CMD="1", PYTHON="python3")
     assert json.loads(argv.stdout) == shlex.split(recipe.stdout)[1:]
+
+
+def test_ray_submit_hands_ray_the_entrypoint_and_leaves_no_temp_file(tmp_path):
+    """The real path (no dry run) ends in `exec ray job submit ...`: a `ray` first on PATH records what
+    it is given; the submitting shell's temp files are gone once ray has them."""
+    bin_dir, tmp = tmp_path / "bin", tmp_path / "tmp"
+    bin_dir.mkdir(), tmp.mkdir()
+    record = tmp_path / "ray_argv.json"
+    fake = bin_dir / "ray"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    out = run_script(
+        "recipes/cluster/ray_submit.sh",
+        "loss=ctpo",
+        PATH=f"{bin_dir}{os.pathsep}{script_env()['PATH']}",
+        TMPDIR=str(tmp),
+    )
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(record.read_text())
+    assert argv[:2] == ["job", "submit"] and argv[argv.index("--") + 1 :][:3] == ["python3", "-m", "maspo_verl.main"]
+    assert "loss=ctpo" in argv
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
 
 
 def test_ray_submit_pip_spec_empty_installs_nothing():
