@@ -708,16 +708,21 @@ def _pv(p) -> str:
 
 
 def _test_text(r: dict) -> str:
-    """One registered test: its arms, mean [95 % t], Holm-adjusted sign-flip p and TOST p, and its outcome."""
+    """One registered test: its arms (with their learning rates where a part tuned those), mean [95 % t],
+    Holm-adjusted sign-flip p and TOST p, and its outcome."""
+    arm, vs = _short(r["arm"]), _short(r["vs"])
+    if r.get("lr"):
+        arm, vs = f"{arm} (lr {r['lr']})", f"{vs} (lr {r['vs_lr']})"
     return (
-        f"{_short(r['arm'])} − {_short(r['vs'])}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p "
+        f"{arm} − {vs}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p "
         f"{_pv(r['p_tost_holm'])} → {r['outcome'] if r['outcome'] != '—' else 'neither'}"
     )
 
 
-def granularity_verdicts(root: Path) -> list[dict]:
-    """The pre-registered decision per family, cell (and criterion for H3), with the tests behind it."""
-    folder = root / RESULTS / GRANULARITY
+def granularity_verdicts(root: Path, part: str = GRANULARITY) -> list[dict]:
+    """The pre-registered decision per family, cell (and criterion for H3), with the tests behind it: part 1's,
+    or those of the part in folder ``part`` (``PART2``)."""
+    folder = root / RESULTS / part
     tests, decisions = _read(folder / "tests.csv"), _read(folder / "decisions.csv")
     out = []
     for d in decisions:
@@ -773,10 +778,7 @@ def granularity_section(root: Path) -> list[str]:
         )
         + ".",
         "",
-        f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in the lab's engine (the "
-        "trainer run's computation in one process; verl's trainer confirms it on 24 registered runs), every arm's "
-        f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}.",
-        "",
+        *part2_lines(root),
         *part3_lines(root),
         f"**Part 4** ([`{PART4}/`](results/{PART4}/README.md), exploratory (under-powered): SmolLM2-135M learning "
         "arithmetic in verl's trainer with the vLLM rollout, grpo against W = 1 and the whole response, every arm's "
@@ -789,6 +791,40 @@ def granularity_section(root: Path) -> list[str]:
 PART2 = f"{GRANULARITY}/warm"  # part 2: the warm speech model (lab granularity --part 2)
 PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab smollm2 --granularity)
 PART4 = f"{GRANULARITY}/vllm"  # part 4: SmolLM2-135M RL on the vLLM rollout (lab granularity --part 4)
+
+
+def part2_lines(root: Path) -> list[str]:
+    """Part 2: how far it has run and the verdict of each family whose every registered test has run (a family
+    still partial is named, not judged), with family C's confirmation by verl's trainer."""
+    head = (
+        f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in the lab's engine (the "
+        "trainer run's computation in one process; verl's trainer confirms it on 24 registered runs), every arm's "
+        f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}."
+    )
+    verdicts = granularity_verdicts(root, PART2)
+    judged = [v for v in verdicts if v["verdict"] != "not run"]
+    if not judged:
+        return [head, ""]
+    design = {r["key"]: r["value"] for r in _read(root / RESULTS / PART2 / "design.csv")}
+    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
+    confirmation = [c for c in _read(root / RESULTS / PART2 / "confirmation.csv") if c["outcome"] != "not run"]
+    lines = [
+        head
+        + " The verdict of each family whose every registered test has run"
+        + (f" ({', '.join(partial)}: not every test run yet, no verdict)" if partial else "")
+        + "; these are the lab engine's: verl's trainer's confirmation of it (family C) "
+        + ("; ".join(f"{c['arm']} − {c['vs']}: {c['outcome']}" for c in confirmation) or "has not run yet")
+        + ".",
+        "",
+        "| family | cell | verdict | the registered tests |",
+        "|---|---|---|---|",
+    ]
+    for v in judged:
+        family = f"{v['family']} {design[v['family']].split(':')[0]}" + (f" ({_short(v['arm'])})" if v["arm"] else "")
+        tests = "<br>".join(_test_text(t) for t in v["tests"])
+        lines.append(f"| {family} | {v['cell']} | **{v['verdict']}** | {tests} |")
+    lines += ["", "Families: " + "; ".join(f"{k}: {design[k]}" for k in design if k.startswith("F")) + ".", ""]
+    return lines
 
 
 def pieces_progress(root: Path, part: str) -> str:
@@ -891,6 +927,30 @@ def _verdict_words(verdicts: list[dict], family: str) -> str:
     return ", ".join(f"{v['cell']} {v['verdict']}" + (f" ({_short(v['arm'])})" if v["arm"] else "") for v in mine)
 
 
+def part2_words(root: Path) -> str:
+    """Part 2's verdicts in a sentence (families not complete named as such), or nothing before its first."""
+    verdicts = granularity_verdicts(root, PART2)
+    judged = [v for v in verdicts if v["verdict"] != "not run"]
+    if not judged:
+        return ""
+    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
+    ran = sorted({c["outcome"] for c in _read(root / RESULTS / PART2 / "confirmation.csv")} - {"not run"})
+    families = dict.fromkeys(v["family"] for v in judged)
+    words = "; ".join(
+        f"{f} "
+        + ", ".join(v["verdict"] + (f" ({_short(v['arm'])})" if v["arm"] else "") for v in judged if v["family"] == f)
+        for f in families
+    )
+    return (
+        f" Part 2, the warm speech model ([warm](docs/results/{PART2}/README.md), the lab engine, 12 fresh seeds, "
+        "every arm's learning rate tuned alike, verl's trainer's confirmation "
+        + (f"run: {', '.join(ran)}" if ran else "not run yet")
+        + f"): {words}"
+        + (f"; {', '.join(partial)} not complete" if partial else "")
+        + "."
+    )
+
+
 def which_loss(root: Path) -> list[str]:
     """The README's "Which loss" paragraph: each claim with the test it rests on and its outcome."""
     verdicts = granularity_verdicts(root)
@@ -920,7 +980,8 @@ def which_loss(root: Path) -> list[str]:
             f"{_verdict_words(verdicts, 'F1a')}; both unclipped (F1b): {_verdict_words(verdicts, 'F1b')}; at "
             f"matched KL per update (F1c): {_verdict_words(verdicts, 'F1c')}. H2, segments aligned with the "
             f"reward's units against offset and shuffled ones (F2): {_verdict_words(verdicts, 'F2')}. H3, "
-            f"`maspo_adaptive` against the best fixed window (F3): {_verdict_words(verdicts, 'F3')}.",
+            f"`maspo_adaptive` against the best fixed window (F3): {_verdict_words(verdicts, 'F3')}."
+            + part2_words(root),
         ]
     design3, batches3, tests3 = part3_tables(root)
     if tests3 and len(batches3) == int(design3["batch_count"]):

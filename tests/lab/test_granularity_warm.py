@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from maspo_verl import choosing
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import granularity_warm as gw
 from maspo_verl.lab import learn
@@ -151,6 +152,16 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def guide_of(out: Path, tmp_path: Path) -> tuple[list[str], str]:
+    """The guide's part 2 lines and the README's part 2 sentence, read from the study folder ``out``."""
+    root = tmp_path / "root"
+    link = root / choosing.RESULTS / choosing.PART2
+    if not link.exists():
+        link.parent.mkdir(parents=True)
+        link.symlink_to(out)
+    return choosing.part2_lines(root), choosing.part2_words(root)
+
+
 def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fake):
     out = tmp_path / "warm"
     base = ["granularity", "--part", "2", "--out", str(out)]
@@ -186,6 +197,18 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     (run,) = [t for t in _csv(out / "tests.csv") if t.get("seeds")]
     assert (run["family"], run["arm"], run["lr"], run["vs_lr"]) == ("F1a", W[2], "1e-4", "1e-3")
     assert float(run["p_holm"]) == pytest.approx(min(1.0, 4 * float(run["p_signflip"])))
+    # every arm at its chosen lr: F1a, F2 and F3 are complete, F1b and F1c are not; the guide judges only the former
+    main([*base, "--phase", "held", "--resume", "--pieces", "6"])
+    lines, words = guide_of(out, tmp_path)
+    rows = [line for line in lines if line.startswith("| F")]
+    assert [r.split(" ")[1] for r in rows] == ["F1a", "F2", "F3", "F3"]
+    for t in _csv(out / "tests.csv"):
+        if t["family"] == "F1a":
+            assert choosing._span(t) in rows[0] and f"(lr {t['lr']})" in rows[0]
+    assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C) has not run yet" in lines[0]
+    verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
+    assert f"F1a {verdicts['F1a', '']}; F2 {verdicts['F2', '']}; F3 {verdicts['F3', BAND]} (adaptive band)" in words
+    assert "verl's trainer's confirmation not run yet)" in words and words.endswith("; F1b, F1c not complete.")
     main([*base, "--phase", "held", "--resume"])
     held = fake.calls[128:]
     assert len(held) == (8 + 8 + 3) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
@@ -214,6 +237,10 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
         ("W=96 minus W=1, trainer", "12", "True", "False"),
     ]  # fmt: skip
     assert "**confirmed**" in (out / "README.md").read_text()
+    lines, words = guide_of(out, tmp_path)
+    assert [r.split(" ")[1] for r in lines if r.startswith("| F")] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
+    assert "not every test run yet" not in lines[0] and "not complete" not in words
+    assert all(f"{c['arm']} − {c['vs']}: {c['outcome']}" in lines[0] for c in confirm)
     pieces = _csv(out / "pieces.csv")
     assert len(pieces) == 32 + 21 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
     command = (out / "COMMAND.txt").read_text()
