@@ -793,6 +793,16 @@ PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab
 PART4 = f"{GRANULARITY}/vllm"  # part 4: SmolLM2-135M RL on the vLLM rollout (lab granularity --part 4)
 
 
+def part2_state(root: Path) -> tuple[list[dict], list[str], str]:
+    """Part 2's verdicts of its complete families, the families not complete yet, and family C's outcomes so far
+    ("" before its first test)."""
+    verdicts = granularity_verdicts(root, PART2)
+    judged = [v for v in verdicts if v["verdict"] != "not run"]
+    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
+    confirmation = [c for c in _read(root / RESULTS / PART2 / "confirmation.csv") if c["outcome"] != "not run"]
+    return judged, partial, "; ".join(f"{c['arm']} − {c['vs']}: {c['outcome']}" for c in confirmation)
+
+
 def part2_lines(root: Path) -> list[str]:
     """Part 2: how far it has run and the verdict of each family whose every registered test has run (a family
     still partial is named, not judged), with family C's confirmation by verl's trainer."""
@@ -801,19 +811,16 @@ def part2_lines(root: Path) -> list[str]:
         "trainer run's computation in one process; verl's trainer confirms it on 24 registered runs), every arm's "
         f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}."
     )
-    verdicts = granularity_verdicts(root, PART2)
-    judged = [v for v in verdicts if v["verdict"] != "not run"]
+    judged, partial, confirmation = part2_state(root)
     if not judged:
         return [head, ""]
     design = {r["key"]: r["value"] for r in _read(root / RESULTS / PART2 / "design.csv")}
-    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
-    confirmation = [c for c in _read(root / RESULTS / PART2 / "confirmation.csv") if c["outcome"] != "not run"]
     lines = [
         head
         + " The verdict of each family whose every registered test has run"
         + (f" ({', '.join(partial)}: not every test run yet, no verdict)" if partial else "")
         + "; these are the lab engine's: verl's trainer's confirmation of it (family C) "
-        + ("; ".join(f"{c['arm']} − {c['vs']}: {c['outcome']}" for c in confirmation) or "has not run yet")
+        + (confirmation or "has not run yet")
         + ".",
         "",
         "| family | cell | verdict | the registered tests |",
@@ -929,12 +936,9 @@ def _verdict_words(verdicts: list[dict], family: str) -> str:
 
 def part2_words(root: Path) -> str:
     """Part 2's verdicts in a sentence (families not complete named as such), or nothing before its first."""
-    verdicts = granularity_verdicts(root, PART2)
-    judged = [v for v in verdicts if v["verdict"] != "not run"]
+    judged, partial, confirmation = part2_state(root)
     if not judged:
         return ""
-    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
-    ran = sorted({c["outcome"] for c in _read(root / RESULTS / PART2 / "confirmation.csv")} - {"not run"})
     families = dict.fromkeys(v["family"] for v in judged)
     words = "; ".join(
         f"{f} "
@@ -944,7 +948,7 @@ def part2_words(root: Path) -> str:
     return (
         f" Part 2, the warm speech model ([warm](docs/results/{PART2}/README.md), the lab engine, 12 fresh seeds, "
         "every arm's learning rate tuned alike, verl's trainer's confirmation "
-        + (f"run: {', '.join(ran)}" if ran else "not run yet")
+        + (f"(family C): {confirmation}" if confirmation else "not run yet")
         + f"): {words}"
         + (f"; {', '.join(partial)} not complete" if partial else "")
         + "."
