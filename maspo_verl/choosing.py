@@ -782,10 +782,22 @@ def granularity_section(root: Path) -> list[str]:
         *part3_lines(root),
         f"**Part 4** ([`{PART4}/`](results/{PART4}/README.md), exploratory (under-powered): SmolLM2-135M learning "
         "arithmetic in verl's trainer with the vLLM rollout, grpo against W = 1 and the whole response, every arm's "
-        f"learning rate tuned alike, 4 fresh seeds): {pieces_progress(root, PART4)}.",
+        f"learning rate tuned alike, 4 fresh seeds): {pieces_progress(root, PART4)}." + part4_words(root),
         "",
     ]
     return lines
+
+
+def part4_words(root: Path) -> str:
+    """Part 4's registered tests that have run, each with its outcome (exploratory: no decision rule)."""
+    ran = [t for t in _read(root / RESULTS / PART4 / "tests.csv") if t.get("seeds")]
+    if not ran:
+        return ""
+    return (
+        " Its registered tests (mean training reward; no decision rule, 4 seeds cannot reach a difference): "
+        + "; ".join(_test_text(t) for t in ran)
+        + "."
+    )
 
 
 PART2 = f"{GRANULARITY}/warm"  # part 2: the warm speech model (lab granularity --part 2)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from maspo_verl import choosing
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import granularity_vllm as gv
 from maspo_verl.lab import granularity_warm as gw
@@ -213,6 +214,11 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert f"(not bracketed below): {gv.CELL} {WHOLE}." in readme
     assert f"(not bracketed above): {gv.CELL} {GRPO}." in readme
 
+    root = tmp_path / "root"  # the guide reads the part from a checkout's docs/results
+    (root / choosing.RESULTS / choosing.PART4).parent.mkdir(parents=True)
+    (root / choosing.RESULTS / choosing.PART4).symlink_to(out)
+    assert choosing.part4_words(root) == ""  # no registered test run yet
+
     main([*base, "--phase", "held", "--resume"])
     held = fake.calls[18:]
     assert sorted(held) == sorted((a, float(choice[a]["best_band"]), s) for a in gv.ARMS for s in gv.HELD_SEEDS)
@@ -230,6 +236,8 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
         [min(1, 2 * low) if x == low else max(min(1, 2 * low), high) for x in p])  # fmt: skip
     # the planted +0.1 cannot pass with 4 seeds and is not within the margin; the planted zero is within ±0.05
     assert [t["outcome"] for t in tests] == ["—", "within ±0.05"]
+    words = choosing.part4_words(root)
+    assert all(choosing._test_text(t) in words for t in tests) and words.endswith("→ within ±0.05.")
     arms = {r["arm"]: r for r in _csv(out / "arms.csv")}
     assert float(arms[WHOLE]["val_acc_last_step"]) == pytest.approx(0.905) and arms[W1]["seeds"] == "4/4"
     secondary = _csv(out / "secondary.csv")
