@@ -52,6 +52,11 @@ def _read(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _design(folder: Path) -> dict[str, str]:
+    """A study folder's ``design.csv`` as key -> value (empty where it has none)."""
+    return {r["key"]: r["value"] for r in _read(folder / "design.csv")}
+
+
 def _yes(v) -> bool:
     return str(v) == "True"
 
@@ -707,12 +712,19 @@ def _pv(p) -> str:
     return f"{_f(p):.3f}" if _f(p) >= 0.001 else "<0.001"
 
 
+def _lr_text(setting: str) -> str:
+    """A part's learning-rate setting as its README prints it: ``1e-3/inf`` (lab granularity's NO_CLIP suffix, the
+    clip off) is ``lr 1e-3, no clip``."""
+    lr, _, clip = setting.partition("/")
+    return f"lr {lr}" + (", no clip" if clip == "inf" else "")
+
+
 def _test_text(r: dict) -> str:
     """One registered test: its arms (with their learning rates where a part tuned those), mean [95 % t],
     Holm-adjusted sign-flip p and TOST p, and its outcome."""
     arm, vs = _short(r["arm"]), _short(r["vs"])
     if r.get("lr"):
-        arm, vs = f"{arm} (lr {r['lr']})", f"{vs} (lr {r['vs_lr']})"
+        arm, vs = f"{arm} ({_lr_text(r['lr'])})", f"{vs} ({_lr_text(r['vs_lr'])})"
     return (
         f"{arm} − {vs}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p "
         f"{_pv(r['p_tost_holm'])} → {r['outcome'] if r['outcome'] != '—' else 'neither'}"
@@ -733,10 +745,24 @@ def granularity_verdicts(root: Path, part: str = GRANULARITY) -> list[dict]:
     return out
 
 
+def _verdict_table(verdicts: list[dict], design: dict[str, str]) -> list[str]:
+    """A part's verdicts as a table: family (its hypothesis, from the part's design), cell, verdict, its tests."""
+    lines = ["| family | cell | verdict | the registered tests |", "|---|---|---|---|"]
+    for v in verdicts:
+        family = f"{v['family']} {design[v['family']].split(':')[0]}" + (f" ({_short(v['arm'])})" if v["arm"] else "")
+        tests = "<br>".join(_test_text(t) for t in v["tests"])
+        lines.append(f"| {family} | {v['cell']} | **{v['verdict']}** | {tests} |")
+    return lines
+
+
+def _families(design: dict[str, str]) -> str:
+    return "Families: " + "; ".join(f"{k}: {design[k]}" for k in design if k.startswith("F")) + "."
+
+
 def granularity_section(root: Path) -> list[str]:
     """The pre-registered study: every registered test of the parts run, by family and cell, with its outcome."""
     folder = root / RESULTS / GRANULARITY
-    design = {r["key"]: r["value"] for r in _read(folder / "design.csv")}
+    design = _design(folder)
     if not design:
         return ["## The pre-registered study", "", f"(not run yet: `python -m maspo_verl.lab {GRANULARITY}`)", ""]
     link = f"results/{GRANULARITY}"
@@ -759,15 +785,11 @@ def granularity_section(root: Path) -> list[str]:
     ]
     if not verdicts:
         return lines + ["(part 1 not run yet: `python -m maspo_verl.lab granularity --update-docs`)", ""]
-    lines += ["| family | cell | verdict | the registered tests |", "|---|---|---|---|"]
-    for v in verdicts:
-        family = f"{v['family']} {design[v['family']].split(':')[0]}" + (f" ({_short(v['arm'])})" if v["arm"] else "")
-        tests = "<br>".join(_test_text(t) for t in v["tests"])
-        lines.append(f"| {family} | {v['cell']} | **{v['verdict']}** | {tests} |")
+    lines += _verdict_table(verdicts, design)
     cells = _read(folder / "cells.csv")
     lines += [
         "",
-        "Families: " + "; ".join(f"{k}: {design[k]}" for k in design if k.startswith("F")) + ".",
+        _families(design),
         "",
         "The measured correlation of each cell (W = 1's drift log-ratios at its chosen width; independent ones in "
         "brackets): "
@@ -826,7 +848,7 @@ def part2_lines(root: Path) -> list[str]:
     judged, partial, confirmation = part2_state(root)
     if not judged:
         return [head, ""]
-    design = {r["key"]: r["value"] for r in _read(root / RESULTS / PART2 / "design.csv")}
+    design = _design(root / RESULTS / PART2)
     lines = [
         head
         + " The verdict of each family whose every registered test has run"
@@ -835,14 +857,11 @@ def part2_lines(root: Path) -> list[str]:
         + (confirmation or "has not run yet")
         + ".",
         "",
-        "| family | cell | verdict | the registered tests |",
-        "|---|---|---|---|",
+        *_verdict_table(judged, design),
+        "",
+        _families(design),
+        "",
     ]
-    for v in judged:
-        family = f"{v['family']} {design[v['family']].split(':')[0]}" + (f" ({_short(v['arm'])})" if v["arm"] else "")
-        tests = "<br>".join(_test_text(t) for t in v["tests"])
-        lines.append(f"| {family} | {v['cell']} | **{v['verdict']}** | {tests} |")
-    lines += ["", "Families: " + "; ".join(f"{k}: {design[k]}" for k in design if k.startswith("F")) + ".", ""]
     return lines
 
 
@@ -912,8 +931,7 @@ CRITERIA = {"maspo_adaptive": "band criterion", "correlation": "correlation crit
 def part3_tables(root: Path) -> tuple[dict, list[dict], list[dict]]:
     """Part 3's design (key -> value), its batches on disk and its registered tests."""
     folder = root / RESULTS / PART3
-    design = {r["key"]: r["value"] for r in _read(folder / "design.csv")}
-    return design, _read(folder / "batches.csv"), _read(folder / "tests.csv")
+    return _design(folder), _read(folder / "batches.csv"), _read(folder / "tests.csv")
 
 
 def part3_outcome(tests: list[dict], margin: str) -> str:
@@ -941,9 +959,11 @@ def part3_outcome(tests: list[dict], margin: str) -> str:
     )
 
 
-def _verdict_words(verdicts: list[dict], family: str) -> str:
+def _verdict_words(verdicts: list[dict], family: str, cell: bool = True) -> str:
     mine = [v for v in verdicts if v["family"] == family]
-    return ", ".join(f"{v['cell']} {v['verdict']}" + (f" ({_short(v['arm'])})" if v["arm"] else "") for v in mine)
+    return ", ".join(
+        (f"{v['cell']} " if cell else "") + v["verdict"] + (f" ({_short(v['arm'])})" if v["arm"] else "") for v in mine
+    )
 
 
 def part2_words(root: Path) -> str:
@@ -951,11 +971,8 @@ def part2_words(root: Path) -> str:
     judged, partial, confirmation = part2_state(root)
     if not judged:
         return ""
-    families = dict.fromkeys(v["family"] for v in judged)
     words = "; ".join(
-        f"{f} "
-        + ", ".join(v["verdict"] + (f" ({_short(v['arm'])})" if v["arm"] else "") for v in judged if v["family"] == f)
-        for f in families
+        f"{f} {_verdict_words(judged, f, cell=False)}" for f in dict.fromkeys(v["family"] for v in judged)
     )
     return (
         f" Part 2, the warm speech model ([warm](docs/results/{PART2}/README.md), the lab engine, 12 fresh seeds, "

@@ -238,7 +238,9 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     ]  # fmt: skip
     assert "**confirmed**" in (out / "README.md").read_text()
     lines, words = guide_of(out, tmp_path)
-    assert [r.split(" ")[1] for r in lines if r.startswith("| F")] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
+    rows = [r for r in lines if r.startswith("| F")]
+    assert [r.split(" ")[1] for r in rows] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
+    assert rows[1].count("W=1 (lr 1e-3, no clip):") == 4 and "/inf" not in rows[1]  # as the part's README shows it
     assert "not every test run yet" not in lines[0] and "not complete" not in words
     assert all(f"{c['arm']} − {c['vs']}: {c['outcome']}" in lines[0] for c in confirm)
     pieces = _csv(out / "pieces.csv")
