@@ -61,6 +61,9 @@ def _yes(v) -> bool:
     return str(v) == "True"
 
 
+NOT_RUN = "not run"  # a registered test (or a family's verdict) whose runs are not all on disk yet
+
+
 def _mark(diff: float, supported: bool, strict: bool = False) -> str:
     if not supported:
         return f"≈ ({diff:+.3f})"
@@ -70,7 +73,7 @@ def _mark(diff: float, supported: bool, strict: bool = False) -> str:
 
 def trainer_cell(rows: list[dict], loss: str) -> str:
     parts = [f"{r['task']} {r['cell']}: {_mark(r['diff'], r['supported'])}" for r in rows if r["loss"] == loss]
-    return "<br>".join(parts) if parts else "not run"
+    return "<br>".join(parts) if parts else NOT_RUN
 
 
 def grid_cell_of(trainer_cell: str) -> str:
@@ -827,14 +830,47 @@ PART3 = f"{GRANULARITY}/smollm2"  # part 3: SmolLM2-135M at realistic drift (lab
 PART4 = f"{GRANULARITY}/vllm"  # part 4: SmolLM2-135M RL on the vLLM rollout (lab granularity --part 4)
 
 
-def part2_state(root: Path) -> tuple[list[dict], list[str], str]:
-    """Part 2's verdicts of its complete families, the families not complete yet, and family C's outcomes so far
-    ("" before its first test)."""
+def part2_state(root: Path) -> tuple[list[dict], list[str], list[dict]]:
+    """Part 2's verdicts of its complete families, the families not complete yet, and family C's tests."""
     verdicts = granularity_verdicts(root, PART2)
-    judged = [v for v in verdicts if v["verdict"] != "not run"]
-    partial = sorted({v["family"] for v in verdicts if v["verdict"] == "not run"})
-    confirmation = [c for c in _read(root / RESULTS / PART2 / "confirmation.csv") if c["outcome"] != "not run"]
-    return judged, partial, "; ".join(f"{c['arm']} − {c['vs']}: {c['outcome']}" for c in confirmation)
+    judged = [v for v in verdicts if v["verdict"] != NOT_RUN]
+    partial = sorted({v["family"] for v in verdicts if v["verdict"] == NOT_RUN})
+    return judged, partial, _read(root / RESULTS / PART2 / "confirmation.csv")
+
+
+def confirmation_verdict(tests: list[dict]) -> str:
+    """Family C's verdict (part 2's amendment of 2026-11-28 (2)) from its tests: *not run* until every test has run,
+    *contradicted* where one is different, *confirmed* where every one is equivalent, else *not shown either way*."""
+    if not tests or any(t["outcome"] == NOT_RUN for t in tests):
+        return NOT_RUN
+    if any(_yes(t["different"]) for t in tests):
+        return "contradicted"
+    return "confirmed" if all(_yes(t["equivalent"]) for t in tests) else "not shown either way"
+
+
+def confirmation_words(tests: list[dict], detail: bool = False) -> str:
+    """Family C, verl's trainer confirming part 2's lab engine, in words: its verdict once every test has run (where
+    contradicted, that the verdicts are the engine's only), else how many have; then each test run, its outcome
+    (``detail``: as the guide's tables give a test, with the trainer's mean final reward beside the engine's)."""
+    ran = [t for t in tests if t["outcome"] != NOT_RUN]
+    if not ran:
+        return "has not run yet"
+    verdict = confirmation_verdict(tests)
+    if verdict == NOT_RUN:
+        head = f"so far ({len(ran)} of its {len(tests)} tests run, no verdict yet)"
+    else:
+        head = f"**{verdict}**" + (
+            " (the verdicts above are the lab engine's only; the trainer's runs are these)"
+            if verdict == "contradicted"
+            else ""
+        )
+    each = (
+        f"{_test_text(t)} (mean: trainer {_f(t['trainer']):.3f}, lab engine {_f(t['engine']):.3f})"
+        if detail
+        else f"{t['arm']} − {t['vs']}: {t['outcome']}"
+        for t in ran
+    )
+    return f"{head}: " + "; ".join(each)
 
 
 def part2_lines(root: Path) -> list[str]:
@@ -854,7 +890,7 @@ def part2_lines(root: Path) -> list[str]:
         + " The verdict of each family whose every registered test has run"
         + (f" ({', '.join(partial)}: not every test run yet, no verdict)" if partial else "")
         + "; these are the lab engine's: verl's trainer's confirmation of it (family C) "
-        + (confirmation or "has not run yet")
+        + confirmation_words(confirmation, detail=True)
         + ".",
         "",
         *_verdict_table(judged, design),
@@ -976,10 +1012,10 @@ def part2_words(root: Path) -> str:
     )
     return (
         f" Part 2, the warm speech model ([warm](docs/results/{PART2}/README.md), the lab engine, 12 fresh seeds, "
-        "every arm's learning rate tuned alike, verl's trainer's confirmation "
-        + (f"(family C): {confirmation}" if confirmation else "not run yet")
-        + f"): {words}"
+        f"every arm's learning rate tuned alike): {words}"
         + (f"; {', '.join(partial)} not complete" if partial else "")
+        + ". verl's trainer's confirmation of the engine (family C) "
+        + confirmation_words(confirmation)
         + "."
     )
 

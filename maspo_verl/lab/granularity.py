@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from maspo_verl import choosing
 from maspo_verl.lab import regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.common import as_float, finite_mean, markdown_table, prepare_out, pyplot, read_csv, write_csv
@@ -38,7 +39,7 @@ HELD_SEEDS = tuple(range(30000, 30064))
 SAMPLE_SEED = 52
 MARGIN = 0.03  # TOST margin, final reward
 ALPHA = 0.05
-NOT_RUN = "not run"  # a registered test (or a family's verdict) whose runs are not all on disk yet
+NOT_RUN = choosing.NOT_RUN
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from maspo_verl import choosing
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import learn, learn_engine, regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
@@ -56,6 +57,18 @@ LEARN = (
 ENGINE, TRAINER_ROLLOUT = learn_engine.LAB, learn_engine.REQUIRED["actor_rollout_ref.rollout.name"]
 CONFIRM_ARMS = (g.TOKEN, f"{g.FIXED}96")
 ON_TRAINER = "/trainer"  # the setting of a confirmation run: its lr, then this
+CONFIRM_COLUMNS = (
+    "test",
+    "arm",
+    "vs",
+    "seeds",
+    "trainer",
+    "lab engine",
+    "diff [95 % t]",
+    "p_holm",
+    "p_tost_holm",
+    "outcome",
+)
 WINDOWS = (1, 2, 8, 24, 96)
 ALIGNED = f"{g.FIXED}24"  # the warm model's words last exactly 24 frames
 OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
@@ -411,9 +424,9 @@ def cells_table(rows: list[dict], choices: list[dict]) -> list[dict]:
 def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str]:
     """Family C (the amendment of 2026-11-28 (2)): on the held-out seeds, paired by seed, the trainer minus the lab
     engine for W = 1 and for W = whole at their chosen lrs, and the F1a difference (W = whole minus W = 1) of the
-    trainer minus the engine's; TOST at part 1's margin, Holm within C (a test not run yet counts with p = 1). The
-    verdict: *confirmed* where every test is equivalent, *contradicted* where one is different, else *not shown
-    either way*; ``not run`` until every test is."""
+    trainer minus the engine's; TOST at part 1's margin, Holm within C (a test not run yet counts with p = 1). Each
+    test also gives the trainer's mean and the engine's over its seeds. The verdict:
+    ``choosing.confirmation_verdict``."""
     pick = {c["loss"]: c["best_band"] for c in choices}
     final = {
         (r["loss"], r["band"], r["seed"]): r["final_reward"]
@@ -421,39 +434,36 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
         if r["ok"] and r["seed"] in HELD_SEEDS and math.isfinite(r["final_reward"])
     }
 
-    def gap(arm: str) -> dict[int, float]:
-        """Per seed with both runs: the trainer's final reward minus the engine's."""
+    def pairs(arm: str) -> dict[int, tuple[float, float]]:
+        """Per seed with both runs: the trainer's final reward and the engine's."""
         on, off = (
             {s: v for (a, band, s), v in final.items() if (a, band) == (arm, pick.get(arm, "") + suffix)}
             for suffix in (ON_TRAINER, "")
         )
-        return {s: on[s] - off[s] for s in on.keys() & off.keys()}
+        return {s: (on[s], off[s]) for s in on.keys() & off.keys()}
 
-    gaps = [gap(a) for a in CONFIRM_ARMS]
-    token, whole = gaps
+    token, whole = (pairs(a) for a in CONFIRM_ARMS)
     comparisons = [
         *(
-            (f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", d)
-            for a, d in zip(CONFIRM_ARMS, gaps, strict=True)
+            (f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", p)
+            for a, p in zip(CONFIRM_ARMS, (token, whole), strict=True)
         ),
         (
             f"{g._short(CONFIRM_ARMS[1])} minus {g._short(CONFIRM_ARMS[0])}, trainer",
             "the same, lab engine",
-            {s: whole[s] - token[s] for s in token.keys() & whole.keys()},
+            {s: (whole[s][0] - token[s][0], whole[s][1] - token[s][1]) for s in token.keys() & whole.keys()},
         ),
     ]
     out = []
-    for arm, vs, d in comparisons:
-        values = [d[s] for s in sorted(d)]
-        out.append(
-            {"family": "C", "arm": arm, "vs": vs, **(stats.paired_summary(values, g.MARGIN) if len(d) > 1 else {})}
-        )
+    for arm, vs, p in comparisons:
+        seeds = sorted(p)
+        row = {"family": "C", "arm": arm, "vs": vs}
+        if len(seeds) > 1:
+            row |= stats.paired_summary([p[s][0] - p[s][1] for s in seeds], g.MARGIN)
+            row |= {"trainer": finite_mean(p[s][0] for s in seeds), "engine": finite_mean(p[s][1] for s in seeds)}
+        out.append(row)
     g.judge(out, g.MARGIN, run=lambda r: r.get("seeds", 0) == len(HELD_SEEDS))
-    if any(r["outcome"] == g.NOT_RUN for r in out):
-        return out, g.NOT_RUN
-    if any(r["different"] for r in out):
-        return out, "contradicted"
-    return out, "confirmed" if all(r["equivalent"] for r in out) else "not shown either way"
+    return out, choosing.confirmation_verdict(out)
 
 
 def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
@@ -602,18 +612,28 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         "## The trainer's confirmation of the lab engine (family C)",
         "",
         f"**{confirmed}**. verl's trainer (`--engine trainer`) against the lab engine on the held-out seeds, paired "
-        "by seed: final reward of W = 1 and of W = whole, each at its chosen learning rate, and their F1a difference; "
+        "by seed: final reward of W = 1 and of W = whole, each at its chosen learning rate, and their F1a difference "
+        "(`trainer`, `lab engine`: each one's mean over the seeds); "
         f"*equivalent*: Holm-adjusted TOST p < 0.05 (margin ±{g.MARGIN}); *different*: Holm-adjusted sign-flip p < "
         "0.05 (`confirmation.csv`). Where the engine is contradicted, the verdicts above are the engine's only.",
         "",
         markdown_table(
             [
                 {"test": f"C{i}", "arm": r["arm"], "vs": r["vs"], "seeds": r.get("seeds", 0)}
-                | ({"diff [95 % t]": f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]"} if r.get("seeds") else {})
+                | (
+                    {
+                        "trainer": r["trainer"],
+                        "lab engine": r["engine"],
+                        "diff [95 % t]": f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]",
+                    }
+                    if r.get("seeds")
+                    else {}
+                )
                 | {k: r[k] for k in ("p_holm", "p_tost_holm") if k in r}
                 | {"outcome": r["outcome"]}
                 for i, r in enumerate(tables["confirmation.csv"], 1)
             ],
+            CONFIRM_COLUMNS,
             digits=4,
         ),
         "## W = 1 at its chosen learning rate, and the measured correlation of its log-ratios",

@@ -208,7 +208,9 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C) has not run yet" in lines[0]
     verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
     assert f"F1a {verdicts['F1a', '']}; F2 {verdicts['F2', '']}; F3 {verdicts['F3', BAND]} (adaptive band)" in words
-    assert "verl's trainer's confirmation not run yet)" in words and words.endswith("; F1b, F1c not complete.")
+    assert words.endswith(
+        "; F1b, F1c not complete. verl's trainer's confirmation of the engine (family C) has not run yet."
+    )
     main([*base, "--phase", "held", "--resume"])
     held = fake.calls[128:]
     assert len(held) == (8 + 8 + 3) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
@@ -242,7 +244,11 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert [r.split(" ")[1] for r in rows] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
     assert rows[1].count("W=1 (lr 1e-3, no clip):") == 4 and "/inf" not in rows[1]  # as the part's README shows it
     assert "not every test run yet" not in lines[0] and "not complete" not in words
-    assert all(f"{c['arm']} − {c['vs']}: {c['outcome']}" in lines[0] for c in confirm)
+    # family C's verdict, each test as the guide gives a test with the trainer's mean beside the engine's
+    assert "(family C) **confirmed**: " in lines[0] and "(family C) **confirmed**: " in words
+    for c in confirm:
+        means = f"(mean: trainer {float(c['trainer']):.3f}, lab engine {float(c['engine']):.3f})"
+        assert f"{choosing._test_text(c)} {means}" in lines[0] and f"{c['arm']} − {c['vs']}: {c['outcome']}" in words
     pieces = _csv(out / "pieces.csv")
     assert len(pieces) == 32 + 21 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
     command = (out / "COMMAND.txt").read_text()
@@ -285,11 +291,36 @@ def test_the_trainers_confirmation_reads_as_registered():
         "W=1, trainer", "W=96, trainer", "W=96 minus W=1, trainer",
     ]  # fmt: skip
     assert all(t["seeds"] == 12 and t["equivalent"] and not t["different"] for t in tests)
-    tests, verdict = gw.confirmation(rows(0.1), choice)
+    assert "**confirmed**: " in choosing.confirmation_words(tests)
+    planted_rows = rows(0.1)
+    tests, verdict = gw.confirmation(planted_rows, choice)
     assert verdict == "contradicted" and [t["different"] for t in tests] == [False, True, True]
     assert tests[1]["diff"] == pytest.approx(0.1, abs=0.01) and tests[2]["diff"] == pytest.approx(0.1, abs=0.01)
+
+    # each test's means: the trainer's and the engine's over its seeds (C3: W = 96's final reward minus W = 1's)
+    def mean(arm, band):
+        return sum(r["final_reward"] for r in planted_rows if (r["loss"], r["band"]) == (arm, band)) / 12
+
+    on = {a: mean(a, lr + gw.ON_TRAINER) for a, lr in ((W[1], "1e-3"), (W[96], "3e-4"))}
+    off = {a: mean(a, lr) for a, lr in ((W[1], "1e-3"), (W[96], "3e-4"))}
+    assert [(t["trainer"], t["engine"]) for t in tests] == [
+        pytest.approx((on[W[1]], off[W[1]]), abs=1e-12), pytest.approx((on[W[96]], off[W[96]]), abs=1e-12),
+        pytest.approx((on[W[96]] - on[W[1]], off[W[96]] - off[W[1]]), abs=1e-12),
+    ]  # fmt: skip
+    words = choosing.confirmation_words(tests, detail=True)
+    assert words.startswith("**contradicted** (the verdicts above are the lab engine's only; the trainer's runs are")
+    assert f"(mean: trainer {on[W[96]]:.3f}, lab engine {off[W[96]]:.3f})" in words
+    # the first confirmation piece alone (W = 1 on the trainer): C1 judged, no verdict
+    first = [r for r in planted_rows if (r["loss"], r["band"]) != (W[96], "3e-4" + gw.ON_TRAINER)]
+    tests, verdict = gw.confirmation(first, choice)
+    assert verdict == g.NOT_RUN and [t["outcome"] != g.NOT_RUN for t in tests] == [True, False, False]
+    words = choosing.confirmation_words(tests)
+    assert (
+        words == f"so far (1 of its 3 tests run, no verdict yet): W=1, trainer − W=1, lab engine: {tests[0]['outcome']}"
+    )
     tests, verdict = gw.confirmation(rows(seeds=gw.HELD_SEEDS[:-1]), choice)
     assert verdict == g.NOT_RUN and {(t["seeds"], t["outcome"]) for t in tests} == {(11, g.NOT_RUN)}
+    assert choosing.confirmation_words(tests) == "has not run yet"
     assert gw.confirmation([], choice)[1] == g.NOT_RUN
 
 
