@@ -783,7 +783,8 @@ def granularity_section(root: Path) -> list[str]:
         f"t-interval, two-sided sign-flip p and TOST (margin ±{design['margin']} final reward), Holm within each "
         "family. "
         f"*above*/*below*: different after Holm; *within ±{design['margin']}*: equivalent by TOST after Holm "
-        "(both can hold).",
+        "(both can hold). Different is the sign-flip test's reading, not the t-interval's: near 0 they can disagree "
+        "(a test *above* whose interval includes 0).",
         "",
     ]
     if not verdicts:
