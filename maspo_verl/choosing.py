@@ -728,10 +728,12 @@ def _test_text(r: dict) -> str:
     arm, vs = _short(r["arm"]), _short(r["vs"])
     if r.get("lr"):
         arm, vs = f"{arm} ({_lr_text(r['lr'])})", f"{vs} ({_lr_text(r['vs_lr'])})"
-    return (
-        f"{arm} − {vs}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p "
-        f"{_pv(r['p_tost_holm'])} → {r['outcome'] if r['outcome'] != '—' else 'neither'}"
-    )
+    return f"{arm} − {vs}: {_span(r)}, Holm p {_pv(r['p_holm'])}, TOST p {_pv(r['p_tost_holm'])} → {_outcome(r)}"
+
+
+def _outcome(r: dict) -> str:
+    """A registered test's outcome in words (``—``, neither different nor equivalent, is *neither*)."""
+    return r["outcome"] if r["outcome"] != "—" else "neither"
 
 
 def granularity_verdicts(root: Path, part: str = GRANULARITY) -> list[dict]:
@@ -868,7 +870,7 @@ def confirmation_words(tests: list[dict], detail: bool = False) -> str:
     each = (
         f"{_test_text(t)} (mean: trainer {_f(t['trainer']):.3f}, lab engine {_f(t['engine']):.3f})"
         if detail
-        else f"{t['arm']} − {t['vs']}: {t['outcome']}"
+        else f"{t['arm']} − {t['vs']}: {_outcome(t)}"
         for t in ran
     )
     return f"{head}: " + "; ".join(each)
