@@ -881,8 +881,8 @@ def part2_lines(root: Path) -> list[str]:
     still partial is named, not judged), with family C's confirmation by verl's trainer."""
     head = (
         f"**Part 2** ([`{PART2}/`](results/{PART2}/README.md), the warm speech model in the lab's engine (the "
-        "trainer run's computation in one process; verl's trainer confirms it on 24 registered runs), every arm's "
-        f"learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}."
+        "trainer run's computation in one process; verl's trainer checks it on 24 registered runs, family C), every "
+        f"arm's learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}."
     )
     judged, partial, confirmation = part2_state(root)
     if not judged:

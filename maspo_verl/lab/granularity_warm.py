@@ -1,6 +1,6 @@
 """Part 2 of the registered granularity study (docs/results/granularity/PREREGISTRATION.md, "Part 2" and its
 amendment of 2026-11-28 (2)): the warm-started speech model, run as resumable pieces of ``lab learn`` in the lab's
-engine (``learn_engine``: the trainer run's computation in one process), confirmed by verl's trainer on a
+engine (``learn_engine``: the trainer run's computation in one process), checked against verl's trainer on a
 registered subset (family C, ``confirmation``); its tests, Holm families, margin, decision rules and report
 sections are part 1's (``granularity``), read through this part's ``Design``.
 The piece engine (``Part``, ``drive``, ``run_piece``, ``on_disk`` and the pieces and tuning tables) runs part 4 too
@@ -585,7 +585,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
     pieces = tables["pieces.csv"]
     tuned = [p for p in pieces if p["phase"] == "tune"]
     lines = [
-        "# Granularity at matched step size, part 2: the warm speech model (the lab engine, confirmed by verl's "
+        "# Granularity at matched step size, part 2: the warm speech model (the lab engine, checked against verl's "
         "trainer)",
         "",
         'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 2" and its amendment of 2026-11-28 '
