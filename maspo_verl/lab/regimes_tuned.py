@@ -174,15 +174,29 @@ def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = 
 
 
 def _held(runs: list[dict], tune: int) -> dict[tuple, dict]:
-    return {(r["task"], r["cell"], r["loss"], r["band"], int(r["seed"])): r for r in runs if int(r["seed"]) >= tune}
+    """The held-out runs by task, cell, loss, band, seed and ``start`` (a run's starting point where a study keys
+    it, e.g. part 2's warm-model build; "" elsewhere), in the order of ``runs``."""
+    return {
+        (r["task"], r["cell"], r["loss"], r["band"], int(r["seed"]), r.get("start", "")): r
+        for r in runs
+        if int(r["seed"]) >= tune
+    }
 
 
 def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
     """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed: ``stats.paired_summary`` (mean,
-    95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the interval excludes 0."""
-    seeds = sorted(s for (t, c, lo, ba, s) in held if (t, c, lo, ba) == (task, cell, *a))
-    pairs = [(held[(task, cell, *a, s)], held.get((task, cell, *b, s))) for s in seeds]
-    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs if y is not None]
+    95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the interval excludes 0. A pair shares its
+    seed and its ``start`` (one pair a seed: ``a``'s first run, in ``held``'s order, that ``b`` has a run beside)."""
+    starts: dict[int, list] = {}
+    for t, c, lo, ba, s, start in held:
+        if (t, c, lo, ba) == (task, cell, *a):
+            starts.setdefault(s, []).append(start)
+    pairs = []
+    for s in sorted(starts):
+        shared = next((x for x in starts[s] if (task, cell, *b, s, x) in held), None)
+        if shared is not None:
+            pairs.append((held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)]))
+    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs]
     diffs = [d for d in diffs if math.isfinite(d)]
     if len(diffs) < 2:
         return {}

@@ -48,9 +48,13 @@ def _value(overrides: list[str], key: str) -> str:
 
 class FakeTrainer:
     """``learn_engine.run`` (``engine``) and ``learn.run_local`` (the trainer, ``__call__``): steps whose last 5
-    average to ``planted`` (the trainer's off by ``TRAINER_OFF``), KL per update lr x K; calls recorded."""
+    average to ``planted`` (the trainer's off by ``TRAINER_OFF``), KL per update lr x K; calls recorded. ``build``:
+    the warm models' build the runs start from (its step-1 reward 0.2 + 0.01 x build; each build after the first
+    adds ``BUILD_GAIN`` to the final reward)."""
 
     TRAINER_OFF = 0.002
+    BUILD_GAIN = 0.05
+    build = 1
 
     def __init__(self):
         self.calls, self.trainer_calls = [], []
@@ -62,9 +66,9 @@ class FakeTrainer:
         unclipped = "actor_rollout_ref.actor.clip_ratio_c=1000000000.0" in overrides
         assert "algorithm.rollout_correction.bypass_mode=true" in overrides
         calls.append((arm, lr, unclipped, seed))
-        final = planted(arm, lr, unclipped, seed) + off * (1 if seed % 2 else -0.5)
+        final = planted(arm, lr, unclipped, seed) + off * (1 if seed % 2 else -0.5) + self.BUILD_GAIN * (self.build - 1)
         steps = int(_value(overrides, "trainer.total_training_steps"))
-        curve = ([0.2] * steps + [final + t for t in TAIL])[-steps:]
+        curve = ([0.2 + 0.01 * self.build] * steps + [final + t for t in TAIL])[-steps:]
         kl = lr * K.get(arm, 1.0)
         return {i: {"critic/score/mean": r, "actor/ppo_kl": kl, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}
                 for i, r in enumerate(curve, 1)}  # fmt: skip
@@ -106,10 +110,15 @@ def test_the_pieces_are_the_registered_ones():
     # the matched-KL lr: W = 2 and W = 8 differ from their chosen one, W = 24 equals it, W = 96 has none
     every = gw.held_pieces(_choice({W[2]: "1e-4"}, {W[1]: "3e-4", W[2]: "1e-3", W[8]: "3e-3", W[24]: "3e-4"}))
     assert {p.seeds for p in every} == {tuple(range(300, 312))} and len({p.name for p in every}) == len(every)
-    # the trainer's confirmation last: W = 1 and W = whole at their chosen lrs
-    held, confirm = every[:-2], every[-2:]
+    # the trainer's confirmation last: W = 1 and W = whole at their chosen lrs, then the engine's runs of them again
+    held, confirm, again = every[:-4], every[-4:-2], every[-2:]
     assert [(p.arm, p.lr, p.trainer, p.unclipped) for p in confirm] == [(W[1], "3e-4", 1, 0), (W[96], "3e-4", 1, 0)]
-    assert not any(p.trainer for p in held)
+    assert [(p.arm, p.lr, p.trainer, p.unclipped, p.again) for p in again] == [
+        (W[1], "3e-4", 0, 0, 1), (W[96], "3e-4", 0, 0, 1),
+    ]  # fmt: skip
+    assert [p.name for p in again] == ["held_W_1_lr3e-4_again", "held_W_96_lr3e-4_again"]
+    assert [p.setting for p in again] == ["3e-4", "3e-4"]  # the registered pieces' setting: the same runs
+    assert not any(p.trainer or p.again for p in held)
     chosen = [(p.arm, p.lr) for p in held if not p.unclipped][: len(gw.ARMS)]
     assert chosen == [(a, "1e-4" if a == W[2] else "3e-4") for a in gw.ARMS]
     assert [(p.arm, p.lr) for p in held if not p.unclipped][len(gw.ARMS) :] == [(W[2], "1e-3"), (W[8], "3e-3")]
@@ -119,7 +128,7 @@ def test_the_pieces_are_the_registered_ones():
     assert not [p for p in gw.held_pieces([c for c in _choice() if c["loss"] != W[96]]) if p.arm == W[96]]
     # every piece a registered test reads comes before every one none reads, the trainer's after the engine's
     read = {(arm, setting) for _, _, *arms in g.comparisons(_choice(), gw.design()) for arm, setting in arms}
-    tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())[:-2]]
+    tested = [(p.arm, p.setting) in read for p in gw.held_pieces(_choice())[:-4]]
     assert tested == sorted(tested, reverse=True) and tested.count(False) == 3
 
 
@@ -211,9 +220,13 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert words.endswith(
         "; F1b, F1c not complete. verl's trainer's confirmation of the engine (family C) has not run yet."
     )
+    # the warm models rebuilt (another build) before the rest: a paired test pairs runs of one build, so every
+    # outcome below is the one-build study's; the engine's runs of C's arms run again on the new build
+    fake.build = 2
     main([*base, "--phase", "held", "--resume"])
     held = fake.calls[128:]
-    assert len(held) == (8 + 8 + 3) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
+    assert len(held) == (8 + 8 + 3 + 2) * 12 and {s for *_, s in held} == set(gw.HELD_SEEDS)
+    assert held[-24:] == [(a, best, False, s) for a, best in ((W[1], 1e-3), (W[96], 3e-4)) for s in gw.HELD_SEEDS]
     best = {a: float(BEST.get(a, "3e-4")) for a in gw.ARMS}
     assert fake.trainer_calls == [(a, best[a], False, s) for a in gw.CONFIRM_ARMS for s in gw.HELD_SEEDS]
     assert {(a, lr) for a, lr, unclipped, _ in held if not unclipped} == {
@@ -253,9 +266,10 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
             and f"{c['arm']} − {c['vs']}: {choosing._outcome(c)}" in words
         )
     pieces = _csv(out / "pieces.csv")
-    assert len(pieces) == 32 + 21 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
+    assert len(pieces) == 32 + 23 and all(p["done"] == "True" and p["cpu_s_per_run"] == "2.0" for p in pieces)
+    assert [p["build"] for p in pieces] == ["1"] * (32 + 8) + ["2"] * 15
     command = (out / "COMMAND.txt").read_text()
-    assert command.count("\npiece ") == 53 and command.index("choice.csv written") < command.index("piece held_")
+    assert command.count("\npiece ") == 55 and command.index("choice.csv written") < command.index("piece held_")
 
     # a stopped piece resumes where it stopped; a finished study runs nothing again
     piece = gw.Piece("held", W[8], "3e-4", gw.HELD_SEEDS)
@@ -287,7 +301,7 @@ def test_the_trainers_confirmation_reads_as_registered():
                     {"loss": arm, "band": lr, "seed": s, "ok": True, "final_reward": engine},
                     {"loss": arm, "band": lr + gw.ON_TRAINER, "seed": s, "ok": True, "final_reward": trainer},
                 ]
-        return out
+        return [r | {"first_reward": 0.2} for r in out]
 
     tests, verdict = gw.confirmation(rows(), choice)
     assert verdict == "confirmed" and [t["arm"] for t in tests] == [
@@ -295,6 +309,14 @@ def test_the_trainers_confirmation_reads_as_registered():
     ]  # fmt: skip
     assert all(t["seeds"] == 12 and t["equivalent"] and not t["different"] for t in tests)
     assert "**confirmed**: " in choosing.confirmation_words(tests)
+    # the engine's runs on another build of the warm models too (another step-1 reward, 0.1 higher at the end),
+    # after those on the trainer's build: C pairs the runs that started from the trainer's models
+    other = [r | {"first_reward": 0.3, "final_reward": r["final_reward"] + 0.1} for r in rows() if "/" not in r["band"]]
+    tests, verdict = gw.confirmation(rows() + other, choice)
+    assert verdict == "confirmed" and all(t["seeds"] == 12 for t in tests)
+    # the trainer's runs beside only the other build's: no pair (not run), not a difference of two models
+    tests, verdict = gw.confirmation([r for r in rows() if "/" in r["band"]] + other, choice)
+    assert verdict == g.NOT_RUN and all(t.get("seeds", 0) == 0 for t in tests)
     planted_rows = rows(0.1)
     tests, verdict = gw.confirmation(planted_rows, choice)
     assert verdict == "contradicted" and [t["different"] for t in tests] == [False, True, True]
