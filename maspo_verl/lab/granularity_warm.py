@@ -561,8 +561,9 @@ DEVIATIONS = (
     "from one build has the same step-1 reward, the trainer's and the engine's alike, to every digit; the two "
     "builds' step-1 rewards differ on every seed (`pieces.csv`, column `build`: 1 for the first 8 held-out pieces, "
     "2 for those run since 2026-12-01, the trainer's included). The models are built from the same code and seed "
-    "when the cache is empty (`local/speechwarm.py`); on the machines this part ran on, that build did not give "
-    "the same weights. The tuning seeds too: W = 1, 2 and 8 on one build, the other arms on another, each arm's "
+    "when the cache is empty (`local/speechwarm.py`): rebuilt on one machine, a model is the same to every bit "
+    "(seed 300, checked on 2026-12-02), but the machines this part ran on did not all build the same weights. "
+    "The tuning seeds too: W = 1, 2 and 8 on one build, the other arms on another, each arm's "
     "4 learning rates on one.",
     "So every paired test now pairs, per seed, runs with the same step-1 reward (`start_of`; one pair a seed, the "
     "registered piece's run first). Before, F1c's W = 96 row (at 3e-3, build 2, minus W = 1 at 1e-3, build 1) and "
