@@ -884,6 +884,12 @@ def part2_lines(root: Path) -> list[str]:
         "trainer run's computation in one process; verl's trainer checks it on 24 registered runs, family C), every "
         f"arm's learning rate tuned alike, 12 fresh seeds): {pieces_progress(root, PART2)}."
     )
+    built = {b for p in _read(root / RESULTS / PART2 / "pieces.csv") for b in p.get("build", "").split(", ") if b}
+    if len(built) > 1:
+        head += (
+            " A test pairs the runs of a seed that started from the same build of its warm model "
+            f"({len(built)} builds exist: the part's deviations)."
+        )
     judged, partial, confirmation = part2_state(root)
     if not judged:
         return [head, ""]

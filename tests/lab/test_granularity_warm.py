@@ -215,6 +215,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
         if t["family"] == "F1a":
             assert choosing._span(t) in rows[0] and f"(lr {t['lr']})" in rows[0]
     assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C) has not run yet" in lines[0]
+    assert "builds exist" not in lines[0]  # one build so far
     verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
     assert f"F1a {verdicts['F1a', '']}; F2 {verdicts['F2', '']}; F3 {verdicts['F3', BAND]} (adaptive band)" in words
     assert words.endswith(
@@ -257,6 +258,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert [r.split(" ")[1] for r in rows] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
     assert rows[1].count("W=1 (lr 1e-3, no clip):") == 4 and "/inf" not in rows[1]  # as the part's README shows it
     assert "not every test run yet" not in lines[0] and "not complete" not in words
+    assert "(2 builds exist: the part's deviations)" in lines[0]
     # family C's verdict, each test as the guide gives a test with the trainer's mean beside the engine's
     assert "(family C) **confirmed**: " in lines[0] and "(family C) **confirmed**: " in words
     for c in confirm:
