@@ -255,10 +255,7 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{MARGIN} mean training reward. **Every number here is "
         "exploratory (under-powered).**",
         "",
-        f"**Status**: {gw.status(pieces, choices)} Measured per run so far: "
-        + gw.per_run(rows)
-        + " The rest: `python -m maspo_verl.lab granularity --part 4 --update-docs --resume --pieces N` (the next N "
-        "pieces; tuning first).",
+        gw.status_line(pieces, choices, rows, 4),
         "",
         "## Readings of the registration (written before any run)",
         "",

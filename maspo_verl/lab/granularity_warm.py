@@ -626,6 +626,21 @@ def status(pieces: list[dict], choices: list[dict]) -> str:
     )
 
 
+def status_line(pieces: list[dict], choices: list[dict], rows: list[dict], number: int) -> str:
+    """A part's README status: its pieces done and left, the time a run took, and the command that runs the rest
+    (none once every piece is done)."""
+    complete = bool(choices) and all(p["done"] for p in pieces)
+    rest = (
+        ""
+        if complete
+        else f" The rest: `python -m maspo_verl.lab granularity --part {number} --update-docs --resume --pieces N` "
+        "(the next N pieces; tuning first)."
+    )
+    return (
+        f"**Status**: {status(pieces, choices)} Measured per run{'' if complete else ' so far'}: {per_run(rows)}{rest}"
+    )
+
+
 def per_run(rows: list[dict]) -> str:
     """The mean wall and CPU time of the runs on disk, in words."""
     wall, cpu = finite_mean(r["wall_s"] for r in rows), finite_mean(r.get("cpu_s") for r in rows)
@@ -648,10 +663,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{g.MARGIN}.",
         "",
-        f"**Status**: {status(pieces, choices)} Measured per run so far: "
-        + per_run(rows)
-        + " The rest: `python -m maspo_verl.lab granularity --part 2 --update-docs --resume --pieces N` (the next N "
-        "pieces; tuning first).",
+        status_line(pieces, choices, rows, 2),
         "",
         "## Readings of the registration (written before any run)",
         "",

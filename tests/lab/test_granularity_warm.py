@@ -216,6 +216,10 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
             assert choosing._span(t) in rows[0] and f"(lr {t['lr']})" in rows[0]
     assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C) has not run yet" in lines[0]
     assert "builds exist" not in lines[0]  # one build so far
+    assert (
+        "The rest: `python -m maspo_verl.lab granularity --part 2 --update-docs --resume"
+        in (out / "README.md").read_text()
+    )
     verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
     assert f"F1a {verdicts['F1a', '']}; F2 {verdicts['F2', '']}; F3 {verdicts['F3', BAND]} (adaptive band)" in words
     assert words.endswith(
@@ -252,7 +256,8 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
         ("W=1, trainer", "12", "True", "False"), ("W=96, trainer", "12", "True", "False"),
         ("W=96 minus W=1, trainer", "12", "True", "False"),
     ]  # fmt: skip
-    assert "**confirmed**" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "**confirmed**" in readme and "The rest:" not in readme and "Measured per run: " in readme
     lines, words = guide_of(out, tmp_path)
     rows = [r for r in lines if r.startswith("| F")]
     assert [r.split(" ")[1] for r in rows] == ["F1a", "F1b", "F1c", "F2", "F3", "F3"]
