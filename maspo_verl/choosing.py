@@ -857,16 +857,16 @@ def confirmation_words(tests: list[dict], detail: bool = False) -> str:
     (``detail``: as the guide's tables give a test, with the trainer's mean final reward beside the engine's)."""
     ran = [t for t in tests if t["outcome"] != NOT_RUN]
     if not ran:
-        return "has not run yet"
+        return "not run yet"
     verdict = confirmation_verdict(tests)
     if verdict == NOT_RUN:
         head = f"so far ({len(ran)} of its {len(tests)} tests run, no verdict yet)"
     else:
-        head = f"**{verdict}**" + (
-            " (the verdicts above are the lab engine's only; the trainer's runs are these)"
-            if verdict == "contradicted"
-            else ""
-        )
+        gloss = {
+            "contradicted": " (the verdicts above are the lab engine's only; the trainer's runs are these)",
+            "not shown either way": " (the engine neither confirmed nor contradicted)",
+        }
+        head = f"**{verdict}**" + gloss.get(verdict, "")
     each = (
         f"{_test_text(t)} (mean: trainer {_f(t['trainer']):.3f}, lab engine {_f(t['engine']):.3f})"
         if detail
@@ -898,7 +898,7 @@ def part2_lines(root: Path) -> list[str]:
         head
         + " The verdict of each family whose every registered test has run"
         + (f" ({', '.join(partial)}: not every test run yet, no verdict)" if partial else "")
-        + "; these are the lab engine's: verl's trainer's confirmation of it (family C) "
+        + "; these are the lab engine's. verl's trainer's check of the engine (family C): "
         + confirmation_words(confirmation, detail=True)
         + ".",
         "",
@@ -1023,7 +1023,7 @@ def part2_words(root: Path) -> str:
         f" Part 2, the warm speech model ([warm](docs/results/{PART2}/README.md), the lab engine, 12 fresh seeds, "
         f"every arm's learning rate tuned alike): {words}"
         + (f"; {', '.join(partial)} not complete" if partial else "")
-        + ". verl's trainer's confirmation of the engine (family C) "
+        + ". verl's trainer's check of the engine (family C): "
         + confirmation_words(confirmation)
         + "."
     )

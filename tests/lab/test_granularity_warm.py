@@ -214,7 +214,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     for t in _csv(out / "tests.csv"):
         if t["family"] == "F1a":
             assert choosing._span(t) in rows[0] and f"(lr {t['lr']})" in rows[0]
-    assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C) has not run yet" in lines[0]
+    assert "(F1b, F1c: not every test run yet, no verdict)" in lines[0] and "(family C): not run yet" in lines[0]
     assert "builds exist" not in lines[0]  # one build so far
     assert (
         "The rest: `python -m maspo_verl.lab granularity --part 2 --update-docs --resume"
@@ -222,9 +222,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     )
     verdicts = {(v["family"], v["arm"]): v["verdict"] for v in _csv(out / "decisions.csv")}
     assert f"F1a {verdicts['F1a', '']}; F2 {verdicts['F2', '']}; F3 {verdicts['F3', BAND]} (adaptive band)" in words
-    assert words.endswith(
-        "; F1b, F1c not complete. verl's trainer's confirmation of the engine (family C) has not run yet."
-    )
+    assert words.endswith("; F1b, F1c not complete. verl's trainer's check of the engine (family C): not run yet.")
     # the warm models rebuilt (another build) before the rest: a paired test pairs runs of one build, so every
     # outcome below is the one-build study's; the engine's runs of C's arms run again on the new build
     fake.build = 2
@@ -265,7 +263,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
     assert "not every test run yet" not in lines[0] and "not complete" not in words
     assert "(2 builds exist: the part's deviations)" in lines[0]
     # family C's verdict, each test as the guide gives a test with the trainer's mean beside the engine's
-    assert "(family C) **confirmed**: " in lines[0] and "(family C) **confirmed**: " in words
+    assert "(family C): **confirmed**: " in lines[0] and "(family C): **confirmed**: " in words
     for c in confirm:
         means = f"(mean: trainer {float(c['trainer']):.3f}, lab engine {float(c['engine']):.3f})"
         assert (
@@ -351,7 +349,7 @@ def test_the_trainers_confirmation_reads_as_registered():
     assert words == "so far (1 of its 3 tests run, no verdict yet): W=1, trainer − W=1, lab engine: within ±0.03"
     tests, verdict = gw.confirmation(rows(seeds=gw.HELD_SEEDS[:-1]), choice)
     assert verdict == g.NOT_RUN and {(t["seeds"], t["outcome"]) for t in tests} == {(11, g.NOT_RUN)}
-    assert choosing.confirmation_words(tests) == "has not run yet"
+    assert choosing.confirmation_words(tests) == "not run yet"
     assert gw.confirmation([], choice)[1] == g.NOT_RUN
 
 
