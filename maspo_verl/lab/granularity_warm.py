@@ -57,15 +57,7 @@ LEARN = (
 ENGINE, TRAINER_ROLLOUT = learn_engine.LAB, learn_engine.REQUIRED["actor_rollout_ref.rollout.name"]
 CONFIRM_ARMS = (g.TOKEN, f"{g.FIXED}96")
 ON_TRAINER = "/trainer"  # the setting of a confirmation run: its lr, then this
-
-
-def start_of(run: dict) -> str:
-    """A run's starting point: its step-1 reward, which is the same for every run of a seed that starts from the
-    same warm model (same weights, same generator: the trainer's too) and differs between builds of that model."""
-    return f"{run['first_reward']:.6f}"
-
-
-CONFIRM_COLUMNS = (
+CONFIRM_COLUMNS = (  # family C's table in the README
     "test",
     "arm",
     "vs",
@@ -94,6 +86,12 @@ FAMILIES = {
     "F3": "H3, adaptive: each criterion minus the best fixed window W*, each at its tuned learning rate",
 }
 RATIO_METRICS = ("actor/ratio/corr_lag1", "actor/ratio/vif5", "actor/ratio/vif15", "actor/ratio/vif50")
+
+
+def start_of(run: dict) -> str:
+    """A run's starting point: its step-1 reward, which is the same for every run of a seed that starts from the
+    same warm model (same weights, same generator: the trainer's too) and differs between builds of that model."""
+    return f"{run['first_reward']:.6f}"
 
 
 def design() -> g.Design:
