@@ -459,19 +459,14 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
     test also gives the trainer's mean and the engine's over its seeds. The verdict:
     ``choosing.confirmation_verdict``."""
     pick = {c["loss"]: c["best_band"] for c in choices}
-    final = {
-        (r["loss"], r["band"], r["seed"], start_of(r)): r["final_reward"]
-        for r in rows
-        if r["ok"] and r["seed"] in HELD_SEEDS and math.isfinite(r["final_reward"])
-    }
+    ok = [r | {"start": start_of(r)} for r in rows if r["ok"] and math.isfinite(r["final_reward"])]
+    held = rt._held([r for r in ok if r["seed"] in HELD_SEEDS], HELD_SEEDS[0])
 
     def pairs(arm: str) -> dict[int, tuple[float, float]]:
-        """Per seed with both runs from the same start: the trainer's final reward and the engine's."""
-        on, off = (
-            {(s, x): v for (a, band, s, x), v in final.items() if (a, band) == (arm, pick.get(arm, "") + suffix)}
-            for suffix in (ON_TRAINER, "")
-        )
-        return {s: (on[s, x], off[s, x]) for s, x in on.keys() & off.keys()}
+        """Per seed with both runs from the same start (``rt.pairs``): the trainer's final reward and the engine's."""
+        lr = pick.get(arm, "")
+        both = rt.pairs(held, TASK, CELL, (arm, lr + ON_TRAINER), (arm, lr))
+        return {s: (on["final_reward"], off["final_reward"]) for s, (on, off) in both.items()}
 
     token, whole = (pairs(a) for a in CONFIRM_ARMS)
     comparisons = [

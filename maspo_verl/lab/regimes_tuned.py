@@ -183,20 +183,26 @@ def _held(runs: list[dict], tune: int) -> dict[tuple, dict]:
     }
 
 
-def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
-    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed: ``stats.paired_summary`` (mean,
-    95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the interval excludes 0. A pair shares its
-    seed and its ``start`` (one pair a seed: ``a``'s first run, in ``held``'s order, that ``b`` has a run beside)."""
+def pairs(held: dict, task: str, cell: str, a: tuple, b: tuple) -> dict[int, tuple[dict, dict]]:
+    """Per held-out seed, ``a``'s run and ``b``'s ((loss, band) each) that share their ``start``: one pair a seed,
+    ``a``'s first run, in ``held``'s order, that ``b`` has a run beside."""
     starts: dict[int, list] = {}
     for t, c, lo, ba, s, start in held:
         if (t, c, lo, ba) == (task, cell, *a):
             starts.setdefault(s, []).append(start)
-    pairs = []
+    out = {}
     for s in sorted(starts):
         shared = next((x for x in starts[s] if (task, cell, *b, s, x) in held), None)
         if shared is not None:
-            pairs.append((held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)]))
-    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs]
+            out[s] = (held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)])
+    return out
+
+
+def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
+    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
+    ``stats.paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
+    interval excludes 0."""
+    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
     diffs = [d for d in diffs if math.isfinite(d)]
     if len(diffs) < 2:
         return {}

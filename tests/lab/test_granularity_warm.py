@@ -306,7 +306,7 @@ def test_the_trainers_confirmation_reads_as_registered():
                     {"loss": arm, "band": lr, "seed": s, "ok": True, "final_reward": engine},
                     {"loss": arm, "band": lr + gw.ON_TRAINER, "seed": s, "ok": True, "final_reward": trainer},
                 ]
-        return [r | {"first_reward": 0.2} for r in out]
+        return [r | {"task": gw.TASK, "cell": gw.CELL, "first_reward": 0.2} for r in out]
 
     tests, verdict = gw.confirmation(rows(), choice)
     assert verdict == "confirmed" and [t["arm"] for t in tests] == [
