@@ -367,24 +367,25 @@ def run_piece(out: Path, piece: Piece, part: Part) -> None:
 # ------------------------------------------------------------------ the report
 
 
-def builds(rows: list[dict]) -> dict[tuple[int, str], int]:
-    """Per (seed, ``start_of``): the build of the seed's warm model the run started from, numbered 1, 2, ... in the
-    order of ``rows``."""
-    out: dict[tuple[int, str], int] = {}
+def builds(rows: list[dict]) -> dict[str, str]:
+    """Per piece: the builds of the seeds' warm models its runs started from (``start`` keyed), each seed's builds
+    numbered 1, 2, ... in the order of ``rows``."""
+    number: dict[tuple[int, str], int] = {}
+    of: dict[str, set[int]] = {}
     for r in rows:
         if r["ok"]:
-            key = (r["seed"], start_of(r))
-            out.setdefault(key, 1 + sum(s == r["seed"] for s, _ in out))
-    return out
+            key = (r["seed"], r["start"])
+            number.setdefault(key, 1 + sum(s == r["seed"] for s, _ in number))
+            of.setdefault(r["piece"], set()).add(number[key])
+    return {piece: ", ".join(map(str, sorted(b))) for piece, b in of.items()}
 
 
-def pieces_table(out: Path, pieces: list[Piece], part: Part, build: dict | None = None) -> list[dict]:
+def pieces_table(out: Path, pieces: list[Piece], part: Part, build: dict[str, str] | None = None) -> list[dict]:
     """Per piece: its runs on disk, failures, whether done, time per run; with ``build`` (``builds``) also the
     builds of the warm models its runs started from."""
     rows = []
     for p in pieces:
         mine = piece_rows(out, p, part)
-        built = sorted({build[k] for r in mine if (k := (r["seed"], start_of(r))) in build}) if build else []
         rows.append(
             {
                 "piece": p.name,
@@ -399,7 +400,7 @@ def pieces_table(out: Path, pieces: list[Piece], part: Part, build: dict | None 
                 "wall_s_per_run": finite_mean(r["wall_s"] for r in mine),
                 "cpu_s_per_run": finite_mean(r.get("cpu_s") for r in mine),
             }
-            | ({"build": ", ".join(map(str, built))} if build is not None else {})
+            | ({"build": build.get(p.name, "")} if build is not None else {})
         )
     return rows
 
@@ -524,10 +525,11 @@ def report(out: Path) -> None:
     d, p = design(), part2()
     rows, choices, held = on_disk(out, p)
     # a paired test pairs runs of one seed that started from the same warm model (DEVIATIONS)
-    tests = g.tests([r | {"start": start_of(r)} for r in rows if r["ok"]], choices, d)
+    started = [r | {"start": start_of(r)} for r in rows if r["ok"]]
+    tests = g.tests(started, choices, d)
     verdicts = g.decisions(tests)
     confirm, confirmed = confirmation(rows, choices)
-    pieces = pieces_table(out, tuning_pieces(p) + held, p, builds(rows))
+    pieces = pieces_table(out, tuning_pieces(p) + held, p, builds(started))
     tables = {
         "tests.csv": tests,
         "decisions.csv": verdicts,
