@@ -277,7 +277,7 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
         markdown_table(tables["secondary.csv"]),
         "## The learning rates chosen on the tuning seeds",
         "",
-        markdown_table(choices)
+        gw.lr_choice_table(choices)
         if choices
         else f"Not chosen yet: {sum(p['done'] for p in pieces)} of {len(gw.tuning_pieces(part()))} tuning pieces "
         "done; `choice.csv` is written when all are, before any held-out piece runs.\n",

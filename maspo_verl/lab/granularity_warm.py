@@ -621,6 +621,12 @@ def status(pieces: list[dict], choices: list[dict]) -> str:
     )
 
 
+def lr_choice_table(choices: list[dict]) -> str:
+    """``choice.csv`` as a README shows it: its ``*band*`` columns hold learning rates here, named so."""
+    names = {"best_band": "lr", "kl_band": "matched_kl_lr", "kl_band_kl": "matched_kl_lr_kl"}
+    return markdown_table([{names.get(k, k): v for k, v in c.items()} for c in choices])
+
+
 def status_line(pieces: list[dict], choices: list[dict], rows: list[dict], number: int) -> str:
     """A part's README status: its pieces done and left, the time a run took, and the command that runs the rest
     (none once every piece is done)."""
@@ -708,7 +714,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         *g.family_sections(tables["tests.csv"], d),
         "## The learning rates chosen on the tuning seeds",
         "",
-        markdown_table(choices)
+        lr_choice_table(choices)
         if choices
         else f"Not chosen yet: {sum(p['done'] for p in tuned)} of {len(tuned)} "
         "tuning pieces done; `choice.csv` is written when all are, before any held-out piece runs.\n",
