@@ -1,6 +1,10 @@
 """``docs/choosing.md``, a guide to choosing a loss preset, made from the committed result tables.
 
-Every number on the page comes from a CSV under ``docs/results/``: the drift-correlation study
+The page opens with a decision procedure (``decision``; the README's "Which loss" is its short form), each line
+generated from the verdicts and outcomes of the pre-registered study's tests (``docs/results/granularity/``: parts
+1-4's ``tests.csv``, ``decisions.csv``, ``choice.csv``, ``cells.csv``) so that a verdict that changes moves or
+withdraws the line that rests on it. Every number on the page comes from a CSV under ``docs/results/``: the
+pre-registered study, the drift-correlation study
 (``drift_cuda/drift.csv``: do neighbouring log-ratios move together?), the regime grid with tuned clip bands
 judged on held-out seeds (``regimes_tuned/tuned_compare.csv``, ``tuned_cells.csv``), the trainer studies'
 ``learn_compare.csv`` (``learn_mismatch/``, ``learn_turns/``, ``regimes_trainer/``, ``regimes_trainer_gspo/``)
