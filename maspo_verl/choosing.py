@@ -1486,16 +1486,16 @@ def which_loss(root: Path) -> list[str]:
 
 
 GLOSSARY = (
-    "**The labels below, in one place.** A setting of the toy grid is written `L<n>/<rollout>/U<k>`, with "
-    "`/lr<x>` and `/u<m>` where they differ from the grid's: responses of n tokens; the rollout on-policy "
-    "(`none`), k optimizer updates stale (`stale<k>`), with Gaussian noise σ on its log-probs (`noise<σ>`, written "
-    "`L12/0.2/U1` in the trainer studies) or in bf16; k updates a batch (`U<k>`); Adam's learning rate x "
-    "(`lr<x>`, 0.2 where absent in the pre-registered study); the reward's units of median m tokens (`u<m>`, 6 "
-    "where absent); `S`/`T`: the speech-like or text task. A clip width `x k` scales a preset's shipped band by k "
-    "(`inf`: no clip). The pre-registered families: F1a, F1b, F1c (H1: a window of W tokens against one ratio per "
-    "token, W = 1, each at its tuned step, both unclipped, at matched KL per update), F2 (H2: segments aligned "
-    "with the reward's units against offset or shuffled ones), F3 (H3: `maspo_adaptive` against the best fixed "
-    "window W*), C (part 2: verl's trainer against the lab engine), G1 and G3 (part 3: the windows' and "
+    "**The labels below, in one place.** A setting of the toy grid is written `L<n>/<rollout>/U<k>`, with `/lr<x>` "
+    "and `/u<m>` where they differ from the grid's: responses of n tokens; the rollout on-policy (`none`), s "
+    "optimizer updates stale (`stale<s>`), with Gaussian noise σ on its log-probs (`noise<σ>`, written "
+    "`L12/0.2/U1` in the trainer studies) or in bf16; k updates a batch (`U<k>`); Adam's learning rate x (`lr<x>`; "
+    "where absent, the study's default: 0.2 in the pre-registered one); the reward's units of median m tokens "
+    "(`u<m>`, 6 where absent); `S`/`T`: the speech-like or text task. A clip width `x k` scales a preset's shipped "
+    "band by k (`inf`: no clip). The pre-registered families: F1a, F1b, F1c (H1: a window of W tokens against one "
+    "ratio per token, W = 1, each at its tuned step, both unclipped, at matched KL per update), F2 (H2: segments "
+    "aligned with the reward's units against offset or shuffled ones), F3 (H3: `maspo_adaptive` against the best "
+    "fixed window W*), C (part 2: verl's trainer against the lab engine), G1 and G3 (part 3: the windows' and "
     "`maspo_adaptive`'s gradients against one ratio per token's and the best window's), P4 (part 4). Outcomes: "
     "*above*/*below* (different after Holm), *within ±Δ* (equivalent by TOST after Holm), *neither* (`—`)."
 )
