@@ -12,6 +12,14 @@ exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd 
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
 | `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
 | `gmpo`  | ppo's on r, the geometric mean of per-token clipped ratios      | token clipped below / above; dual     |
+| `dppo_tv` | -sg[m min(r, c)] A log pi_t, m = 0 where p_S left the TV bound | masked (A <= 0 / A > 0); truncated   |
+| `dppo_kl` | the same with the binary KL                                   | masked (A <= 0 / A > 0); truncated   |
+| `dro`   | -A log pi_t + (beta / 2) (log r)^2                              | none                                  |
+
+``dppo_tv`` and ``dppo_kl`` (DPPO-Binary) bound the divergence between the old and new probability of the token's
+set, p_S = exp(sum_{S(t)} log pi_old / |S(t)|^alpha) (``Surrogate.reads_set_probability``) and p_S r, by the actor's
+``clip_ratio_low/high`` (ratio schedule) or ``log_clip_low/high`` n^(k p) (log_adaptive), and truncate the weight at
+c. ``dro`` reads verl's ``policy_loss.dro_beta`` (``Surrogate.requires``).
 
 Every surrogate also sees each token's log-ratio before the token set shares it (``Surrogate.clip_tokens``, step 3
 of the call): all but ``gmpo`` pass it on unchanged. ``gmpo`` (GMPO, "Geometric-Mean Policy Optimization", Zhao et
@@ -218,7 +226,8 @@ SETTINGS = (
         DEFAULT,
         Choice(lambda: tuple(SURROGATES)),
         "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate, "
-        "truncated IS, GMPO's geometric mean of per-token clipped ratios",
+        "truncated IS, GMPO's geometric mean of per-token clipped ratios, DPPO-Binary's TV or KL trust region on "
+        "the probability, DRO's log-ratio penalty",
     ),
 )
 
