@@ -351,6 +351,15 @@ def sapo_saturation(new, old, adv, mask, tau_pos, tau_neg) -> float:
     return ((4 * s * (1 - s) < 0.5) & mask).sum().item() / mask.sum().item()
 
 
+def window_one_inputs(seed, weight_seed, scale, per_token, weighted, agg):
+    """A batch, rollout-correction weights (or None), our ``agg_mode`` fields and the aggregation both losses are
+    called with: agg_mode=seg-mean-token-mean at W = 1 is verl's seq-mean-token-mean."""
+    old, new, adv, mask = random_batch(scale=scale, seed=seed, per_token=per_token)
+    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(weight_seed)) * 2
+    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
+    return (old, new, adv, mask), weights if weighted else None, segment, "seq-mean-token-mean" if segment else agg
+
+
 @pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
 @pytest.mark.parametrize("scale", [0.05, 0.6])
 @pytest.mark.parametrize("per_token", [False, True])
@@ -359,11 +368,7 @@ def test_window_one_cispo_is_verl_cispo(agg, scale, per_token, weighted):
     """surrogate=cispo at W = 1 with the actor's clip_ratio_low/high: verl's cispo, in every aggregation
     (agg_mode=seg-mean-token-mean at W = 1 is seq-mean-token-mean), rollout-correction weights included."""
     need_verl_loss("cispo")
-    old, new, adv, mask = random_batch(scale=scale, seed=11, per_token=per_token)
-    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2
-    weights = weights if weighted else None
-    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
-    verl_agg = "seq-mean-token-mean" if segment else agg
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(11, 3, scale, per_token, weighted, agg)
     ours_cfg = actor_config(**CISPO_CLIPS, segment_rule="fixed", segment_window=1, surrogate="cispo", **segment)
     verl_cfg = actor_config(**CISPO_CLIPS, loss_mode="vanilla")
     ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
@@ -534,11 +539,7 @@ def test_window_one_dppo_is_verl_dppo(name, agg, scale, per_token, weighted):
     seg-mean-token-mean at W = 1 is seq-mean-token-mean), rollout-correction weights included; the masked share is
     verl's pg_clipfrac, the truncated share of the kept tokens its pg_clipfrac_lower."""
     need_verl_loss(name)
-    old, new, adv, mask = random_batch(scale=scale, seed=31, per_token=per_token)
-    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6)) * 2
-    weights = weights if weighted else None
-    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
-    verl_agg = "seq-mean-token-mean" if segment else agg
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(31, 6, scale, per_token, weighted, agg)
     bounds = DPPO_BOUNDS[name]
     ours_cfg = actor_config(**bounds, segment_rule="fixed", segment_window=1, surrogate=name, **segment)
     ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
@@ -561,11 +562,7 @@ def test_window_one_dro_is_verl_dro(agg, scale, per_token, weighted):
     """surrogate=dro at W = 1 with verl's policy_loss.dro_beta: verl's dro, loss and gradient within 1e-12 in every
     aggregation, rollout-correction weights included; nothing reported as clipped."""
     need_verl_loss("dro")
-    old, new, adv, mask = random_batch(scale=scale, seed=32, per_token=per_token)
-    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7)) * 2
-    weights = weights if weighted else None
-    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
-    verl_agg = "seq-mean-token-mean" if segment else agg
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(32, 7, scale, per_token, weighted, agg)
     ours_cfg = actor_config(segment_rule="fixed", segment_window=1, surrogate="dro", dro_beta=DRO_BETA, **segment)
     verl_cfg = actor_config(loss_mode="vanilla", dro_beta=DRO_BETA)
     ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
