@@ -35,9 +35,26 @@ VERL_FIELDS = (
         "a loss registered in verl",
     ),
     ("`loss_agg_mode` (actor)", "loss_agg_mode", "verl's aggregation", "verl's: token-mean, seq-mean-token-mean, ..."),
-    ("`clip_ratio_low` (actor)", "clip_ratio_low", "ratio-space clip, lower (`clip_schedule=ratio`)", "verl's"),
-    ("`clip_ratio_high` (actor)", "clip_ratio_high", "ratio-space clip, upper (`clip_schedule=ratio`)", "verl's"),
-    ("`clip_ratio_c` (actor)", "clip_ratio_c", "dual clip (`clip_schedule=ratio`)", "verl's"),
+    (
+        "`clip_ratio_low` (actor)",
+        "clip_ratio_low",
+        "ratio-space clip, lower (`clip_schedule=ratio`); `dppo_tv`/`dppo_kl`: the divergence bound where the "
+        "probability fell",
+        "verl's; > 0 with `dppo_*`",
+    ),
+    (
+        "`clip_ratio_high` (actor)",
+        "clip_ratio_high",
+        "ratio-space clip, upper (`clip_schedule=ratio`); `dppo_tv`/`dppo_kl`: the divergence bound where it rose",
+        "verl's; > 0 with `dppo_*`",
+    ),
+    (
+        "`clip_ratio_c` (actor)",
+        "clip_ratio_c",
+        "dual clip (`clip_schedule=ratio`); `tis`, `dppo_*`: the weight's truncation",
+        "verl's; > 0 with `dppo_*`",
+    ),
+    ("`dro_beta`", "policy_loss.dro_beta", "DRO's penalty weight β (`surrogate=dro`, required there)", "> 0"),
     ("`tau_pos` (actor)", "tau_pos", "SAPO's gate temperature for A > 0 (`surrogate=sapo`)", "> 0"),
     ("`tau_neg` (actor)", "tau_neg", "SAPO's gate temperature for A ≤ 0 (`surrogate=sapo`)", "> 0"),
 )

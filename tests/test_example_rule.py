@@ -103,6 +103,16 @@ def test_a_bad_value_of_its_field_is_refused_at_start_up(checkout):
     assert f"policy_loss.{FIELD}='abc' is invalid: allowed a finite number" in out.stdout + out.stderr
 
 
+def test_its_worked_examples_and_plain_reference_pass(checkout):
+    """The example's own tests, in the suite: its worked examples and its vectorised code against its plain loop on
+    random rows, with cutoffs drawn where float32 rounding of a float setting would show (1 - 2^-30)."""
+    files = ["tests/core/test_worked_examples.py", "tests/core/test_rule_references.py"]
+    out = run(checkout, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rule", NAME, "-rA", *files)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = [line for line in out.stdout.splitlines() if line.startswith("PASSED") and NAME in line]
+    assert len(passed) >= 100, out.stdout[-4000:]
+
+
 @pytest.mark.slow  # (the discovered tests run on every shipped rule in the suite itself)
 def test_the_discovered_tests_cover_it(checkout):
     out = run(checkout, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rule", NAME, "-rA", *DISCOVERED)

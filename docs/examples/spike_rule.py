@@ -61,7 +61,9 @@ class SpikeRule(SegmentRule):
         lp = packed.pack(inputs.get(OLD_LOG_PROB)).float().nan_to_num_(nan=0.0, neginf=-MAX_SURPRISAL)
         surprisal = lp.neg_().clamp_(-MAX_SURPRISAL, MAX_SURPRISAL).mul_(float_mask(packed.valid))
         after = previous(surprisal)  # the surprisal of the token before each one
-        boundaries = packed.has_previous & (after > config.spike_threshold)
+        # compared in float64, the setting's precision: against a float32 tensor torch would round the threshold to
+        # float32 first (1 - 2^-30 to 1.0, which a surprisal of exactly 1.0 would then not exceed)
+        boundaries = packed.has_previous & (after.double() > config.spike_threshold)
         # the strength of a boundary, for min_segment_len: the surprisal that made it
         return Candidates(boundaries, after, None)
 

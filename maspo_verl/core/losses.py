@@ -44,8 +44,8 @@ def granular_policy_loss(
     *,
     loss_mode: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of ``loss_mode``'s token set with the configured surrogate (PPO's clip, CISPO, SAPO, truncated
-    IS or GMPO) on its shared ratio, in verl's ``PolicyLossFn`` signature (verl's ``ppo_loss`` calls it per
+    """The policy loss of ``loss_mode``'s token set with the configured surrogate (``maspo_verl.core.surrogates``) on
+    its shared ratio, in verl's ``PolicyLossFn`` signature (verl's ``ppo_loss`` calls it per
     micro-batch). Returns (the aggregated loss, 0-d; the metrics as floats, after one device-to-host transfer).
 
     Args:
@@ -165,7 +165,15 @@ def loss_body(
         num_segments = None if ids is None else ids.amax(dim=-1, keepdim=True) + 1  # K_i [B, 1]
         correlation = correlation_sums(correlation_input, mask, ids)
         del delta, correlation_input  # only their sums are reported (peak memory)
-        # 5. l_t = clamp(sum / |S(t)|^alpha, +-20) (alpha 1: a mean, 0: the full product), per set, then per token
+        # 5. l_t = clamp(sum / |S(t)|^alpha, +-20) (alpha 1: a mean, 0: the full product), per set, then per token;
+        # where the surrogate reads it, log p_S = sum log pi_old / |S(t)|^alpha, per token (``set_log_prob``)
+        set_log_prob = None
+        if surrogate.reads_set_probability:
+            old_sums = TOKEN_SETS[loss_mode].sum_sets(sets, torch.where(mask, old.to(dtype), 0.0))
+            if sets.alpha != 0.0:
+                old_sums.div_(sets.sizes.clamp(min=1.0).pow_(sets.alpha))
+            set_log_prob = sets.at_tokens(old_sums)
+            del old_sums
         if sets.alpha == 0.0:
             log_ratio = sets.totals.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         else:
@@ -192,7 +200,8 @@ def loss_body(
     if keeps_grad is not None:
         score = score * float_mask(keeps_grad, dtype)
     # 7. the clip schedule's bounds (or the surrogate's own parameters), values
-    params = surrogate.params(policy_loss, actor, set_sizes)
+    params = surrogate.params(policy_loss, actor, set_sizes, set_log_prob)
+    del set_log_prob
     if policy_loss.agg_mode != "seg-mean-token-mean":  # read by the aggregation only there
         set_sizes = None
     # 8. the surrogate's formula; autograd gives its gradient. Times the rollout weights; zero outside the mask.
@@ -243,14 +252,17 @@ VERL_EQUIVALENTS = {
     "cispo": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "cispo"},
     "sapo": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "sapo"},
     "geo_mean": {"loss_mode": "pgspo", "length_exponent": 1.0, "surrogate": "gmpo"},
+    "dppo_tv": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "dppo_tv"},
+    "dppo_kl": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "dppo_kl"},
+    "dro": {"loss_mode": "maspo", "segment_rule": "fixed", "segment_window": 1, "surrogate": "dro"},
 }
 
 
 def inspect_verl_loss(
     name: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
 ) -> str | None:
-    """On an inspected step (``inspection.due``), write what verl's loss ``name`` did: for ``vanilla``,
-    ``gspo``, ``cispo``, ``sapo`` and ``geo_mean`` the ratios and clips of the token set and surrogate that equal
+    """On an inspected step (``inspection.due``), write what verl's loss ``name`` did: for those of
+    ``VERL_EQUIVALENTS`` the ratios and clips of the token set and surrogate that equal
     them (one token / the whole response, verl's ratio-space clip; ``gspo`` has no dual clip in verl), for
     verl's other losses the inputs only.
     Returns the file written, or None."""

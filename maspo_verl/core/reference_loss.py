@@ -5,10 +5,12 @@
     2. token log-ratios                  delta_t = clamp(log pi_t - log pi_old_t, +-20), a value
     3. the surrogate's per-token step    delta_t as it is (gmpo: clipped by the sign of A_t, gradient mask g_t)
     4. who shares a ratio                S(t): t's segment (maspo), the prefix {1..t} (ctpo), the response (pgspo)
-    5. the shared log-ratio              l_t = clamp(sum_{u in S(t)} delta_u / |S(t)|^alpha, +-20)
+    5. the shared log-ratio              l_t = clamp(sum_{u in S(t)} delta_u / |S(t)|^alpha, +-20); the set's
+                                         old log-probability log p_S = sum_{u in S(t)} log pi_old_u / |S(t)|^alpha
     6. the ratio, stop-gradient form     r_t = exp(sg[l_t]) exp(g_t (log pi_t - sg[log pi_t])): value exp(l_t),
                                          gradient r_t g_t grad log pi_t (g_t = 1 but at gmpo's clipped tokens)
     7. the clip schedule                 ratio: 1 - eps_low, 1 + eps_high, c; log_adaptive: exp(-+eps n_t^p)
+                                         (DPPO: divergence bounds eps or eps n_t^(k p), truncation c)
     8. the surrogate                     its formula (``maspo_verl.core.surrogates``), times the rollout weights
     9. verl's aggregation                ``agg_loss``; seg-mean-token-mean weights token t by 1 / (|S(t)| K_i)
 
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from maspo_verl.core.segments.reference import reference_segment_ids
-from maspo_verl.core.surrogates import SURROGATES, ClipBounds
+from maspo_verl.core.surrogates import SURROGATES, ClipBounds, DivergenceBounds
 
 LOG_RATIO_CLAMP = 20.0  # verl's bound on a token's log-ratio (compute_policy_loss_vanilla)
 
@@ -80,31 +82,39 @@ def reference_loss(
         raise ValueError(f"reference_loss: no token set {policy_loss.loss_mode!r}")
     set_size = member.sum(-1).to(delta.dtype)  # n_t = |S(t)|
 
-    # 5. the shared log-ratio
+    # 5. the shared log-ratio, and the set's old log-probability log p_S, whose new / old ratio it is
     total = (member * delta[:, None, :]).sum(-1)
     shared_log_ratio = (total / set_size.clamp(min=1.0) ** alpha).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    old_kept = torch.where(kept, old_log_prob, 0.0)
+    set_log_prob = (member * old_kept[:, None, :]).sum(-1) / set_size.clamp(min=1.0) ** alpha
 
     # 6. the ratio: value exp(l_t), gradient r_t g_t grad log pi_t
     log_pi = torch.where(kept, log_prob, 0.0)
     score = torch.where(keeps_grad, log_pi - log_pi.detach(), 0.0)
     ratio = torch.exp(shared_log_ratio) * torch.exp(score)
 
-    # 7. the clip bounds: lower, upper, dual
+    # 7. the clip bounds: lower, upper, dual; DPPO's divergence bounds and truncation (k: the divergence's order)
+    eps_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    eps_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
     if policy_loss.clip_schedule == "ratio":
-        eps_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
-        eps_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
         bounds = (1.0 - eps_low, 1.0 + eps_high, actor.get("clip_ratio_c", 3.0))
         low, high, dual = (torch.full_like(ratio, float(bound)) for bound in bounds)
+        divergence = (eps_low, eps_high, actor.get("clip_ratio_c", 20.0))
+        div_low, div_high, cap = (torch.full_like(ratio, float(bound)) for bound in divergence)
     else:  # log_adaptive
         scale = set_size.clamp(min=1.0) ** policy_loss.clip_exponent
         low = torch.exp(-policy_loss.log_clip_low * scale)
         high = torch.exp(policy_loss.log_clip_high * scale)
-        dual = torch.exp(policy_loss.log_clip_dual * scale)
+        dual = cap = torch.exp(policy_loss.log_clip_dual * scale)
+        k = getattr(surrogate, "order", 1)
+        div_low, div_high = policy_loss.log_clip_low * scale**k, policy_loss.log_clip_high * scale**k
 
     # 8. the surrogate's formula on r (its gradient is autograd's), zero outside the kept tokens
-    params = surrogate.params(policy_loss, actor, set_size)
+    params = surrogate.params(policy_loss, actor, set_size, set_log_prob)
     if isinstance(params, ClipBounds):  # the bounds of step 7, whatever the schedule
         params = ClipBounds(low, high, dual)
+    elif isinstance(params, DivergenceBounds):
+        params = DivergenceBounds(div_low, div_high, cap, set_log_prob)
     log_r = shared_log_ratio + score
     token_loss = surrogate.loss(ratio, log_r, adv, log_pi, params).loss
     if rollout_is_weights is not None:

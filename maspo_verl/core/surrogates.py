@@ -12,6 +12,14 @@ exp(l_t), gradient r_t grad log pi_t), the advantage A_t and log pi_t; autograd 
 | `sapo`  | -A (4 / tau) sigmoid(tau (r - 1)), tau_pos (A > 0) else tau_neg | gate saturated below / above; none    |
 | `tis`   | -sg[min(r, c)] A log pi_t                                       | none / weight truncated at c; none    |
 | `gmpo`  | ppo's on r, the geometric mean of per-token clipped ratios      | token clipped below / above; dual     |
+| `dppo_tv` | -sg[m min(r, c)] A log pi_t, m = 0 where p_S left the TV bound | masked (A <= 0 / A > 0); truncated   |
+| `dppo_kl` | the same with the binary KL                                   | masked (A <= 0 / A > 0); truncated   |
+| `dro`   | -A log pi_t + (beta / 2) (log r)^2                              | none                                  |
+
+``dppo_tv`` and ``dppo_kl`` (DPPO-Binary) bound the divergence between the old and new probability of the token's
+set, p_S = exp(sum_{S(t)} log pi_old / |S(t)|^alpha) (``Surrogate.reads_set_probability``) and p_S r, by the actor's
+``clip_ratio_low/high`` (ratio schedule) or ``log_clip_low/high`` n^(k p) (log_adaptive), and truncate the weight at
+c. ``dro`` reads verl's ``policy_loss.dro_beta`` (``Surrogate.requires``).
 
 Every surrogate also sees each token's log-ratio before the token set shares it (``Surrogate.clip_tokens``, step 3
 of the call): all but ``gmpo`` pass it on unchanged. ``gmpo`` (GMPO, "Geometric-Mean Policy Optimization", Zhao et
@@ -127,7 +135,9 @@ class Example:
     it). ``settings``: policy-loss fields; ``actor``: ``maspo_verl.config.actor_config``'s clip arguments
     (``clip_low``, ``clip_high``, ``clip_c``); ``sizes``: the set sizes n_t a log-space schedule reads.
     ``token_log_ratio``: where given, the row is one token set of these token log-ratios delta_t, and ``ratio``
-    is the shared ratio the test expects after ``Surrogate.clip_tokens`` (the same value at every token)."""
+    is the shared ratio the test expects after ``Surrogate.clip_tokens`` (the same value at every token).
+    ``old_log_prob``: each token's set log-probability under the old policy, log p_S (the surrogates that read it,
+    ``Surrogate.reads_set_probability``); by default log_prob - log ratio, each token a set of its own."""
 
     why: str
     ratio: tuple[float, ...]
@@ -139,6 +149,7 @@ class Example:
     actor: dict[str, Any] = field(default_factory=dict)
     sizes: tuple[float, ...] | None = None
     token_log_ratio: tuple[float, ...] | None = None
+    old_log_prob: tuple[float, ...] | None = None
 
 
 # a surrogate's parameters: ``ClipBounds`` for the clipped ones, ``SapoTemperatures`` for SAPO
@@ -156,6 +167,12 @@ class Surrogate(Generic[Params]):
     clip_schedules: ClassVar[tuple[str, ...] | None] = None
     why_schedule: ClassVar[str] = ""
     examples: ClassVar[tuple[Example, ...]] = ()
+    # reads each token's set log-probability under the old policy, log p_S = sum_{u in S(t)} log pi_old_u /
+    # |S(t)|^alpha, the quantity whose new / old ratio is the shared ratio (``params``' ``set_log_prob``)
+    reads_set_probability: ClassVar[bool] = False
+    # verl's policy-loss fields without a default that it needs, and the values tools and tests give them where a
+    # config sets none (``switch_fields``; ``dro``: ``dro_beta``)
+    requires: ClassVar[dict[str, Any]] = {}
 
     def check(self, policy_loss: Any) -> None:
         """Refuse settings that make no sense with this surrogate (``FieldError``)."""
@@ -176,10 +193,13 @@ class Surrogate(Generic[Params]):
         (``TokenClip``). By default they pass unchanged and every token keeps its gradient."""
         return TokenClip(delta)
 
-    def params(self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None) -> Params:
+    def params(
+        self, policy_loss: Any, actor: Any, sizes: torch.Tensor | None, set_log_prob: torch.Tensor | None = None
+    ) -> Params:
         """Its parameters from the configs: by default the bounds of ``policy_loss.clip_schedule`` (log_adaptive reads
         ``sizes``, the per-token set sizes n_t; ratio-space bounds are verl's actor scalars ``clip_ratio_low/high``,
-        else ``clip_ratio``, and ``clip_ratio_c``)."""
+        else ``clip_ratio``, and ``clip_ratio_c``). ``set_log_prob`` [B, T]: log p_S per token, given to the
+        surrogates that read it (``reads_set_probability``), else None."""
         pl = policy_loss
         if pl.clip_schedule == "log_adaptive":
             scale = sizes.clamp(min=1.0)
@@ -206,7 +226,8 @@ SETTINGS = (
         DEFAULT,
         Choice(lambda: tuple(SURROGATES)),
         "what the objective does with the shared ratio: PPO's clip, CISPO's clipped weight, SAPO's soft gate, "
-        "truncated IS, GMPO's geometric mean of per-token clipped ratios",
+        "truncated IS, GMPO's geometric mean of per-token clipped ratios, DPPO-Binary's TV or KL trust region on "
+        "the probability, DRO's log-ratio penalty",
     ),
 )
 
@@ -310,7 +331,7 @@ class SAPO(Surrogate[SapoTemperatures]):
                 fail(f"actor_rollout_ref.actor.{name}", value, "a number > 0 (surrogate=sapo needs verl's SAPO fields)")
             check_float(f"actor_rollout_ref.actor.{name}", value, 0.0, lo_open=True)
 
-    def params(self, policy_loss, actor, sizes) -> SapoTemperatures:
+    def params(self, policy_loss, actor, sizes, set_log_prob=None) -> SapoTemperatures:
         return SapoTemperatures(float(actor.tau_pos), float(actor.tau_neg))
 
     def loss(self, r, log_r, adv, log_pi, params):
@@ -415,7 +436,7 @@ class GMPO(Surrogate[TokenBand]):
         ),
     )
 
-    def params(self, policy_loss, actor, sizes) -> TokenBand:
+    def params(self, policy_loss, actor, sizes, set_log_prob=None) -> TokenBand:
         if policy_loss.clip_schedule == "log_adaptive":
             pl = policy_loss
             return TokenBand(float(pl.log_clip_low), float(pl.log_clip_high), math.exp(pl.log_clip_dual))
@@ -433,6 +454,239 @@ class GMPO(Surrogate[TokenBand]):
     def loss(self, r, log_r, adv, log_pi, params):
         bounds = ClipBounds(math.exp(-params.low), math.exp(params.high), params.dual)
         return SURROGATES["ppo"].loss(r, log_r, adv, log_pi, bounds)
+
+
+@dataclass
+class DivergenceBounds:
+    """DPPO's trust region on each token's set probability p_S (old: exp(``set_log_prob``), new: p_S r): ``high``
+    bounds the divergence where it rose (checked where A > 0), ``low`` where it fell (A <= 0), and ``cap`` truncates
+    the ratio as a weight (c); scalars or per token [B, T]."""
+
+    low: torch.Tensor | float
+    high: torch.Tensor | float
+    cap: torch.Tensor | float
+    set_log_prob: torch.Tensor
+
+
+# verl's guard inside the binary KL's log((1 - p_old + g) / (1 - p_new + g)) (core_algos.compute_policy_loss_dppo_kl)
+BINARY_KL_GUARD = 1e-8
+
+
+class DPPO(Surrogate[DivergenceBounds]):
+    """DPPO-Binary ("Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879; verl's ``dppo_tv``,
+    ``dppo_kl``): the trust region bounds the binary divergence between the old and new probability of the
+    sampled outcome instead of the ratio. Here that outcome is the token's set: p_S = exp(sum_{S(t)} log pi_old /
+    |S(t)|^alpha) (the token's own probability at one token per set), whose new / old ratio is the shared ratio,
+    so p_S' = p_S r. A token is masked (no loss, no gradient) where A > 0 and p_S rose by more than ``high``, or
+    A <= 0 and it fell by more than ``low``; the rest is truncated IS: loss -sg[min(r, c)] A log pi. Bounds:
+    ``ratio``: the actor's ``clip_ratio_low/high`` (else ``clip_ratio``) as divergences and ``clip_ratio_c`` as c,
+    as verl's; ``log_adaptive``: ``log_clip_low/high`` n^(k p), k the divergence's order in the log-ratio near
+    r = 1 (``order``), and c = exp(``log_clip_dual`` n^p)."""
+
+    reads_set_probability = True
+    # the divergence's order in log r near r = 1 (TV: p |l|, KL: p l^2 / (2 (1 - p))): log_adaptive scales its
+    # bounds by n^(order p), so the log-ratio they allow scales as n^p, as the schedule's ratio bounds do
+    order: ClassVar[int] = 1
+
+    def check_actor(self, actor: Any) -> None:
+        if actor.policy_loss.get("clip_schedule", "ratio") == "ratio":
+            for name in ("clip_ratio_low", "clip_ratio_high"):
+                value = actor.get(name, None)
+                value, name = (value, name) if value is not None else (actor.get("clip_ratio", None), "clip_ratio")
+                check_float(f"actor_rollout_ref.actor.{name}", value, 0.0, lo_open=True)
+        check_float("actor_rollout_ref.actor.clip_ratio_c", actor.get("clip_ratio_c", 20.0), 0.0, lo_open=True)
+
+    def params(self, policy_loss, actor, sizes, set_log_prob=None) -> DivergenceBounds:
+        pl = policy_loss
+        if pl.clip_schedule == "log_adaptive":
+            n = sizes.clamp(min=1.0)
+            bound_scale, cap = n.pow(pl.clip_exponent * self.order), n.pow(pl.clip_exponent).mul_(pl.log_clip_dual)
+            return DivergenceBounds(
+                pl.log_clip_low * bound_scale, pl.log_clip_high * bound_scale, cap.exp_(), set_log_prob
+            )
+        low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        return DivergenceBounds(float(low), float(high), float(actor.get("clip_ratio_c", 20.0)), set_log_prob)
+
+    def within(self, p_old, p_new, log_r, bounds: DivergenceBounds) -> tuple[torch.Tensor, torch.Tensor]:
+        """(within the high bound, within the low bound), bool [B, T], of the move p_old -> p_new (log_r: its log)."""
+        raise NotImplementedError
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        ratio, log_ratio = r.detach(), log_r.detach()
+        p_old = params.set_log_prob.exp()
+        within_high, within_low = self.within(p_old, p_old * ratio, log_ratio, params)
+        positive = adv > 0
+        above, below = positive & ~within_high, ~positive & ~within_low
+        kept = ~(above | below)
+        truncated = kept & (ratio > params.cap)
+        weight = torch.where(truncated, params.cap, ratio) * kept
+        return TokenLosses(-(weight * adv) * log_pi, below, above, truncated)
+
+
+@register_surrogate
+class DPPOTV(DPPO):
+    """DPPO-Binary-TV: the binary total variation |p_S' - p_S| = p_S |r - 1|."""
+
+    name = "dppo_tv"
+    examples = (
+        Example(
+            "p_S = 0.5, bounds 0.2, c = 3: r = 1.2, A > 0: p rose by 0.1, kept (loss -w A log pi, gradient -w A); "
+            "r = 1.5, A > 0: rose by 0.25 > 0.2, masked (high); r = 1.5, A < 0: only a fall is bounded, kept; r = 0.5, "
+            "A < 0: fell by 0.25, masked (low); p_S = 0.1, r = 5, A < 0: kept, weight truncated to 3 (dual); r = 0.5, "
+            "A > 0: kept; A = 0 is bounded as A < 0 (as verl's), masked",
+            ratio=(1.2, 1.5, 1.5, 0.5, 5.0, 0.5, 0.5),
+            advantage=(1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 0.0),
+            log_prob=(-0.5,) * 7,
+            old_log_prob=(math.log(0.5),) * 4 + (math.log(0.1),) + (math.log(0.5),) * 2,
+            loss=(0.6, 0.0, -0.75, 0.0, -1.5, 0.25, 0.0),
+            grad=(-1.2, 0.0, 1.5, 0.0, 3.0, -0.5, 0.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
+        ),
+        Example(
+            "the set's probability, not the token's: p_S = 0.25 (a set whose mean log pi_old is log 0.25), r = 1.5: "
+            "p_S rose by 0.125 <= 0.2, kept (at p = 0.5 the token alone would rise by 0.25, masked); p_S = 0.9, "
+            "r = 0.7: fell by 0.27 > 0.2 with A < 0, masked",
+            ratio=(1.5, 0.7),
+            advantage=(2.0, -1.0),
+            log_prob=(-0.5, -0.5),
+            old_log_prob=(math.log(0.25), math.log(0.9)),
+            loss=(1.5, 0.0),
+            grad=(-3.0, 0.0),
+            actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
+        ),
+        Example(
+            "log_adaptive: n = 4, p = 0.5: bounds 0.05 * 2 = 0.1, c = exp(0.5 * 2) = e; p_S = 0.5: r = 1.15 rose by "
+            "0.075, kept; r = 1.3 rose by 0.15, masked; r = 3, A < 0: kept, weight truncated to e",
+            ratio=(1.15, 1.3, 3.0),
+            advantage=(1.0, 1.0, -1.0),
+            log_prob=(-0.5,) * 3,
+            old_log_prob=(math.log(0.5),) * 3,
+            loss=(0.575, 0.0, -math.e / 2),
+            grad=(-1.15, 0.0, math.e),
+            settings={
+                "clip_schedule": "log_adaptive",
+                "log_clip_low": 0.05,
+                "log_clip_high": 0.05,
+                "log_clip_dual": 0.5,
+                "clip_exponent": 0.5,
+            },
+            sizes=(4.0, 4.0, 4.0),
+        ),
+    )
+
+    def within(self, p_old, p_new, log_r, bounds):
+        change = p_new - p_old
+        return change <= bounds.high, change >= -bounds.low
+
+
+@register_surrogate
+class DPPOKL(DPPO):
+    """DPPO-Binary-KL: the binary KL p_S log(p_S / p_S') + (1 - p_S) log((1 - p_S) / (1 - p_S')), bounded only in
+    the direction the advantage pushes (a rise where A > 0, a fall where A <= 0)."""
+
+    name = "dppo_kl"
+    order = 2
+    examples = (
+        Example(
+            "p_S = 0.5, bounds 0.05: r = 1.2 (p' = 0.6): KL = 0.5 ln(5/6) + 0.5 ln(5/4) = 0.0204 <= 0.05, kept; "
+            "r = 1.5 (p' = 0.75): KL = 0.5 ln(2/3) + 0.5 ln 2 = 0.1438, masked (high) where A > 0, kept where A < 0 "
+            "(a rise); r = 0.5 (p' = 0.25): KL = 0.1438, masked (low) where A < 0, kept where A > 0; p_S = 0.1, "
+            "r = 4, A < 0: a rise, kept, weight truncated to 3",
+            ratio=(1.2, 1.5, 1.5, 0.5, 0.5, 4.0),
+            advantage=(1.0, 1.0, -1.0, -1.0, 1.0, -1.0),
+            log_prob=(-0.5,) * 6,
+            old_log_prob=(math.log(0.5),) * 5 + (math.log(0.1),),
+            loss=(0.6, 0.0, -0.75, 0.0, 0.25, -1.5),
+            grad=(-1.2, 0.0, 1.5, 0.0, -0.5, 3.0),
+            actor={"clip_low": 0.05, "clip_high": 0.05, "clip_c": 3.0},
+        ),
+        Example(
+            "log_adaptive: n = 4, p = -0.5: KL bounds 0.1 * 4^(2 * -0.5) = 0.025, c = exp(2 * 4^-0.5) = e; "
+            "p_S = 0.5, r = 1.2: KL = 0.0204 <= 0.025, kept; r = 0.7 (p' = 0.35): KL = 0.5 ln(1/0.7) + "
+            "0.5 ln(0.5/0.65) = 0.0472 (within order 1's 0.05), masked (low) where A < 0",
+            ratio=(1.2, 0.7),
+            advantage=(1.0, -1.0),
+            log_prob=(-0.5, -0.5),
+            old_log_prob=(math.log(0.5),) * 2,
+            loss=(0.6, 0.0),
+            grad=(-1.2, 0.0),
+            settings={
+                "clip_schedule": "log_adaptive",
+                "log_clip_low": 0.1,
+                "log_clip_high": 0.1,
+                "log_clip_dual": 2.0,
+                "clip_exponent": -0.5,
+            },
+            sizes=(4.0, 4.0),
+        ),
+    )
+
+    def within(self, p_old, p_new, log_r, bounds):
+        guard = BINARY_KL_GUARD
+        kl = p_old * -log_r + (1.0 - p_old) * torch.log((1.0 - p_old + guard) / (1.0 - p_new + guard))
+        return (kl <= bounds.high) | (log_r <= 0), (kl <= bounds.low) | (log_r >= 0)
+
+
+@dataclass(frozen=True)
+class DroPenalty:
+    """DRO's penalty weight beta (verl's ``policy_loss.dro_beta``)."""
+
+    beta: float
+
+
+@register_surrogate
+class DRO(Surrogate[DroPenalty]):
+    """DRO (verl's ``dro``, "Direct Reward Optimization"): REINFORCE with a quadratic penalty on the shared
+    log-ratio, loss -A log pi + (beta / 2) l^2, gradient (-A + beta l) grad log pi: the penalty pulls each token
+    back towards its set's old probability in proportion to how far the set's ratio moved. beta is verl's
+    ``policy_loss.dro_beta`` (required, > 0)."""
+
+    name = "dro"
+    requires = {"dro_beta": 1.0}
+    clip_schedules = ("ratio",)
+    why_schedule = "DRO has no clip bounds: its penalty's weight is policy_loss.dro_beta"
+    examples = (
+        Example(
+            "beta = 0.5, log pi = -0.5: l = 0: loss -A log pi = 0.5, gradient -A; l = 0.4, A = 1: loss 0.5 + 0.25 * "
+            "0.16, gradient -1 + 0.5 * 0.4; l = -2, A = -1: loss -0.5 + 0.25 * 4, gradient 1 - 1 = 0; A = 0, l = 1: "
+            "the penalty alone, loss 0.25, gradient 0.5",
+            ratio=(1.0, math.exp(0.4), math.exp(-2.0), math.e),
+            advantage=(1.0, 1.0, -1.0, 0.0),
+            log_prob=(-0.5,) * 4,
+            loss=(0.5, 0.54, 0.5, 0.25),
+            grad=(-1.0, -0.8, 0.0, 0.5),
+            settings={"dro_beta": 0.5},
+        ),
+    )
+
+    def check(self, policy_loss: Any) -> None:
+        super().check(policy_loss)
+        beta = getattr(policy_loss, "dro_beta", None)
+        if beta is None:
+            fail("dro_beta", beta, "a number > 0 with surrogate='dro' (the weight of DRO's penalty, verl's field)")
+        check_float("dro_beta", beta, 0.0, lo_open=True)
+
+    def params(self, policy_loss, actor, sizes, set_log_prob=None) -> DroPenalty:
+        return DroPenalty(float(policy_loss.dro_beta))
+
+    def loss(self, r, log_r, adv, log_pi, params):
+        return unclipped(0.5 * params.beta * log_r.square() - adv * log_pi)
+
+
+def switch_fields(policy_loss: dict[str, Any], name: str) -> dict[str, Any]:
+    """The policy-loss fields ``policy_loss`` with surrogate ``name``: its first accepted clip schedule where
+    ``clip_schedule`` is not one, and the fields it requires (``Surrogate.requires``) that are unset, at their
+    tools' values. How tests, the benchmark and the lab put any surrogate on a preset."""
+    surrogate = SURROGATES[name]
+    fields = {**policy_loss, "surrogate": name}
+    schedules = surrogate.clip_schedules
+    if schedules is not None and fields.get("clip_schedule", "ratio") not in schedules:
+        fields["clip_schedule"] = schedules[0]
+    for key, value in surrogate.requires.items():
+        if fields.get(key) is None:
+            fields[key] = value
+    return fields
 
 
 def check_config(policy_loss: Any) -> None:

@@ -58,6 +58,11 @@ class TokenSet:
         (``SetSums``, [B, T] each); ``old_log_prob`` [B, T] for the rules that read it."""
         raise NotImplementedError
 
+    def sum_sets(self, sets: SetSums, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [B, T] (zero outside the mask) summed over each set of ``sets`` (``sums``' result), indexed like
+        its ``totals``; by default over its segment ids."""
+        return torch.zeros_like(values).scatter_add_(-1, sets.segment_ids, values)
+
     def segment_ids(self, policy_loss: Any, old_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The segment ids [B, T] of the tokens in ``mask`` (None for sets that are not segments); a rule that reads
         the token log-ratios fails here, naming them (only ``sums`` has them)."""
@@ -129,6 +134,9 @@ class Prefixes(TokenSet):
     def sums(self, policy_loss, old_log_prob, mask, delta):
         total, sizes = torch.cumsum(delta, dim=-1), torch.cumsum(float_mask(mask, delta.dtype), dim=-1)
         return SetSums(total, sizes, 0.0 if policy_loss.ctpo_mode == "cumprod" else 1.0, None)
+
+    def sum_sets(self, sets, values):
+        return torch.cumsum(values, dim=-1)
 
 
 @register_token_set

@@ -43,7 +43,7 @@ import maspo_verl.plugin  # noqa: F401  (registers our losses)
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
-from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab import common
 from maspo_verl.util import config_dir, preset_names
@@ -87,13 +87,9 @@ def compiled(e: Entry) -> Entry:
 
 
 def with_surrogate(e: Entry, surrogate: str) -> Entry:
-    """``e`` with ``policy_loss.surrogate=<surrogate>`` (and the first clip schedule it accepts, if the
-    preset's is not one), labelled ``<preset>+<surrogate>``."""
-    schedules = SURROGATES[surrogate].clip_schedules
-    policy_loss = {**e.policy_loss, "surrogate": surrogate}
-    if schedules is not None and policy_loss.get("clip_schedule", "ratio") not in schedules:
-        policy_loss["clip_schedule"] = schedules[0]
-    return Entry(f"{e.label}+{surrogate}", e.loss_mode, e.actor, policy_loss)
+    """``e`` with ``policy_loss.surrogate=<surrogate>`` (``switch_fields``: the first clip schedule it accepts, if the
+    preset's is not one, and the fields it requires), labelled ``<preset>+<surrogate>``."""
+    return Entry(f"{e.label}+{surrogate}", e.loss_mode, e.actor, switch_fields(e.policy_loss, surrogate))
 
 
 def surrogate_entries(entries: list[Entry]) -> list[Entry]:

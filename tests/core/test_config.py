@@ -146,6 +146,13 @@ def test_ctpo_rejects_segment_aggregation():
             {"surrogate": "sapo", "clip_schedule": "log_adaptive"},
             r"clip_schedule='log_adaptive' is invalid: allowed ratio with surrogate='sapo'",
         ),
+        ({"surrogate": "dro"}, r"policy_loss.dro_beta=None is invalid: allowed a number > 0 with surrogate='dro'"),
+        ({"surrogate": "dro", "dro_beta": 0.0}, r"policy_loss.dro_beta=0.0 is invalid: allowed a finite number > 0"),
+        ({"surrogate": "dro", "dro_beta": -1.0}, r"policy_loss.dro_beta=-1.0 is invalid: allowed a finite number > 0"),
+        (
+            {"surrogate": "dro", "dro_beta": 1.0, "clip_schedule": "log_adaptive"},
+            r"clip_schedule='log_adaptive' is invalid: allowed ratio with surrogate='dro'",
+        ),
     ],
 )
 def test_surrogate_refuses_what_makes_no_sense(fields, message):
@@ -168,6 +175,8 @@ def test_every_surrogate_composes_with_every_preset_of_ours_where_its_schedule_a
         schedule = pl.clip_schedule
         for name, surrogate in SURROGATES.items():
             pl.surrogate, pl.clip_schedule = name, schedule
+            for key, value in surrogate.requires.items():  # verl's fields without a default (dro's dro_beta)
+                pl[key] = value
             if surrogate.clip_schedules is not None and schedule not in surrogate.clip_schedules:
                 with pytest.raises(Exception, match="clip_schedule=.log_adaptive. is invalid"):
                     omega_conf_to_dataclass(pl)
@@ -187,6 +196,31 @@ def test_sapo_needs_positive_temperatures_at_start_up():
         ValueError, match=r"actor_rollout_ref.actor.tau_neg=0.0 is invalid: allowed a finite number > 0"
     ):
         startup_checks(compose_config("loss=maspo_fixed", *sapo, "actor_rollout_ref.actor.tau_neg=0.0"))
+
+
+def test_dro_beta_is_refused_at_start_up_when_missing_or_not_positive():
+    """``surrogate=dro`` reads verl's own ``policy_loss.dro_beta``: the composed config fails where verl builds it."""
+    dro = ("loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.surrogate=dro")
+    ratio = "actor_rollout_ref.actor.policy_loss.clip_schedule=ratio"
+    for extra, message in [
+        ((), r"policy_loss.dro_beta=None is invalid: allowed a number > 0"),
+        (("actor_rollout_ref.actor.policy_loss.dro_beta=0",), r"policy_loss.dro_beta=0 is invalid"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            omega_conf_to_dataclass(compose_config(*dro, ratio, *extra).actor_rollout_ref.actor.policy_loss)
+    built = compose_config(*dro, ratio, "actor_rollout_ref.actor.policy_loss.dro_beta=0.5")
+    assert omega_conf_to_dataclass(built.actor_rollout_ref.actor.policy_loss).dro_beta == 0.5
+
+
+@pytest.mark.parametrize("surrogate", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("field,value", [("clip_ratio_low", 0.0), ("clip_ratio_high", -0.1), ("clip_ratio_c", 0.0)])
+def test_dppo_divergence_bounds_are_checked_at_start_up(surrogate, field, value):
+    """DPPO reads the actor's clip_ratio_low/high as divergence bounds and clip_ratio_c as the truncation: > 0."""
+    chosen = ("loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.surrogate={surrogate}")
+    ratio = "actor_rollout_ref.actor.policy_loss.clip_schedule=ratio"
+    assert startup_checks(compose_config(*chosen, ratio)) == []
+    with pytest.raises(ValueError, match=rf"actor_rollout_ref.actor.{field}={value} is invalid: allowed a finite"):
+        startup_checks(compose_config(*chosen, ratio, f"actor_rollout_ref.actor.{field}={value}"))
 
 
 def test_our_loss_without_our_dataclass_is_a_startup_error():

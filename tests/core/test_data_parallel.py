@@ -105,7 +105,7 @@ def actor_configs() -> dict[tuple[str, str, str], object]:
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    from maspo_verl.core.surrogates import SURROGATES
+    from maspo_verl.core.surrogates import switch_fields
     from tests.helpers import BYTE_VOCABULARY, compose_config
 
     base = OmegaConf.to_container(compose_config("~loss").actor_rollout_ref.actor, resolve=True)
@@ -114,10 +114,7 @@ def actor_configs() -> dict[tuple[str, str, str], object]:
         path = config_dir() / "loss" / f"{preset}.yaml"
         node = OmegaConf.merge(base, yaml.safe_load(path.read_text())["actor_rollout_ref"]["actor"])
         if surrogate != node.policy_loss.surrogate:
-            node.policy_loss.surrogate = surrogate
-            schedules = SURROGATES[surrogate].clip_schedules
-            if schedules is not None and node.policy_loss.clip_schedule not in schedules:
-                node.policy_loss.clip_schedule = schedules[0]
+            node.policy_loss = switch_fields(node.policy_loss, surrogate)
         if mode == SEG_MEAN:
             node.policy_loss.agg_mode = SEG_MEAN
         else:

@@ -27,7 +27,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.batch import micro_batch_scope
 from maspo_verl.config import actor_config
-from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, VERL_AGG, compose_config, preset_fields, random_mask
@@ -48,10 +48,7 @@ EXAMPLES_PER_PRESET = int(os.environ.get("MASPO_FUZZ_EXAMPLES", CASES // len(PRE
 
 def preset_config(preset: str, agg: str, surrogate: str):
     clips, policy_loss = preset_fields(preset)
-    policy_loss["surrogate"] = surrogate
-    schedules = SURROGATES[surrogate].clip_schedules
-    if schedules is not None and policy_loss["clip_schedule"] not in schedules:
-        policy_loss["clip_schedule"] = schedules[0]
+    policy_loss = switch_fields(policy_loss, surrogate)
     if agg == "seg-mean-token-mean":
         policy_loss["agg_mode"] = agg
     if any(rule.reads_codec for rule in segment_rules(policy_loss)):  # codes 0..255: random ids often in range

@@ -122,11 +122,11 @@ def test_maspo_file_holds_the_inputs_segments_and_their_ratios(inputs, tmp_path)
     assert clipped > 0  # the check above saw clips
 
 
-def inspected_verl_loss(name, inputs, tmp_path):
+def inspected_verl_loss(name, inputs, tmp_path, **policy_loss):
     """What the inspection wrote for one call of verl's loss ``name`` at a drift of 0.3 per token."""
     old, new, adv, mask, ids, words = inputs
     new = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
-    cfg = actor_config(loss_mode=name, inspect_dir=str(tmp_path), inspect_every=1)
+    cfg = actor_config(loss_mode=name, inspect_dir=str(tmp_path), inspect_every=1, **policy_loss)
     call(cfg, (old, new, adv, mask, ids, words), 1)
     doc = read(tmp_path, 1)
     assert doc["loss_mode"] == name
@@ -171,6 +171,28 @@ def test_verl_cispo_and_sapo_write_their_token_ratios_and_clips(name, inputs, tm
         assert seg["clip_dual"] == [0] * n
         high += sum(expected)
     assert high > 0 or name == "sapo"
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dro"])
+def test_verl_dppo_and_dro_write_their_token_ratios_and_masks(name, inputs, tmp_path):
+    """verl's dppo_tv / dro are inspected through W = 1 with the same surrogate: a segment per token, r = exp(lp -
+    old); dppo_tv masked high where A > 0 and the probability rose by more than 0.28 (clip_ratio_high), low where
+    A <= 0 and it fell by more than 0.2; dro masks nothing."""
+    doc, old, new, adv, mask = inspected_verl_loss(
+        name, inputs, tmp_path, **({"dro_beta": 0.5} if name == "dro" else {})
+    )
+    masked = 0
+    for r, resp in enumerate(doc["responses"]):
+        n = int(mask[r].sum())
+        change = (new[r, :n].double().exp() - old[r, :n].double().exp()).tolist()
+        seg, a = resp["segments"], float(adv[r, 0])
+        assert seg["length"] == [1] * n
+        assert seg["ratio"] == pytest.approx((new[r, :n] - old[r, :n]).double().exp().tolist(), rel=1e-5)
+        high = [int(name == "dppo_tv" and a > 0 and d > 0.28) for d in change]
+        low = [int(name == "dppo_tv" and a <= 0 and d < -0.2) for d in change]
+        assert seg["clip_high"] == high and seg["clip_low"] == low
+        masked += sum(high) + sum(low)
+    assert masked > 0 or name == "dro"
 
 
 @pytest.mark.parametrize("preset", preset_names())

@@ -351,6 +351,15 @@ def sapo_saturation(new, old, adv, mask, tau_pos, tau_neg) -> float:
     return ((4 * s * (1 - s) < 0.5) & mask).sum().item() / mask.sum().item()
 
 
+def window_one_inputs(seed, weight_seed, scale, per_token, weighted, agg):
+    """A batch, rollout-correction weights (or None), our ``agg_mode`` fields and the aggregation both losses are
+    called with: agg_mode=seg-mean-token-mean at W = 1 is verl's seq-mean-token-mean."""
+    old, new, adv, mask = random_batch(scale=scale, seed=seed, per_token=per_token)
+    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(weight_seed)) * 2
+    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
+    return (old, new, adv, mask), weights if weighted else None, segment, "seq-mean-token-mean" if segment else agg
+
+
 @pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
 @pytest.mark.parametrize("scale", [0.05, 0.6])
 @pytest.mark.parametrize("per_token", [False, True])
@@ -359,11 +368,7 @@ def test_window_one_cispo_is_verl_cispo(agg, scale, per_token, weighted):
     """surrogate=cispo at W = 1 with the actor's clip_ratio_low/high: verl's cispo, in every aggregation
     (agg_mode=seg-mean-token-mean at W = 1 is seq-mean-token-mean), rollout-correction weights included."""
     need_verl_loss("cispo")
-    old, new, adv, mask = random_batch(scale=scale, seed=11, per_token=per_token)
-    weights = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2
-    weights = weights if weighted else None
-    segment = {"agg_mode": agg} if agg == "seg-mean-token-mean" else {}
-    verl_agg = "seq-mean-token-mean" if segment else agg
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(11, 3, scale, per_token, weighted, agg)
     ours_cfg = actor_config(**CISPO_CLIPS, segment_rule="fixed", segment_window=1, surrogate="cispo", **segment)
     verl_cfg = actor_config(**CISPO_CLIPS, loss_mode="vanilla")
     ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
@@ -504,3 +509,112 @@ def test_window_one_tis_is_verl_dppo_tv_without_its_tv_mask(agg, scale, weighted
     assert ours_m["actor/ratio/clipfrac_low"] == 0.0 and ours_m["actor/pg_clipfrac_lower"] == 0.0
     if scale > 0.5:
         assert ours_m["actor/ratio/clipfrac_high"] > 0
+
+
+# ---- DPPO-Binary (TV, KL) and DRO on any token set: verl's dppo_tv / dppo_kl / dro at one token per set ----
+
+# the actor's clip_ratio_low/high are DPPO's divergence bounds (binding at scale 0.6), clip_ratio_c its truncation
+DPPO_BOUNDS = {
+    "dppo_tv": {"clip_low": 0.1, "clip_high": 0.15, "clip_c": 1.5},
+    "dppo_kl": {"clip_low": 0.02, "clip_high": 0.03, "clip_c": 1.5},
+}
+DRO_BETA = 0.7
+
+
+def limits_to_1e12(ours, verl, new):
+    assert_close(ours, verl, 1e-12)
+    grads = [torch.autograd.grad(loss, new)[0] for loss in (ours, verl)]
+    assert_close(*grads, 1e-12)
+    assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_window_one_dppo_is_verl_dppo(name, agg, scale, per_token, weighted):
+    """surrogate=dppo_tv / dppo_kl at W = 1 with the actor's clip_ratio_low/high as divergence bounds and clip_ratio_c
+    as the truncation: verl's dppo_tv / dppo_kl, loss and gradient within 1e-12 in every aggregation (agg_mode=
+    seg-mean-token-mean at W = 1 is seq-mean-token-mean), rollout-correction weights included; the masked share is
+    verl's pg_clipfrac, the truncated share of the kept tokens its pg_clipfrac_lower."""
+    need_verl_loss(name)
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(31, 6, scale, per_token, weighted, agg)
+    bounds = DPPO_BOUNDS[name]
+    ours_cfg = actor_config(**bounds, segment_rule="fixed", segment_window=1, surrogate=name, **segment)
+    ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
+    verl_cfg = actor_config(**bounds, loss_mode="vanilla")
+    verl, verl_m = get_policy_loss_fn(name)(old, new, adv, mask, verl_agg, verl_cfg, weights)
+    limits_to_1e12(ours, verl, new)
+    for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):  # verl's shares are float32
+        assert ours_m[key] == pytest.approx(verl_m[key], abs=1e-6), key
+    assert ours_m["actor/ppo_kl"] == pytest.approx(verl_m["actor/ppo_kl"], abs=1e-12)
+    if scale > 0.5:  # masked on both sides, and truncated
+        assert ours_m["actor/ratio/clipfrac_low"] > 0 and ours_m["actor/ratio/clipfrac_high"] > 0
+        assert ours_m["actor/ratio/clipfrac_dual"] > 0
+
+
+@pytest.mark.parametrize("agg", [*AGG_MODES, "seg-mean-token-mean"])
+@pytest.mark.parametrize("scale", [0.05, 0.6])
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_window_one_dro_is_verl_dro(agg, scale, per_token, weighted):
+    """surrogate=dro at W = 1 with verl's policy_loss.dro_beta: verl's dro, loss and gradient within 1e-12 in every
+    aggregation, rollout-correction weights included; nothing reported as clipped."""
+    need_verl_loss("dro")
+    (old, new, adv, mask), weights, segment, verl_agg = window_one_inputs(32, 7, scale, per_token, weighted, agg)
+    ours_cfg = actor_config(segment_rule="fixed", segment_window=1, surrogate="dro", dro_beta=DRO_BETA, **segment)
+    verl_cfg = actor_config(loss_mode="vanilla", dro_beta=DRO_BETA)
+    ours, ours_m = get_policy_loss_fn("maspo")(old, new, adv, mask, verl_agg, ours_cfg, weights)
+    verl, verl_m = get_policy_loss_fn("dro")(old, new, adv, mask, verl_agg, verl_cfg, weights)
+    limits_to_1e12(ours, verl, new)
+    assert ours_m["actor/ppo_kl"] == pytest.approx(verl_m["actor/ppo_kl"], abs=1e-12)
+    assert ours_m["actor/pg_clipfrac"] == 0.0 and ours_m["actor/pg_clipfrac_lower"] == 0.0
+
+
+def sequence_level_dppo_dro(kind, old, new, adv, mask, low, high, c, beta):
+    """DPPO-Binary and DRO at the sequence level, written out with autograd (no stop-gradient form), one advantage
+    per sequence, mean over sequences. With the length-normalised log-ratio m = mean_t (log pi - log pi_old), GSPO's
+    ratio s = exp(m) is the ratio of the geometric-mean probabilities p = exp(mean_t log pi_old), p' = exp(mean_t
+    log pi): DPPO keeps the sequence where A > 0 and D(p, p') <= high or p' <= p, where A <= 0 and D <= low or
+    p' >= p (TV: D = |p' - p|; KL: the binary KL), loss -sg[min(s, c)] A mean_t log pi there; DRO: -A mean_t log pi
+    + beta m^2 / 2."""
+    lengths = mask.sum(-1)
+    mean = lambda x: (x * mask).sum(-1) / lengths  # noqa: E731
+    m = mean(new - old)
+    a = adv[:, 0]
+    if kind == "dro":
+        return (-a * mean(new) + 0.5 * beta * m**2).mean()
+    p, p_new = torch.exp(mean(old)), torch.exp(mean(new)).detach()
+    if kind == "dppo_tv":
+        rose_ok, fell_ok = p_new - p <= high, p_new - p >= -low
+    else:
+        kl = p * torch.log(p / p_new) + (1 - p) * torch.log((1 - p + 1e-8) / (1 - p_new + 1e-8))
+        rose_ok, fell_ok = (kl <= high) | (p_new <= p), (kl <= low) | (p_new >= p)
+    kept = torch.where(a > 0, rose_ok, fell_ok)
+    weight = torch.clamp(torch.exp(m), max=c).detach() * kept
+    return (-weight * a * mean(new)).mean(), kept
+
+
+@pytest.mark.parametrize("kind", ["dppo_tv", "dppo_kl", "dro"])
+@pytest.mark.parametrize("loss", [("maspo", {"segment_window": 1000}), ("pgspo", {"loss_mode": "pgspo"})])
+@pytest.mark.parametrize("scale", [0.02, 0.3])
+def test_whole_response_is_the_sequence_level_dppo_and_dro(kind, loss, scale):
+    """W >= T (and P-GSPO's alpha = 1) with seq-mean-token-mean: the sequence-level DPPO-Binary on the geometric-mean
+    probability and DRO on the length-normalised log-ratio (docs/algorithms.md §2), loss and gradient."""
+    name, fields = loss
+    old, new, adv, mask = random_batch(scale=scale, seed=33)
+    low, high = (0.01, 0.015) if kind == "dppo_tv" else (0.0004, 0.0006)
+    c, beta = 1.05, 2.0
+    extra = {"dro_beta": beta} if kind == "dro" else {}
+    config = actor_config(low, high, c, **fields, surrogate=kind, **extra)
+    ours, grad, metrics = loss_and_grad(name, config, old, new, adv, mask, "seq-mean-token-mean")
+    ref = sequence_level_dppo_dro(kind, old, new, adv, mask, low, high, c, beta)
+    ref, kept = ref if kind != "dro" else (ref, None)
+    (ref_grad,) = torch.autograd.grad(ref, new)
+    assert_close(ours, ref, 1e-12)
+    assert_close(grad, ref_grad, 1e-12)
+    assert grad.abs().sum() > 0
+    if kept is not None and scale > 0.1:  # some sequences masked, some kept
+        assert not kept.all() and kept.any()
+        assert metrics["actor/pg_clipfrac"] > 0

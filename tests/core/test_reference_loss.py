@@ -16,7 +16,7 @@ from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.config import actor_config
 from maspo_verl.core.reference_loss import reference_loss
 from maspo_verl.core.segments import SEGMENT_RULES
-from maspo_verl.core.surrogates import SURROGATES
+from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS, segment_rules
 from maspo_verl.util import preset_names
 from tests.helpers import BYTE_VOCABULARY, VERL_AGG, preset_fields, random_mask
@@ -41,7 +41,7 @@ CASES = cases()
 
 
 def make_config(clips, policy_loss, surrogate, schedule, agg):
-    fields = {**policy_loss, "surrogate": surrogate, "clip_schedule": schedule}
+    fields = switch_fields({**policy_loss, "clip_schedule": schedule}, surrogate)
     if agg == "seg-mean-token-mean":
         fields["agg_mode"] = agg
     if any(rule.reads_codec for rule in segment_rules(fields)):  # codes 0..255: random ids often in range

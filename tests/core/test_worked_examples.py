@@ -102,7 +102,12 @@ def test_surrogate_example(name, index):
         torch.testing.assert_close(shared, ratio, rtol=1e-12, atol=1e-12, msg=f"shared ratio: {example.why}")
         if clip.keeps_grad is not None:
             score = score * clip.keeps_grad
-    params = surrogate.params(pl, actor, sizes)
+    set_log_prob = None
+    if surrogate.reads_set_probability:  # the example's set log-probability, else each token a set of its own
+        given = example.old_log_prob
+        set_log_prob = (log_prob.detach() - ratio.log()) if given is None else torch.tensor(given, dtype=torch.float64)
+        set_log_prob = set_log_prob.reshape(shape)
+    params = surrogate.params(pl, actor, sizes, set_log_prob)
     # the loss's stop-gradient ratio r = exp(sg[l] + log pi - sg[log pi]): value r, gradient r grad log pi
     token = surrogate.loss(ratio * score.exp(), ratio.log() + score, adv, log_prob, params)
     (grad,) = torch.autograd.grad(token.loss.sum(), log_prob)
