@@ -212,6 +212,9 @@ def check_settings(config) -> str:
     for key in LOG_SETTINGS:
         if key in config.maspo:
             check_bool(f"maspo.{key}", config.maspo[key])
+    from maspo_verl.local import cpu_dtype
+
+    cpu_dtype.check_setting(config)
     return mode
 
 
@@ -395,6 +398,9 @@ def prepare(config) -> dict:
             if new_temp_dir is not None:  # a token in the cluster's temp dir, none in HOME
                 os.environ.update(ray_cluster.private_token_env(config.ray_kwargs.ray_init._temp_dir))
                 _run_temp_folder(config.ray_kwargs.ray_init)
+    from maspo_verl.local import cpu_dtype
+
+    dtype_line = cpu_dtype.fit(config)  # the fastest precision for this CPU where the command line sets none
     ray_init = config.ray_kwargs.ray_init
     from maspo_verl.local.run_log import run_dir, shown_path
 
@@ -406,6 +412,8 @@ def prepare(config) -> dict:
             + ("bypass mode: they are the old log-probs" if bypass else "no bypass mode: only diagnostics see them"),
             flush=True,
         )
+    if dtype_line:
+        print(dtype_line, flush=True)
     print(f"maspo_verl local: {_engine_line(config)}", flush=True)
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
