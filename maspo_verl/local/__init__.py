@@ -16,7 +16,7 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   the short console (``run_log``).
 - ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
   output in the run folder, the closing block, and the private Ray cluster's temp dir removed; the run
-  stopped when a rollout server dies (``watchdog``).
+  stopped when a rollout server or its vLLM engine dies (``watchdog``).
 - ``prepare_task(config)`` (driver, before the batch-size checks, with ``task=turns``): the multi-turn
   toy environment's lengths and data (``turns``; its agent loop and reward manager: ``turns_agent``,
   registered in verl by ``activate``).
@@ -221,12 +221,16 @@ def check_settings(config) -> str:
 @contextlib.contextmanager
 def session(config):
     """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``), with the
-    watchdog over the rollout servers (``maspo_verl.local.watchdog``)."""
+    watchdog over the rollout servers and their engines (``maspo_verl.local.watchdog``), which mutes the console
+    when it stops the run."""
     from maspo_verl.local.run_log import session as run_session
     from maspo_verl.local.watchdog import watching
 
     check_settings(config)
-    with run_session(config, CREATED_TEMP_DIRS), watching():
+    with (
+        run_session(config, CREATED_TEMP_DIRS) as console,
+        watching(on_death=console.mute, temp_dirs=CREATED_TEMP_DIRS),
+    ):
         yield
 
 

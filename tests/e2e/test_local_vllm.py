@@ -273,6 +273,45 @@ def test_a_dead_vllm_server_stops_the_run_with_its_cause_and_leaves_nothing(tmp_
     assert left == NOTHING_LEFT, console[-3000:]
 
 
+WORKER = b"VLLM::Worker"  # the process title vLLM gives its engine core's worker
+
+
+@pytest.mark.slow
+def test_a_dead_vllm_engine_stops_the_run_naming_it_and_leaves_nothing(tmp_path, cache):
+    """The vLLM engine's worker process killed during step 1 (as the kernel's OOM killer ends the largest process),
+    its server actor alive: the server would answer every request with an ``EngineDeadError`` and verl would pad the
+    batch with synthetic samples, then wait forever. The run stops within seconds with one line naming the server,
+    the vLLM process that ended and vLLM's word on it; the closing block names the engine; no step is trained on
+    the dead engine's samples; the lines the dying run prints after that line go to run.log only; nothing is left."""
+    killed = []
+
+    def kill(console):
+        ray_dir = RAY_TEMP_DIR.search(console).group(1)
+        workers = [p for p in processes_naming(ray_dir) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(WORKER)]
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        killed.append((time.monotonic(), workers, len(console.splitlines())))
+
+    code, console, _, left = _run(tmp_path, ["loss=maspo_fixed"], cache, stop_at="ready to fit", act=kill)
+    at, workers, lines_before = killed[0]
+    print(f"from the kill to the end of the command and the leftovers check: {time.monotonic() - at:.1f} s")
+    assert len(workers) == 1, console[-3000:]
+    server = f"{vllm_cpu.SERVER_ACTOR_PREFIX}0_0"
+    said = f"maspo_verl local: the vLLM engine of the rollout server {server} died ("
+    error = f"error        EngineDied: the vLLM engine of the rollout server {server} died ("
+    assert code == 1 and error in console, console[-3000:]
+    if said in console:  # the watchdog's line (else verl's trainer met the dead engine first: the guard's error)
+        line = next(line for line in console.splitlines() if line.startswith(said))
+        assert f"VLLM::Worker (pid {workers[0]})" in line and line.endswith("); the run stops"), line
+    assert "step:1 - " not in console and "step:2 - " not in console, console[-3000:]  # nothing trained after it
+    stopped = console.split("==== maspo_verl local run FAILED", 1)
+    assert len(stopped) == 2 and "Traceback" not in stopped[1], console[-3000:]
+    # vLLM's own report of the death (a few tracebacks), then the line: not a traceback per failed request
+    assert len(stopped[0].splitlines()) - lines_before < 150, stopped[0][-6000:]
+    assert time.monotonic() - at < 120, console[-3000:]  # noticed within seconds; the clean-up ~10-20 s
+    assert left == NOTHING_LEFT, console[-3000:]
+
+
 AGENT_CORRECTION = [
     "loss=maspo_turns", "credit=turns", "algorithm.rollout_correction.bypass_mode=false",
     "algorithm.rollout_correction.rollout_is=segment", "algorithm.rollout_correction.rollout_is_threshold=2.0",

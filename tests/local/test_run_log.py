@@ -126,6 +126,25 @@ def test_known_noise_leaves_the_console_but_not_the_log(tmp_path):
     assert set(console.hidden) == {reason for reason, _ in KNOWN_NOISE}  # every pattern matched its line
 
 
+def test_a_muted_console_sends_every_line_to_the_log_only_and_counts_them(tmp_path):
+    """Once a run stops (its rollout engine dead), what its dying processes print goes to run.log only."""
+    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    target = io.StringIO()
+    console.line(
+        "maspo_verl local: the vLLM engine of the rollout server vllm_server_0_0 died (x); the run stops", target
+    )
+    console.mute("the rollout server's death")
+    for line in KEPT:
+        console.line(line, target)
+    console.log.close()
+    assert target.getvalue().count("\n") == 1 and console.after_mute == len(KEPT)
+    assert (tmp_path / "run.log").read_text().count("\n") == 1 + len(KEPT)
+    block = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 3, 5, muted=("the x", 4)).splitlines()
+    log = next(line for line in block if line.startswith("log "))
+    assert log.endswith("(the whole console output; 3 known-harmless start-up lines left out above; 4 lines after "
+                        "the x left out)"), log  # fmt: skip
+
+
 def _plain(line: str) -> str:
     """A line as a file shows it: no colours, a progress bar's last redraw after Ray's prefix."""
     line = run_log.ANSI.sub("", line)
