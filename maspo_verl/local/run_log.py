@@ -113,6 +113,13 @@ KNOWN_NOISE = (
         re.compile(r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads at \d+ for serving"),
     ),
     (
+        "TransferQueue's periodic request statistics (its `[Performance]` report, 3 lines)",
+        re.compile(
+            r": \[Performance\] Total success requests: \d+|^Time range: last [\d.]+ minutes; ?$|"
+            r"^Per-operation statistics: \w+: req_count="
+        ),
+    ),
+    (
         "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
         re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
     ),
