@@ -174,6 +174,9 @@ def activate() -> None:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
     _unpin_fsdp2_offload()
     register_update_metrics(thread_metrics)  # actor/torch_threads: what the run's OMP_NUM_THREADS gave the update
+    from maspo_verl.local.speechwarm import fingerprint_metrics
+
+    register_update_metrics(fingerprint_metrics)  # task=speechwarm: the warm model's fingerprint, every step
     from maspo_verl.local import turns_agent  # noqa: F401 - registers the toy multi-turn agent loop
     from maspo_verl.local.run_log import install_worker_hooks
 
@@ -310,6 +313,19 @@ def prepare_task(config) -> None:
                 data.val_files = paths["val"]
 
 
+def _warm_fingerprint(config) -> str | None:
+    """``task=speechwarm``: the fingerprint of the run's model's weights (``speechwarm.fingerprint``), which a study
+    compares before it pairs runs (the warm model is trained on the machine that runs it); None otherwise."""
+    from maspo_verl.local import speechwarm
+
+    if (config.get("maspo", {}) or {}).get("task") != speechwarm.TASK:
+        return None
+    try:
+        return speechwarm.fingerprint(str(config.actor_rollout_ref.model.path))
+    except FileNotFoundError:  # not a folder of safetensors here (a hub id): nothing to fingerprint
+        return None
+
+
 def _prepare_speechwarm(config) -> None:
     """``task=speechwarm``: the warm-started model (``actor_rollout_ref.model.path`` null) and the task's data (the
     data paths null) of ``maspo.local_seed`` at ``data.max_response_length`` frames, built into the local cache."""
@@ -352,15 +368,17 @@ def prepare(config) -> dict:
 
     mode = check_settings(config)
     check_verl_features()
-    from maspo_verl.local import ray_cluster
+    from maspo_verl.local import ray_cluster, speechwarm
     from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
     from maspo_verl.local.ray_cluster import THREADS_ENV as THREADS
     from maspo_verl.local.vllm_cpu import ENGINE_ENV
 
     mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
     engine = _choose_engine(config, mismatch)
-    # the mismatch variable always set: a stale shell value never leaks in
+    warm = _warm_fingerprint(config)
+    # the mismatch and fingerprint variables always set: a stale shell value never leaks in
     mode_env = {**LOCAL_ENV, **_run_env(config), MISMATCH_ENV: mismatch.to_env(), ENGINE_ENV: engine}
+    mode_env[speechwarm.FINGERPRINT_ENV] = warm or ""
     env = ray_cluster.local_env(mode_env, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
     os.environ.update(env)
     activate()
@@ -418,6 +436,9 @@ def prepare(config) -> dict:
         )
     if dtype_line:
         print(dtype_line, flush=True)
+    if warm:
+        print(f"maspo_verl local: the warm model's fingerprint {warm} (its weights; every step's "
+              f"{speechwarm.FINGERPRINT_METRIC} in metrics.jsonl)", flush=True)  # fmt: skip
     print(f"maspo_verl local: {_engine_line(config)}", flush=True)
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "
