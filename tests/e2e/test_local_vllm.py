@@ -25,7 +25,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl.lab.runs import RAY_TEMP_DIR
-from maspo_verl.local import cpu_dtype, vllm_cpu
+from maspo_verl.local import cpu_dtype, speechwarm, vllm_cpu
 from maspo_verl.local.run_log import SHM_PREFIXES, held_shm, processes_naming, shm_names
 from maspo_verl.util import read_step_metrics
 from tests.helpers import needs_smollm2
@@ -332,6 +332,9 @@ def _engine_close(m) -> None:
 def _speechwarm(m, console):
     _engine_close(m)
     assert m[f"{MISMATCH}tokens"] == 2 * 4 * 96  # every response of the first mini-batch runs to its 96 frames
+    # the warm model's fingerprint, said at start-up, in the step's metrics
+    fingerprint = speechwarm.fingerprint_of_metric(m[speechwarm.FINGERPRINT_METRIC])
+    assert f"the warm model's fingerprint {fingerprint} (" in console
 
 
 def _turns(m, console):
