@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -173,6 +174,143 @@ def test_documented_command_runs_as_printed(where, kind_, command, tmp_path, ven
         assert '"ok": true' in run.stdout, shown
     elif kind_ == "lab help":
         assert "usage: python -m maspo_verl.lab" in run.stdout, shown
+
+
+# ---- every `python -m maspo_verl...` command of the README and docs/, checked at least by a dry run ----------------
+
+MODULE = re.compile(r"(?:^|[\s/])python -m (maspo_verl[\w.]*)(?:\s+|$)")
+# what a trainer command needs that a docs page leaves to the reader: its own model, data or reward files
+PLACEHOLDER = re.compile(r"=(/|~|\$)|=[^\s=]*\.(parquet|py|json|yaml)(\s|$)")
+
+
+def maspo_commands() -> list[tuple[str, str, str]]:
+    """(where, module, arguments) of each documented command that runs ``python -m maspo_verl...`` and that
+    ``documented()`` does not run already (a bad override, a dry run, `check`, the lab's `--help`); the
+    arguments are those after the module, without a trailing comment; each distinct command once."""
+    already = {re.sub(r"\s+#.*$", "", c) for _, _, c in documented()}
+    seen, out = set(), []
+    for path in [README, *PAGES]:
+        for where, command in commands(path):
+            command = re.sub(r"\s+#.*$", "", command)
+            found = MODULE.search(command)
+            if not found or command in already:
+                continue
+            module, args = found.group(1), " ".join(command[found.end() :].split())
+            if (module, args) not in seen:  # the same command inside `ray job submit --` is the same command
+                seen.add((module, args))
+                out.append((where, module, args))
+    return out
+
+
+def trainer_runs_here(args: str) -> bool:
+    """A trainer command this machine can run as printed: the local mode, nothing left to the reader."""
+    return "local=cpu" in args.split() and not PLACEHOLDER.search(args)
+
+
+# the lab's and other modules' commands: the lab's by its own argument parser (a number left to the reader, `N`,
+# as 1), the others' modules imported, in one interpreter
+CHECK_MODULES = """
+import importlib, json, shlex, sys, traceback
+from maspo_verl.lab.__main__ import parse
+results = []
+for module, args in json.loads(sys.argv[1]):
+    try:
+        if module == "maspo_verl.lab":
+            parse(["1" if a == "N" else a for a in shlex.split(args)])
+        else:
+            importlib.import_module(module)
+        results.append(None)
+    except SystemExit as exc:
+        results.append(f"exit {exc.code}")
+    except Exception:
+        results.append(traceback.format_exc(limit=3))
+print(json.dumps(results))
+"""
+
+# the trainer's commands as dry runs, in one interpreter: the command line's own checks, Hydra's composition,
+# then maspo_verl.main.run with maspo.dry_run=true (and maspo.preflight=warn where a path is the reader's)
+CHECK_DRY_RUNS = """
+import contextlib, io, json, shlex, sys
+from maspo_verl import main
+from maspo_verl.reference import compose_config
+from maspo_verl.validation import root_cause
+results = []
+for args, warn in json.loads(sys.argv[1]):
+    overrides = [a for a in shlex.split(args) if "=" in a and not a.startswith("-")]
+    overrides += ["maspo.dry_run=true"] + ["maspo.preflight=warn"] * warn
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            main.check_policy_loss_overrides(overrides)
+            main.run(compose_config(*overrides))
+        results.append([None, out.getvalue()])
+    except BaseException as exc:
+        cause = root_cause(exc)
+        results.append([f"{type(cause).__name__}: {cause}", out.getvalue()[-2000:]])
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_every_documented_maspo_command_is_found():
+    found = maspo_commands()
+    modules = {module for _, module, _ in found}
+    assert {"maspo_verl.main", "maspo_verl.lab"} <= modules, modules
+    where = {w.split(":")[0] for w, _, _ in found}
+    assert {"README.md", "docs/agents.md", "docs/local.md", "docs/lab.md"} <= where, where
+    # the README's first command, after its set-up, and one run inside `ray job submit`
+    args = {a for _, m, a in found if m == "maspo_verl.main"}
+    assert "local=cpu loss=maspo_fixed" in args
+
+
+def test_every_documented_trainer_command_passes_its_dry_run(tmp_path):
+    """Each documented ``python -m maspo_verl.main ...`` as a dry run: a changed default (bypass mode, once) or a
+    renamed key that strands a page fails here, naming the page and line."""
+    runs = [(w, a) for w, m, a in maspo_commands() if m == "maspo_verl.main"]
+    payload = json.dumps([[a, not trainer_runs_here(a)] for _, a in runs])
+    env = {**os.environ, "MASPO_VERL_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", CHECK_DRY_RUNS, payload], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    failed = {}
+    for (where, args), (error, printed) in zip(runs, json.loads(lines[-1][len("RESULTS ") :]), strict=True):
+        if error is not None or not re.search(r"^\s*loss_mode: \w+", printed, re.M):
+            failed[f"{where}: {args}"] = error or printed[-500:]
+    assert not failed, "\n".join(f"{k}\n    {v}" for k, v in failed.items())
+
+
+def test_every_other_documented_maspo_command_parses(tmp_path):
+    """The lab's commands by the lab's own argument parser (their runs take hours), the other modules imported."""
+    others = [(w, m, a) for w, m, a in maspo_commands() if m != "maspo_verl.main"]
+    payload = json.dumps([[m, a] for _, m, a in others])
+    env = {**os.environ, "MASPO_VERL_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", CHECK_MODULES, payload], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    failed = {f"{w}: python -m {m} {a}": r for (w, m, a), r in zip(others, results, strict=True) if r is not None}
+    assert not failed, failed
+
+
+def _full_runs():
+    return [(w, a) for w, m, a in maspo_commands() if m == "maspo_verl.main" and trainer_runs_here(a)]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize(("where", "args"), _full_runs(), ids=[w for w, _ in _full_runs()])
+def test_documented_trainer_command_runs_as_printed(where, args, tmp_path, venv_python):
+    """Each documented local-mode trainer command, run in full as printed (a fresh shell, an empty HOME and cache):
+    it ends with its closing block saying done."""
+    command = next(c for w, c in [(w, c) for p in [README, *PAGES] for w, c in commands(p)] if w == where)
+    command = command.split("bash .ci/setup && ", 1)[-1].replace(".venv/bin/python ", "python ", 1)
+    command = re.sub(r"^ray job submit -- ", "", command)
+    script = f"{activation()}\ncd {tmp_path}\n{command}\n"  # its run folder and checkpoints in the test's folder
+    env = {**fresh_env(tmp_path), "PYTHONPATH": str(ROOT)}  # this checkout's package, run from elsewhere
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1500)  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and "==== maspo_verl local run done:" in output, f"{where}: {command}\n{output[-4000:]}"
 
 
 @pytest.fixture

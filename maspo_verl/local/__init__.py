@@ -16,7 +16,7 @@ tiny model and toy dataset (``assets``), or on the user's own ``actor_rollout_re
   the short console (``run_log``).
 - ``session(config)`` (driver, around ``prepare`` and verl's trainer): the short console, the whole
   output in the run folder, the closing block, and the private Ray cluster's temp dir removed; the run
-  stopped when a rollout server dies (``watchdog``).
+  stopped when a rollout server or its vLLM engine dies (``watchdog``).
 - ``prepare_task(config)`` (driver, before the batch-size checks, with ``task=turns``): the multi-turn
   toy environment's lengths and data (``turns``; its agent loop and reward manager: ``turns_agent``,
   registered in verl by ``activate``).
@@ -143,6 +143,10 @@ def activate() -> None:
     from maspo_verl.local import vllm_cpu
 
     vllm_cpu.activate()  # before verl's vLLM rollout module asks for vllm's version
+    if os.environ.get(vllm_cpu.ENGINE_ENV) == "vllm":
+        from maspo_verl.local import watchdog
+
+        watchdog.install_step_guard()  # no step trained on the samples of a dead engine
     check_verl_features()
     from verl.plugin.platform import platform_manager
     from verl.utils import distributed
@@ -174,6 +178,9 @@ def activate() -> None:
         raise RuntimeError(f"maspo_verl local mode: {problem}")
     _unpin_fsdp2_offload()
     register_update_metrics(thread_metrics)  # actor/torch_threads: what the run's OMP_NUM_THREADS gave the update
+    from maspo_verl.local.speechwarm import fingerprint_metrics
+
+    register_update_metrics(fingerprint_metrics)  # task=speechwarm: the warm model's fingerprint, every step
     from maspo_verl.local import turns_agent  # noqa: F401 - registers the toy multi-turn agent loop
     from maspo_verl.local.run_log import install_worker_hooks
 
@@ -212,18 +219,25 @@ def check_settings(config) -> str:
     for key in LOG_SETTINGS:
         if key in config.maspo:
             check_bool(f"maspo.{key}", config.maspo[key])
+    from maspo_verl.local import cpu_dtype
+
+    cpu_dtype.check_setting(config)
     return mode
 
 
 @contextlib.contextmanager
 def session(config):
     """Around ``prepare`` and verl's trainer, in the driver (``maspo_verl.local.run_log.session``), with the
-    watchdog over the rollout servers (``maspo_verl.local.watchdog``)."""
+    watchdog over the rollout servers and their engines (``maspo_verl.local.watchdog``), which mutes the console
+    when it stops the run."""
     from maspo_verl.local.run_log import session as run_session
     from maspo_verl.local.watchdog import watching
 
     check_settings(config)
-    with run_session(config, CREATED_TEMP_DIRS), watching():
+    with (
+        run_session(config, CREATED_TEMP_DIRS) as console,
+        watching(on_death=console.mute, temp_dirs=CREATED_TEMP_DIRS),
+    ):
         yield
 
 
@@ -303,6 +317,19 @@ def prepare_task(config) -> None:
                 data.val_files = paths["val"]
 
 
+def _warm_fingerprint(config) -> str | None:
+    """``task=speechwarm``: the fingerprint of the run's model's weights (``speechwarm.fingerprint``), which a study
+    compares before it pairs runs (the warm model is trained on the machine that runs it); None otherwise."""
+    from maspo_verl.local import speechwarm
+
+    if (config.get("maspo", {}) or {}).get("task") != speechwarm.TASK:
+        return None
+    try:
+        return speechwarm.fingerprint(str(config.actor_rollout_ref.model.path))
+    except FileNotFoundError:  # not a folder of safetensors here (a hub id): nothing to fingerprint
+        return None
+
+
 def _prepare_speechwarm(config) -> None:
     """``task=speechwarm``: the warm-started model (``actor_rollout_ref.model.path`` null) and the task's data (the
     data paths null) of ``maspo.local_seed`` at ``data.max_response_length`` frames, built into the local cache."""
@@ -345,15 +372,17 @@ def prepare(config) -> dict:
 
     mode = check_settings(config)
     check_verl_features()
-    from maspo_verl.local import ray_cluster
+    from maspo_verl.local import ray_cluster, speechwarm
     from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
     from maspo_verl.local.ray_cluster import THREADS_ENV as THREADS
     from maspo_verl.local.vllm_cpu import ENGINE_ENV
 
     mismatch = LogProbMismatch.from_mapping(_plain(config.maspo.get("local_mismatch")))
     engine = _choose_engine(config, mismatch)
-    # the mismatch variable always set: a stale shell value never leaks in
+    warm = _warm_fingerprint(config)
+    # the mismatch and fingerprint variables always set: a stale shell value never leaks in
     mode_env = {**LOCAL_ENV, **_run_env(config), MISMATCH_ENV: mismatch.to_env(), ENGINE_ENV: engine}
+    mode_env[speechwarm.FINGERPRINT_ENV] = warm or ""
     env = ray_cluster.local_env(mode_env, ray_cluster.job_env_vars())  # what a Ray job sets, it keeps
     os.environ.update(env)
     activate()
@@ -395,6 +424,9 @@ def prepare(config) -> dict:
             if new_temp_dir is not None:  # a token in the cluster's temp dir, none in HOME
                 os.environ.update(ray_cluster.private_token_env(config.ray_kwargs.ray_init._temp_dir))
                 _run_temp_folder(config.ray_kwargs.ray_init)
+    from maspo_verl.local import cpu_dtype
+
+    dtype_line = cpu_dtype.fit(config)  # the fastest precision for this CPU where the command line sets none
     ray_init = config.ray_kwargs.ray_init
     from maspo_verl.local.run_log import run_dir, shown_path
 
@@ -406,6 +438,11 @@ def prepare(config) -> dict:
             + ("bypass mode: they are the old log-probs" if bypass else "no bypass mode: only diagnostics see them"),
             flush=True,
         )
+    if dtype_line:
+        print(dtype_line, flush=True)
+    if warm:
+        print(f"maspo_verl local: the warm model's fingerprint {warm} (its weights; every step's "
+              f"{speechwarm.FINGERPRINT_METRIC} in metrics.jsonl)", flush=True)  # fmt: skip
     print(f"maspo_verl local: {_engine_line(config)}", flush=True)
     print(
         f"maspo_verl local={mode}: model={arr.model.path} train={config.data.train_files} "

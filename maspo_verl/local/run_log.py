@@ -113,6 +113,13 @@ KNOWN_NOISE = (
         re.compile(r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads at \d+ for serving"),
     ),
     (
+        "TransferQueue's periodic request statistics (its `[Performance]` report, 3 lines)",
+        re.compile(
+            r": \[Performance\] Total success requests: \d+|^Time range: last [\d.]+ minutes; ?$|"
+            r"^Per-operation statistics: \w+: req_count="
+        ),
+    ),
+    (
         "verl's note, once per rollout, that the model type has no token builder of its own (the generic one runs)",
         re.compile(r"No model-specific Continuous Token builder is registered for config\.json model_type="),
     ),
@@ -210,6 +217,14 @@ class _Console:
         self.steps_shown: set[int] = set()  # steps whose ``step:N - ...`` line reached the console
         self.lock = threading.RLock()
         self._echo_of: tuple[str, str] | None = None  # (prefix, reason) of a hidden Python warning
+        self.muted: str | None = None  # why every further line goes to the log only (``mute``)
+        self.after_mute = 0  # lines left out since
+
+    def mute(self, why: str) -> None:
+        """From now on every line goes to the log only, counted (a run that is stopping: what its dying processes
+        print, e.g. a traceback per request of a dead engine, is the log's)."""
+        with self.lock:
+            self.muted = why
 
     def line(self, text: str, target) -> None:
         plain = ANSI.sub("", text)
@@ -218,6 +233,9 @@ class _Console:
         body = plain[len(head) :].rsplit("\r", 1)[-1]  # a progress bar's redraws: what a terminal shows last
         plain = head + body
         self.log.write(plain + "\n")
+        if self.muted is not None:
+            self.after_mute += 1
+            return
         echo_of, self._echo_of = self._echo_of, None
         if echo_of is not None and echo_of[0] == head and body.startswith("  "):  # the warning's source line
             self.hidden[echo_of[1]] += 1
@@ -366,6 +384,9 @@ def _failure_line(error: BaseException) -> str:
     Such a cause of several lines keeps them, indented under the first."""
     if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (``_terminate_as_interrupt``)
         return f"KeyboardInterrupt: the run was stopped by {str(error) or Interrupted.SAID[signal.SIGINT]}"
+    remote = getattr(error, "cause", None)  # a RunStopped raised in a Ray worker (verl's TaskRunner): its own words
+    if isinstance(error, RunStopped) and isinstance(remote, RunStopped):
+        error = remote
     cause = root_cause(error)
     unwrapped, error = cause is not error, cause
     text = str(error).strip()
@@ -421,8 +442,17 @@ def reward_curve(metrics_file: Path | None) -> str | None:
 
 
 def closing_block(
-    config, out: Path, log_path: Path, hidden: int, wall_s: float, error=None, reward_line: str | None = None
+    config,
+    out: Path,
+    log_path: Path,
+    hidden: int,
+    wall_s: float,
+    error=None,
+    reward_line: str | None = None,
+    muted: tuple[str, int] | None = None,
 ) -> str:
+    """The run's last lines. ``hidden``: the known-harmless lines left out; ``muted``: (why, how many) lines left out
+    once the console was muted (``_Console.mute``)."""
     metrics_file = metrics_path(config)
     steps = read_step_metrics(metrics_file)
     trained = sorted(s for s, m in steps.items() if s >= 1 and any(k.startswith("actor/") for k in m))
@@ -445,6 +475,8 @@ def closing_block(
     if reward_line:
         lines.append(reward_line)
     note = f"; {hidden} known-harmless start-up lines left out above" if hidden else ""
+    if muted and muted[1]:
+        note += f"; {muted[1]} lines after {muted[0]} left out"
     lines.append(f"log          {shown_path(log_path)} (the whole console output{note})")
     if "tensorboard" in backends(config):
         folder = Path(os.environ.get("TENSORBOARD_DIR") or "tensorboard_log")
@@ -470,7 +502,8 @@ def _checkpoints(config) -> str:
 @contextlib.contextmanager
 def session(config, created_temp_dirs: list[str]):
     """Around verl's trainer in the driver: the filtered console and run.log; the driver disconnected from
-    Ray, the private cluster shut down and its temp dirs (``created_temp_dirs``) removed; the closing block."""
+    Ray, the private cluster shut down and its temp dirs (``created_temp_dirs``) removed; the closing block.
+    Yields the console (``_Console``)."""
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "run.log"
@@ -488,7 +521,7 @@ def session(config, created_temp_dirs: list[str]):
     stopped_by: list[str] = []  # the signals the session's handler turned into KeyboardInterrupt
     restore_term = _terminate_as_interrupt(stopped_by)
     try:
-        yield
+        yield console
     except KeyboardInterrupt as exc:
         # Ray re-raises an interrupt inside ray.get as a bare KeyboardInterrupt: the signal is the handler's
         error = Interrupted(signal.Signals[stopped_by[-1]] if stopped_by else signal.SIGINT)
@@ -513,7 +546,8 @@ def session(config, created_temp_dirs: list[str]):
         except Exception as exc:  # the plot never hides how the run ended
             reward_line = f"reward       no plot ({type(exc).__name__}: {exc})"
         wall_s = time.monotonic() - start
-        block = closing_block(config, out, log_path, sum(console.hidden.values()), wall_s, error, reward_line)
+        muted = (console.muted, console.after_mute) if console.muted else None
+        block = closing_block(config, out, log_path, sum(console.hidden.values()), wall_s, error, reward_line, muted)
         console.log.write(block + "\n")
         console.log.close()
         print(block, flush=True)

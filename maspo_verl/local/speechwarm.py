@@ -145,6 +145,44 @@ def ensure_model(
     return str(atomic_build(target, lambda tmp: write_warm_model(tmp, seed, int(length), settings)))
 
 
+# the warm model's fingerprint, from the driver (``fingerprint``) to the run's workers, and its metric there
+FINGERPRINT_ENV = "MASPO_VERL_WARM_FINGERPRINT"
+FINGERPRINT_METRIC = "maspo/warm_model_fingerprint"
+FINGERPRINT_HEX = 12  # digits: 48 bits, an integer a float64 metric holds exactly (and its mean over ranks too)
+
+
+def fingerprint(model_path: str | os.PathLike) -> str:
+    """The model's weights in ``FINGERPRINT_HEX`` hex digits: sha256 over each tensor of its safetensors files (name,
+    dtype, shape, bytes, by name). Two builds with the same weights share it, bit for bit; a build another machine's
+    arithmetic made differently does not."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors weights to fingerprint")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                tensor = f.get_tensor(name).contiguous()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:FINGERPRINT_HEX]
+
+
+def fingerprint_metrics() -> dict[str, float]:
+    """An update metric (``plugin.hooks.register_update_metrics``): the run's warm-model fingerprint where it has one
+    (``FINGERPRINT_ENV``), as the integer its hex digits are."""
+    value = os.environ.get(FINGERPRINT_ENV)
+    return {FINGERPRINT_METRIC: float(int(value, 16))} if value else {}
+
+
+def fingerprint_of_metric(value: float) -> str:
+    """The fingerprint a run's metric (``FINGERPRINT_METRIC``) holds, in hex digits."""
+    return f"{int(value):0{FINGERPRINT_HEX}x}"
+
+
 def sample(model_path: str, prompts: list[list[int]], length: int, seed: int) -> list[list[int]]:
     """``length`` ids sampled at temperature 1 from the full vocabulary after each prompt (all of one length), as
     the local rollout samples."""

