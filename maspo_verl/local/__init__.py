@@ -539,7 +539,7 @@ def _prepare_pretrained(config, seed: int) -> dict:
     name = (config.get("maspo", {}) or {}).get("model")
     if name is None:
         return {}
-    from maspo_verl.pretrained import arith, smollm2
+    from maspo_verl.pretrained import arith_worked, smollm2
     from maspo_verl.util import preset_names
     from maspo_verl.validation import FieldError
 
@@ -556,12 +556,12 @@ def _prepare_pretrained(config, seed: int) -> dict:
             raise FieldError("model", f"model={name}: {exc}") from None
         used["model"] = name
     if _is_unset(config.data.train_files) or _is_unset(config.data.val_files):
-        task = config.maspo.get("arith", {}) or {}
-        paths = arith.ensure_dataset(seed, int(task.get("steps", 1)), int(task.get("max_operand", 20)), cache)
+        # maspo.arith.form: short (arith) or worked (arith_worked)
+        paths, what = arith_worked.ensure_task(config.maspo.get("arith", {}) or {}, seed, cache)
         for key, split in (("train_files", "train"), ("val_files", "val")):
             if _is_unset(config.data[key]):
                 config.data[key] = paths[split]
-                used[split] = f"arith (steps={task.get('steps', 1)}, max_operand={task.get('max_operand', 20)})"
+                used[split] = what
     return used
 
 

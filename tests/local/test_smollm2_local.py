@@ -84,3 +84,23 @@ def test_unknown_model_names_the_setting(local_env, tmp_path):
     config = compose_config("local=cpu", "model=smollm2", "maspo.model=smollm3", f"maspo.local_cache_dir={tmp_path}")
     with pytest.raises(FieldError, match=r"maspo.model='smollm3' is invalid: allowed \['smollm2'\]"):
         local.prepare(config)
+
+
+def test_prepare_fills_the_worked_task_and_names_a_bad_form(local_env, tmp_path):
+    import pandas as pd
+
+    from maspo_verl import local
+    from maspo_verl.pretrained import arith_worked
+    from maspo_verl.reference import compose_config
+    from maspo_verl.validation import FieldError
+
+    args = ("local=cpu", "model=smollm2", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}")
+    args += ("actor_rollout_ref.model.path=/my/model", "maspo.arith.steps=2", "maspo.arith.max_operand=10")
+    config = compose_config(*args, "maspo.arith.form=worked")
+    used = local.prepare(config)
+    assert used["train"] == used["val"] == "arith worked (steps=2, max_operand=10)"
+    train, val = pd.read_parquet(config.data.train_files), pd.read_parquet(config.data.val_files)
+    assert set(train["data_source"]) == {arith_worked.DATA_SOURCE} and (len(train), len(val)) == (512, 128)
+    assert "arith-worked-v1-s2-m10-seed0" in config.data.train_files
+    with pytest.raises(FieldError, match=r"maspo.arith.form='long' is invalid: allowed \['short', 'worked'\]"):
+        local.prepare(compose_config(*args, "maspo.arith.form=long"))
