@@ -45,8 +45,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab import learn_engine, word_grid
-from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
+from maspo_verl.lab import journal, learn_engine, word_grid
+from maspo_verl.lab.common import log, markdown_table, mean_interval, pyplot, write_csv
 from maspo_verl.lab.learn_engine import ENGINES
 from maspo_verl.lab.runs import run_local
 from maspo_verl.local import engine_of
@@ -678,15 +678,9 @@ def run(args, argv) -> None:
     step_rows, runs = [], []
     if args.resume:
         step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
-        first = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-        prepare_out(out, argv)
-        if first:  # the command that started the results, then this one
-            resumed = (out / "COMMAND.txt").read_text()
-            (out / "COMMAND.txt").write_text(
-                first + "\nresumed with (runs already in learn_runs.csv skipped):\n" + resumed
-            )
+        journal.again(out, argv, "resumed (runs already in learn_runs.csv skipped)")
     else:
-        prepare_out(out, argv)
+        journal.start(out, argv)
     # resumed: the losses run before stay in the study (a preset added later with --losses X --resume joins it)
     args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
     done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
