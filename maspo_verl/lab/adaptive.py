@@ -8,7 +8,7 @@ Reads finished runs and writes the comparison (no training here):
   (``regimes_tuned.choose``: the same width budget for every preset); the best fixed window of a cell is the one
   whose chosen band has the best tuning mean; adaptive, at its own chosen band and with its shipped settings (no
   tuning of its length), is judged against that window and against grpo on the held-out seeds, paired by seed
-  (``regimes_tuned.paired``: 95 % t-interval, sign-flip p). *Within the interval* means the 95 % interval of
+  (``stats.paired``: 95 % t-interval, sign-flip p). *Within the interval* means the 95 % interval of
   adaptive minus the best fixed window contains 0 or lies above it.
 - ``--warm`` (optional): a ``lab learn`` folder on the warm-started speech model (``learn_runs.csv``) holding
   grpo, the adaptive presets and fixed windows, with a subfolder ``--warm-tuning`` of fixed windows run on other
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab.common import finite_mean, markdown_table, number, prepare_out, read_csv, write_csv
+from maspo_verl.lab import journal, stats
+from maspo_verl.lab.common import finite_mean, markdown_table, number, read_csv, write_csv
 
 OUT = "adaptive"
 ADAPTIVE = "maspo_adaptive"
@@ -62,11 +63,11 @@ def label(loss: str) -> str:
 def grid_rows(runs: list[dict], tune: int) -> list[dict]:
     """Per (task, cell) and adaptive variant: the best fixed window (tuning seeds), the variant's held-out
     difference to it and to grpo, and the lengths it chose (mean over its runs at its chosen band)."""
-    from maspo_verl.lab.regimes_tuned import BASELINE, _held, choose, paired
+    from maspo_verl.lab.regimes_tuned import BASELINE, choose
 
     choices = choose(runs, tune)
     pick = {(c["task"], c["cell"], c["loss"]): c for c in choices}
-    held = _held(runs, tune)
+    held = stats.held(runs, tune)
     out = []
     variants = sorted({c["loss"] for c in choices if is_adaptive(c["loss"])}, key=lambda n: (n != ADAPTIVE, n))
     for (task, cell), name in itertools.product(sorted({(c["task"], c["cell"]) for c in choices}), variants):
@@ -76,9 +77,9 @@ def grid_rows(runs: list[dict], tune: int) -> list[dict]:
             continue
         best = max(fixed, key=lambda c: (c["tune_final"], -window_of(c["loss"])))  # ties: the shorter window
         mine = (name, own["best_band"])
-        vs_fixed = paired(held, task, cell, mine, (best["loss"], best["best_band"]))
-        vs_grpo = paired(held, task, cell, mine, (BASELINE, base["best_band"]))
-        fixed_vs_grpo = paired(held, task, cell, (best["loss"], best["best_band"]), (BASELINE, base["best_band"]))
+        vs_fixed = stats.paired(held, task, cell, mine, (best["loss"], best["best_band"]))
+        vs_grpo = stats.paired(held, task, cell, mine, (BASELINE, base["best_band"]))
+        fixed_vs_grpo = stats.paired(held, task, cell, (best["loss"], best["best_band"]), (BASELINE, base["best_band"]))
         at_band = [
             r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, name, own["best_band"])
         ]
@@ -190,7 +191,7 @@ GRID_KEYS = (
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     grid_dir = Path(args.grid)
     runs = _rows(grid_dir / "tuned_runs.csv")
     rows = grid_rows(runs, args.tune_seeds)

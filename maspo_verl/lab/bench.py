@@ -41,11 +41,10 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 import maspo_verl.plugin  # noqa: F401  (registers our losses)
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
-from maspo_verl.config import actor_config
 from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
 from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS
-from maspo_verl.lab import common
+from maspo_verl.lab import common, journal, presets
 from maspo_verl.util import config_dir, preset_names
 
 BASELINE = "grpo"
@@ -74,10 +73,7 @@ def preset_entries(names=PRESETS) -> list[Entry]:
     entries = []
     with initialize_config_dir(str(config_dir()), version_base=None):
         for name in names:
-            section = loss_section(compose("maspo_trainer", overrides=[f"loss={name}"]))
-            policy_loss = {k: v for k, v in section.pop("policy_loss").items() if k != "_target_"}
-            actor = {k: section[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")}
-            actor["loss_agg_mode"] = section["loss_agg_mode"]
+            actor, policy_loss = presets.split(loss_section(compose("maspo_trainer", overrides=[f"loss={name}"])))
             entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
     return entries
 
@@ -110,9 +106,7 @@ def loss_fn(e: Entry):
 
 
 def entry_config(e: Entry):
-    a = e.actor
-    clips = a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"]
-    return actor_config(*clips, a["loss_agg_mode"], **e.policy_loss)
+    return presets.actor_config_of(e.actor, e.policy_loss)
 
 
 def make_inputs(B: int, T: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -227,7 +221,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     if args.mode == "update":
         return run_update(args, argv, bench_entries(args))
     torch.set_num_threads(args.threads)
-    out = common.prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     t0 = time.time()
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if "cuda" in devices and not torch.cuda.is_available():
@@ -404,6 +398,9 @@ def summarise_steps(rows: list[dict], baseline: str) -> list[dict]:
     ]
 
 
+STEPTIME_COMMAND = "STEPTIME_COMMAND.txt"  # steptime's journal, beside bench's COMMAND.txt
+
+
 def steptime_section(out) -> str:
     """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
     path = Path(out) / "steptime.csv"
@@ -412,8 +409,8 @@ def steptime_section(out) -> str:
     with open(path) as f:
         rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
     table = summarise_steps(rows, BASELINE)
-    command_file = Path(out) / "STEPTIME_COMMAND.txt"
-    command = command_file.read_text().strip() if command_file.exists() else ""
+    command_file = Path(out) / STEPTIME_COMMAND
+    command = command_file.read_text().partition("\n")[0] if command_file.exists() else ""
     return "\n".join(
         [
             STEPTIME_HEADER,
@@ -538,7 +535,7 @@ def update_inputs(model, B: int, prompt: int, T: int, device: str, seed: int = 0
 def run_update(args: argparse.Namespace, argv: list[str], entries) -> None:
     """``--mode update``: the loss's share of an actor update (see the section comment above)."""
     torch.set_num_threads(args.threads)
-    out = common.prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     t0, load_before = time.time(), os.getloadavg()[0]
     device = args.devices.split(",")[0] if args.devices else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

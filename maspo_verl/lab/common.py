@@ -4,40 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import datetime as _dt
 import math
 import os
-import platform
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 
 def default_out(folder: str, update_docs: bool = False) -> Path:
     """Where a command writes without ``--out``: a scratch folder, or with ``--update-docs`` the committed
     results of the checkout in the working directory."""
     return Path("docs", "results", folder) if update_docs else Path("outputs", "lab", folder)
-
-
-def prepare_out(out: str | os.PathLike, argv: Sequence[str]) -> Path:
-    """Create the folder and record the exact command line and environment that made it."""
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    import verl
-
-    lines = [
-        "python -m maspo_verl.lab " + " ".join(shlex.quote(a) for a in argv),
-        "",
-        f"date (UTC): {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M:%S')}",
-        f"python {platform.python_version()}, torch {torch.__version__}, verl {verl.__version__}",
-        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch threads {torch.get_num_threads()}, "
-        f"cuda {'yes: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}",
-    ]
-    (path / "COMMAND.txt").write_text("\n".join(lines) + "\n")
-    return path
 
 
 class _Tee:
@@ -129,12 +106,6 @@ def write_tables(out: Path, tables: dict[str, list[dict]]) -> None:
     """Each ``name: rows`` of ``tables`` as ``out/name`` (``write_csv``)."""
     for name, rows in tables.items():
         write_csv(Path(out) / name, rows)
-
-
-def command_of(out: Path) -> str:
-    """The folder's ``COMMAND.txt`` (the command, environment and run times that made it), or ""."""
-    path = Path(out) / "COMMAND.txt"
-    return path.read_text() if path.is_file() else ""
 
 
 def fmt(v, digits: int = 3) -> str:

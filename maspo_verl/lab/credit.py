@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from maspo_verl.lab import common, race
+from maspo_verl.lab import common, journal, race
 from maspo_verl.lab.race import VOCAB, Contender, Task
 
 LAMS = (0.25, 0.5, 1.0, 2.0)
@@ -88,7 +88,7 @@ def gradient_study(task: Task, theta: torch.Tensor, args, gen: torch.Generator) 
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     t0 = time.time()
     torch.set_num_threads(1)
     tasks = [race.make_task(n, args.length) for n in ("speech", "text")]

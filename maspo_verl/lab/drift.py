@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from maspo_verl.lab import journal
 
 VOCAB = 264  # the local mode's vocabulary: 256 byte ids (codes) + specials, a multiple of 8
 SIZES = {  # hidden, intermediate, layers, attention heads, key-value heads
@@ -279,7 +280,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     from maspo_verl.lab import common
-    from maspo_verl.lab.regimes import machine_load
 
     if args.report:
         import csv
@@ -288,22 +288,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
             rows = [{k: common.number(v) for k, v in r.items()} for r in csv.DictReader(f)]
         write_report(Path(args.out), rows, args)
         return common.report_written(Path(args.out))
-    try:
-        out = common.prepare_out(args.out, argv)
-    except ImportError:  # a machine without verl (a GPU box): the same record, verl left out
-        import platform
-
-        import transformers
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no"
-        (out / "COMMAND.txt").write_text(
-            "python -m maspo_verl.lab " + " ".join(argv) + "\n\n"
-            f"date (UTC): {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())}\n"
-            f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}\n"
-            f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, cuda {gpu}\n"
-        )
+    out = journal.start(args.out, argv)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     t0 = time.time()
@@ -319,9 +304,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         )
         common.write_csv(out / "drift.csv", rows)
     seconds = time.time() - t0
-    with open(out / "COMMAND.txt", "a") as f:
-        f.write(f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), device {args.device}\n")
-        f.write(f"machine load at the end: {machine_load()}\n")
+    journal.run_time(out, seconds, f"device {args.device}", [journal.load()])
     write_report(out, rows, args)
     common.report_written(out)
 

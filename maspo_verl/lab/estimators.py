@@ -34,7 +34,7 @@ import torch
 
 from maspo_verl.config import GranularLossConfig, actor_config
 from maspo_verl.core.losses import loss_body
-from maspo_verl.lab import common
+from maspo_verl.lab import common, journal
 from maspo_verl.lab.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
 
 CONTENT = 3  # content tokens 0..2
@@ -210,7 +210,7 @@ REWARDS = ("verifier", "length")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     drifts = [float(x) for x in args.drifts.split(",")]
     t0 = time.time()

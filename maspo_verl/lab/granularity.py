@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab import regimes, stats
+from maspo_verl.lab import journal, regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
-from maspo_verl.lab.common import as_float, finite_mean, markdown_table, prepare_out, pyplot, read_csv, write_csv
+from maspo_verl.lab.common import as_float, finite_mean, markdown_table, pyplot, read_csv, write_csv
 
 OUT = "granularity"
 CELLS = ("L96/stale2/U4", "L96/stale2/U4/lr1", "L96/stale2/U4/lr1/u24")
@@ -187,10 +187,10 @@ def tests(runs: list[dict], choices: list[dict], design: Design | None = None) -
     a difference, TOST p for equivalence). A test whose runs are not on disk yet stays, as "not run", and counts
     in its family's correction with p = 1 (conservative while a part is partial; no effect once it is run)."""
     d = design or part1()
-    held = rt._held(runs, d.held_seeds[0])
+    held = stats.held(runs, d.held_seeds[0])
     rows = []
     for family, cell, a, b in comparisons(choices, d):
-        row = rt.paired(held, d.task, cell, a, b, metric=d.metric, margin=d.margin)
+        row = stats.paired(held, d.task, cell, a, b, metric=d.metric, margin=d.margin)
         rows.append(
             {"family": family, "cell": cell, "arm": a[0], d.knob: a[1], "vs": b[0], f"vs_{d.knob}": b[1], **row}
         )
@@ -333,10 +333,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         return report(out, args)
     runs = read_csv(out / "runs.csv") if args.resume else []
     if args.resume:
-        with open(out / "COMMAND.txt", "a") as f:
-            f.write("\nresumed: python -m maspo_verl.lab " + " ".join(argv) + "\n")
+        journal.again(out, argv)
     else:
-        prepare_out(out, argv)
+        journal.start(out, argv)
     args.seeds = len(HELD_SEEDS)
     if args.phase in ("tune", "all"):
         runs = regimes.run_jobs(missing(jobs_of(TUNE_SEEDS), runs), args, out, "runs.csv", kept=runs)
@@ -370,7 +369,7 @@ def report(out: Path, args) -> None:
     tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design_table(part1())}
     common.write_tables(out, tables)
     plot(rows, out / "tests.png", FAMILIES)
-    (out / "README.md").write_text(readme(runs, choices, rows, verdicts, cells, common.command_of(out)))
+    (out / "README.md").write_text(readme(runs, choices, rows, verdicts, cells, journal.read(out)))
     common.report_written(out)
 
 

@@ -26,8 +26,7 @@ from pathlib import Path
 
 from maspo_verl.lab import granularity as g
 from maspo_verl.lab import granularity_warm as gw
-from maspo_verl.lab import learn
-from maspo_verl.lab import regimes_tuned as rt
+from maspo_verl.lab import journal, learn, stats
 from maspo_verl.lab.common import finite_mean, markdown_table, read_csv, write_tables
 from maspo_verl.local.learn_tasks import PRETRAINED
 from maspo_verl.pretrained import arith
@@ -165,10 +164,10 @@ def arms_table(rows: list[dict], choices: list[dict]) -> list[dict]:
 
 def secondary(rows: list[dict], choices: list[dict]) -> list[dict]:
     """P4's pairs on the secondary metric (greedy validation accuracy at the last step): described, not tested."""
-    held = rt._held([r for r in rows if r["ok"] and VALIDATION in r], HELD_SEEDS[0])
+    held = stats.held([r for r in rows if r["ok"] and VALIDATION in r], HELD_SEEDS[0])
     out = []
     for _, cell, a, b in g.comparisons(choices, design()):
-        row = rt.paired(held, TASK, cell, a, b, metric=VALIDATION) if a[1] and b[1] else {}
+        row = stats.paired(held, TASK, cell, a, b, metric=VALIDATION) if a[1] and b[1] else {}
         summary = {k: row[k] for k in ("seeds", "diff", "low", "high") if k in row}
         out.append({"arm": a[0], "lr": a[1], "vs": b[0], "vs_lr": b[1], **summary})
     return out
@@ -193,7 +192,7 @@ def report(out: Path) -> None:
     plotted = any(t.get("seeds") for t in tests)
     if plotted:
         g.plot(tests, out / "tests.png", FAMILIES, MARGIN, "mean training reward")
-    (out / "README.md").write_text(readme(rows, choices, tables, plotted, common.command_of(out)))
+    (out / "README.md").write_text(readme(rows, choices, tables, plotted, journal.read(out)))
     common.report_written(out)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +37,9 @@ from pathlib import Path
 
 from maspo_verl import choosing
 from maspo_verl.lab import granularity as g
-from maspo_verl.lab import learn, learn_engine, regimes, stats
+from maspo_verl.lab import journal, learn, learn_engine, regimes, stats
 from maspo_verl.lab import regimes_tuned as rt
-from maspo_verl.lab.common import finite_mean, log, markdown_table, prepare_out, read_csv, write_csv, write_tables
+from maspo_verl.lab.common import finite_mean, log, markdown_table, read_csv, write_csv, write_tables
 
 FOLDER = "granularity/warm"
 PIECES = "pieces"  # one folder per piece
@@ -282,11 +281,6 @@ def run(args: argparse.Namespace, argv: list[str], part: Part | None = None) -> 
     drive(out, args.phase, args.resume, args.pieces, argv, p)
 
 
-def _note(out: Path, text: str) -> None:
-    with open(Path(out) / "COMMAND.txt", "a") as f:
-        f.write(text + "\n")
-
-
 def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], part: Part) -> None:
     """Run the missing pieces of ``phase`` (at most ``budget``, 0: all), the report rebuilt after each."""
     choice = out / "choice.csv"
@@ -303,10 +297,10 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], par
             f"{out}: {len(on_disk)} pieces on disk: add --resume to keep them and run the missing ones (or remove "
             "the folder to start again)"
         )
-    if resume and (out / "COMMAND.txt").is_file():
-        _note(out, f"\nresumed: python -m maspo_verl.lab {shlex.join(argv)}")
+    if resume:
+        journal.again(out, argv)
     else:
-        prepare_out(out, argv)
+        journal.start(out, argv)
     ran = 0
 
     def run_missing(pieces: list[Piece]) -> bool:
@@ -325,7 +319,7 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], par
     if phase in ("tune", "all"):
         if run_missing(tuning) and not choice.is_file():
             write_csv(choice, choose(tuning_rows(out, part), part))
-            _note(out, "tuning done: choice.csv written (before any held-out piece)")
+            journal.note(out, "tuning done: choice.csv written (before any held-out piece)")
     if phase in ("held", "all"):
         if choice.is_file():
             run_missing(part.held_pieces(written_choice(out, tuning_rows(out, part), part)))
@@ -342,14 +336,14 @@ def run_piece(out: Path, piece: Piece, part: Part) -> None:
     argv = piece.argv(out, part.flags)
     if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
         argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
-    _note(out, f"\npiece {piece.name}: python -m maspo_verl.lab {shlex.join(argv)}")
+    journal.note(out, f"\npiece {piece.name}: {journal.command_line(argv)}")
     start = time.monotonic()
     args = lab.parse(argv)
     args.module.run(args, argv)
     rows = [r for r in piece_rows(out, piece, part) if r["seed"] in piece.seeds]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     cpu = finite_mean(r.get("cpu_s") for r in rows)
-    _note(
+    journal.note(
         out,
         f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {cpu:.0f} CPU-s per run (learn_runs.csv "
         f"cpu_s), load average {load} at the end",
@@ -461,12 +455,12 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
     ``choosing.confirmation_verdict``."""
     pick = {c["loss"]: c["best_band"] for c in choices}
     ok = [r | {"start": start_of(r)} for r in rows if r["ok"] and math.isfinite(r["final_reward"])]
-    held = rt._held([r for r in ok if r["seed"] in HELD_SEEDS], HELD_SEEDS[0])
+    held = stats.held([r for r in ok if r["seed"] in HELD_SEEDS], HELD_SEEDS[0])
 
     def pairs(arm: str) -> dict[int, tuple[float, float]]:
-        """Per seed with both runs from the same start (``rt.pairs``): the trainer's final reward and the engine's."""
+        """Per seed with both runs from one start (``stats.pairs``): the trainer's final reward and the engine's."""
         lr = pick.get(arm, "")
-        both = rt.pairs(held, TASK, CELL, (arm, lr + ON_TRAINER), (arm, lr))
+        both = stats.pairs(held, TASK, CELL, (arm, lr + ON_TRAINER), (arm, lr))
         return {s: (on["final_reward"], off["final_reward"]) for s, (on, off) in both.items()}
 
     token, whole = (pairs(a) for a in CONFIRM_ARMS)
@@ -544,7 +538,7 @@ def report(out: Path) -> None:
     if plotted:
         g.plot(tests, out / "tests.png", FAMILIES)
     predicted = prediction(verdicts, read_csv(out.parent / "decisions.csv"))
-    text = readme(rows, choices, tables, predicted, confirmed, plotted, common.command_of(out))
+    text = readme(rows, choices, tables, predicted, confirmed, plotted, journal.read(out))
     (out / "README.md").write_text(text)
     common.report_written(out)
 

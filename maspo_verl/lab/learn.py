@@ -45,8 +45,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab import learn_engine, word_grid
-from maspo_verl.lab.common import log, markdown_table, mean_interval, prepare_out, pyplot, write_csv
+from maspo_verl.lab import journal, learn_engine, word_grid
+from maspo_verl.lab.common import log, markdown_table, mean_interval, pyplot, write_csv
 from maspo_verl.lab.learn_engine import ENGINES
 from maspo_verl.lab.runs import run_local
 from maspo_verl.local import engine_of
@@ -477,9 +477,13 @@ SUMMARY_METRICS = (
 )
 
 
-def _ci_text(mean: float, low: float, high: float, digits: int = 3) -> str:
+def _ci_text(values: list, digits: int = 3) -> str:
+    """The mean and its 95 % t-interval; one value has a mean but no interval, and says so."""
+    mean, low, high = mean_interval(values)
     if mean != mean:
         return "nan"
+    if low != low:
+        return f"{mean:.{digits}f} (1 seed: no interval)"
     return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
@@ -493,7 +497,7 @@ def summarise(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
                 ok = [r for r in mine if r["ok"]]
                 row = {"task": task, "cell": cell.label, "loss": loss, "seeds_ok": f"{len(ok)}/{len(mine)}"}
                 for key in SUMMARY_METRICS:
-                    row[key] = _ci_text(*mean_interval([r[key] for r in ok]), digits=2 if "steps" in key else 3)
+                    row[key] = _ci_text([r[key] for r in ok], digits=2 if "steps" in key else 3)
                 row["reached"] = f"{sum(r['steps_to_target'] is not None for r in ok)}/{len(mine)}"
                 row["collapses"] = sum(r["collapsed"] for r in mine)
                 row["s_per_step"] = _mean([r["s_per_step"] for r in ok])
@@ -618,6 +622,9 @@ def statements(args, cells: list[Cell], summary: list[dict], comparisons: list[d
                     continue
                 yes = [f"{c['loss']} {fmt(c)}" for c in rows if c["interval_excludes_0"]]
                 no = [c["loss"] for c in rows if not c["interval_excludes_0"]]
+                if all(c["seeds"] < 2 for c in rows):
+                    parts.append(f"{what}: no interval (1 seed; an interval needs 2)")
+                    continue
                 text = f"{what}: " + ("supported: " + "; ".join(yes) if yes else "no difference supported")
                 if yes and no:
                     text += f"; not supported for {', '.join(no)}"
@@ -671,15 +678,9 @@ def run(args, argv) -> None:
     step_rows, runs = [], []
     if args.resume:
         step_rows, runs = load_rows(out / "learn_steps.csv"), load_rows(out / "learn_runs.csv")
-        first = (out / "COMMAND.txt").read_text() if (out / "COMMAND.txt").exists() else ""
-        prepare_out(out, argv)
-        if first:  # the command that started the results, then this one
-            resumed = (out / "COMMAND.txt").read_text()
-            (out / "COMMAND.txt").write_text(
-                first + "\nresumed with (runs already in learn_runs.csv skipped):\n" + resumed
-            )
+        journal.again(out, argv, "resumed (runs already in learn_runs.csv skipped)")
     else:
-        prepare_out(out, argv)
+        journal.start(out, argv)
     # resumed: the losses run before stay in the study (a preset added later with --losses X --resume joins it)
     args.losses = list(dict.fromkeys([*(r["loss"] for r in runs), *args.losses]))
     done = {(r["task"], r["cell"], r["loss"], r["seed"]) for r in runs}
@@ -776,8 +777,8 @@ def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str
         log(
             f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
             f"{record['first_reward']:.3f} -> {record['final_reward']:.3f}, clipfrac "
-            f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s (run folder "
-            f"{result.run_dir})"
+            f"{record['mean_clipfrac']:.3f}, {wall:.0f}s, {result.cpu_s:.0f} CPU-s"
+            + (f" (run folder {result.run_dir}, kept)" if code != 0 else "")  # a run's folder stays only if one fails
         )
         # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
         write_csv(out / "learn_steps.csv", step_rows)

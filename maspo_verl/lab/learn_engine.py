@@ -127,19 +127,10 @@ def compose(overrides: list[str]):
 
 def loss_of(config):
     """(the registry's loss function, verl's ``ActorConfig`` with our policy-loss section) of the composed config."""
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
-    import maspo_verl.plugin  # noqa: F401  (registers our losses)
-    from maspo_verl.config import actor_config
+    from maspo_verl.lab import presets
     from maspo_verl.main import loss_section
 
-    section = loss_section(config)
-    policy_loss = {k: v for k, v in section["policy_loss"].items() if k != "_target_"}
-    cfg = actor_config(
-        section["clip_ratio_low"], section["clip_ratio_high"], section["clip_ratio_c"], section["loss_agg_mode"],
-        **policy_loss,
-    )  # fmt: skip
-    return get_policy_loss_fn(policy_loss["loss_mode"]), cfg
+    return presets.loss_and_config(*presets.split(loss_section(config)))
 
 
 @dataclass(frozen=True)

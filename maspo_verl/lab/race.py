@@ -30,7 +30,7 @@ from verl.workers.config import ActorConfig
 import maspo_verl.plugin  # noqa: F401  (registers maspo, ctpo, pgspo)
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.config import actor_config
-from maspo_verl.lab import common
+from maspo_verl.lab import common, journal, tabular
 from maspo_verl.speech.spans import ErrorSpan, token_penalties, token_scores
 
 
@@ -105,10 +105,7 @@ def make_task(name: str, length: int) -> Task:
 
 
 def init_policy(task: Task, length: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    theta = task.noise * torch.randn(length, VOCAB + 1, VOCAB, generator=g)
-    theta[:, :VOCAB, :] += task.persistence * torch.eye(VOCAB)
-    return theta.requires_grad_()
+    return tabular.initial_table(length, VOCAB, task.persistence, task.noise, seed).requires_grad_()
 
 
 def log_probs(theta: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -205,7 +202,7 @@ def summarise(curve: dict, target: float, entropy0: float) -> dict:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    out = common.prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     t0 = time.time()
     torch.set_num_threads(1)
     tasks = [make_task(n, args.length) for n in ("speech", "text")]

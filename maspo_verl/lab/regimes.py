@@ -60,15 +60,15 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from maspo_verl.lab import journal, presets, tabular
 
 BASELINE = "grpo"
 CODEC_OFFSET = 128264  # Llasa-1B's first speech id, the shipped codec presets' codec_offset
@@ -129,21 +129,14 @@ def discover_presets(names: list[str] | None = None) -> list[Preset]:
     names = sorted(names, key=lambda n: (n != BASELINE, n))
     out = []
     for name in names:
-        section = loss_section(compose_config(f"loss={name}"))
-        policy_loss = {k: v for k, v in section["policy_loss"].items() if k != "_target_"}
-        actor = {k: section[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")}
+        actor, policy_loss = presets.split(loss_section(compose_config(f"loss={name}")))
         out.append(Preset(name, policy_loss["loss_mode"], actor, policy_loss))
     return out
 
 
 def preset_config(p: Preset):
     """verl's ``ActorConfig`` with our policy-loss dataclass, as the trainer instantiates it."""
-    from maspo_verl.config import actor_config
-
-    a = p.actor
-    return actor_config(
-        a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"], a["loss_agg_mode"], **p.policy_loss
-    )
+    return presets.actor_config_of(p.actor, p.policy_loss)
 
 
 _VOCABULARY: list[str] | None = None
@@ -239,13 +232,7 @@ def make_task(name: str, length: int, seeds: list[int], unit: int = UNIT_MEDIAN)
 
 def init_tables(task: Task, length: int, seeds: list[int]) -> torch.Tensor:
     """[S, T, V+1, V] logit tables (row V: the first token's context)."""
-    tables = []
-    for s in seeds:
-        g = torch.Generator().manual_seed(s)
-        theta = task.noise * torch.randn(length, VOCAB + 1, VOCAB, generator=g)
-        theta[:, :VOCAB, :] += task.persistence * torch.eye(VOCAB)
-        tables.append(theta)
-    return torch.stack(tables)
+    return torch.stack([tabular.initial_table(length, VOCAB, task.persistence, task.noise, s) for s in seeds])
 
 
 # ------------------------------------------------------------------ policy
@@ -636,13 +623,6 @@ def _work(item):
     return out
 
 
-def machine_load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | None = None, kept=()) -> list[dict]:
     """Run ``jobs`` on ``args.workers`` processes; every finished job's rows (after ``kept``) are written to
     ``out/runs_csv`` at once (and its per-step curves to ``curves_csv``), so an interrupted study resumes from
@@ -652,7 +632,7 @@ def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | 
     name = getattr(args, "command", None) or out.name
     seeds = "/".join(str(n) for n in sorted({len(j.seeds) for j in jobs if j.seeds})) or args.seeds
     common.log(f"{name}: {len(jobs)} jobs x {seeds} seeds on {args.workers} processes ({args.device})")
-    t0, records, steps, load = time.time(), list(kept), [], [machine_load()]
+    t0, records, steps, load = time.time(), list(kept), [], [journal.load()]
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("module", "func")})
     items = [(j, plain) for j in jobs]
     pool = None
@@ -669,22 +649,17 @@ def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | 
                 f"{time.time() - t0:.0f}s in all)"
             )
             if i % 20 == 0:
-                load.append(machine_load())
+                load.append(journal.load())
             common.write_csv(out / runs_csv, records)
             if curves_csv:
                 common.write_csv(out / curves_csv, steps)
     finally:
         if pool:
             pool.close()
-    load.append(machine_load())
+    load.append(journal.load())
     seconds = time.time() - t0
-    with open(out / "COMMAND.txt", "a") as f:
-        f.write(
-            f"run time: {seconds:.0f} s ({seconds / 60:.1f} min), {args.workers} processes, {len(jobs)} jobs, "
-            f"device {args.device}\n"
-        )
-        f.write("machine load during the run (uptime, sampled every 20 jobs):\n")
-        f.writelines(f"  {line}\n" for line in load)
+    what = f"{args.workers} processes, {len(jobs)} jobs, device {args.device}"
+    journal.run_time(out, seconds, what, load, "every 20 jobs")
     return records
 
 
@@ -694,7 +669,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     out = Path(args.out)
     if args.report:  # the tables and README again from the CSVs in --out
         return _report(out, args)
-    common.prepare_out(out, argv)
+    journal.start(out, argv)
     presets = discover_presets(args.presets)
     skipped, runnable = [], {}
     for task in args.tasks:

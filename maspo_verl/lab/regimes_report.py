@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import stats
-from maspo_verl.lab.common import command_of, markdown_table, mean_interval, pyplot, read_csv, write_tables
+from maspo_verl.lab import journal, stats
+from maspo_verl.lab.common import markdown_table, mean_interval, pyplot, read_csv, write_tables
 
 BASELINE = "grpo"
 METRICS = ("final_reward", "auc", "steps_to_target_c")  # compared with grpo, paired by seed
@@ -259,7 +259,7 @@ def write(out: Path, args) -> None:
     plot_heatmap(comparisons, "final_reward", out / "regimes_final_vs_grpo.png")
     plot_heatmap(comparisons, "auc", out / "regimes_auc_vs_grpo.png")
     plot_curves(curves, out / "regimes_curves.png")
-    command = command_of(out)
+    command = journal.read(out)
     (out / "README.md").write_text(readme(args, runs, summary, comparisons, spreads, skipped, command))
 
 

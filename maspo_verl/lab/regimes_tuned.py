@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import regimes, stats
+from maspo_verl.lab import journal, regimes, stats
 from maspo_verl.lab.common import as_float as _f
 
 OUT = "regimes_tuned"
@@ -173,54 +173,10 @@ def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = 
     return out
 
 
-def _held(runs: list[dict], tune: int) -> dict[tuple, dict]:
-    """The held-out runs by task, cell, loss, band, seed and ``start`` (a run's starting point where a study keys
-    it, e.g. part 2's warm-model build; "" elsewhere), in the order of ``runs``."""
-    return {
-        (r["task"], r["cell"], r["loss"], r["band"], int(r["seed"]), r.get("start", "")): r
-        for r in runs
-        if int(r["seed"]) >= tune
-    }
-
-
-def pairs(held: dict, task: str, cell: str, a: tuple, b: tuple) -> dict[int, tuple[dict, dict]]:
-    """Per held-out seed, ``a``'s run and ``b``'s ((loss, band) each) that share their ``start``: one pair a seed,
-    ``a``'s first run, in ``held``'s order, that ``b`` has a run beside."""
-    starts: dict[int, list] = {}
-    for t, c, lo, ba, s, start in held:
-        if (t, c, lo, ba) == (task, cell, *a):
-            starts.setdefault(s, []).append(start)
-    out = {}
-    for s in sorted(starts):
-        shared = next((x for x in starts[s] if (task, cell, *b, s, x) in held), None)
-        if shared is not None:
-            out[s] = (held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)])
-    return out
-
-
-def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
-    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
-    ``stats.paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
-    interval excludes 0."""
-    diffs = [_f(x[metric]) - _f(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
-    diffs = [d for d in diffs if math.isfinite(d)]
-    if len(diffs) < 2:
-        return {}
-    row = stats.paired_summary(diffs, margin)
-    return row | {"supported": bool(row["low"] > 0 or row["high"] < 0)}
-
-
-def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
-    """Holm-adjusted sign-flip p (``p_holm``) within each value of ``family``; *supported_holm*: below 0.05."""
-    for r in stats.holm_by(rows, family, "p_signflip", "p_holm"):
-        r["supported_holm"] = r["p_holm"] < 0.05
-    return rows
-
-
 def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
     """Held-out paired differences: each loss vs grpo at their chosen widths (``tuned``), at matched KL
     (``matched_kl``), unclipped (``unclipped``), as shipped (``shipped``, width 1); the control vs maspo_words."""
-    held = _held(runs, tune)
+    held = stats.held(runs, tune)
     pick = {(c["task"], c["cell"], c["loss"]): c for c in choices}
     gain = grpo_gain(runs, choices, tune)
     rows = []
@@ -246,7 +202,7 @@ def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
         for name, a, b in comparisons:
             if loss == BASELINE and name != "shuffled_vs_aligned":
                 continue
-            row = paired(held, task, cell, a, b)
+            row = stats.paired(held, task, cell, a, b)
             if not row:
                 continue
             g = gain.get((task, cell), float("nan"))
@@ -257,7 +213,7 @@ def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
                     "diff_over_gain": row["diff"] / g if g > 0 else float("nan"),
                 }
             )  # fmt: skip
-    return with_holm(rows)
+    return stats.with_holm(rows)
 
 
 def grpo_gain(runs: list[dict], choices: list[dict], tune: int) -> dict[tuple, float]:
@@ -279,7 +235,7 @@ def grpo_gain(runs: list[dict], choices: list[dict], tune: int) -> dict[tuple, f
 def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
     """Per (task, cell): grpo's chosen width, its held-out gain, its drift correlation; whether a trust region is
     needed (grpo at its best finite width minus unclipped grpo, held out)."""
-    held = _held(runs, tune)
+    held = stats.held(runs, tune)
     gain = grpo_gain(runs, choices, tune)
     rows = []
     for c in choices:
@@ -298,7 +254,7 @@ def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
             ):
                 tuning.setdefault(r["band"], []).append(_f(r["final_reward"]))
         finite = [(float(np.mean(v)), w) for w, v in tuning.items()]
-        trust = paired(held, task, cell, (BASELINE, max(finite)[1]), (BASELINE, UNCLIPPED)) if finite else {}
+        trust = stats.paired(held, task, cell, (BASELINE, max(finite)[1]), (BASELINE, UNCLIPPED)) if finite else {}
         unclipped = [
             r for r in runs if (r["task"], r["cell"], r["loss"], r["band"]) == (task, cell, BASELINE, UNCLIPPED)
         ]
@@ -354,7 +310,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab import common
 
     out = Path(args.out)
     if args.report:
@@ -364,10 +319,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     kept = []
     if args.redo:  # the other presets' runs stay; the command that re-made these is recorded under the first
         kept = [r for r in _read_runs(out) if r["loss"] not in args.redo]
-        with open(out / "COMMAND.txt", "a") as f:
-            f.write("\nre-ran (--redo): python -m maspo_verl.lab " + " ".join(argv) + "\n")
+        journal.again(out, argv, "re-ran (--redo)")
     else:
-        common.prepare_out(out, argv)
+        journal.start(out, argv)
     jobs = [j for j in jobs_of(args) if not args.redo or j.preset.name in args.redo]
     args.seeds = args.tune_seeds + args.held_seeds
     regimes.run_jobs(jobs, args, out, "tuned_runs.csv", kept=kept)

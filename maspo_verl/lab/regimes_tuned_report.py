@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maspo_verl.lab.common import command_of, markdown_table, pyplot, write_tables
+from maspo_verl.lab import journal
+from maspo_verl.lab.common import markdown_table, pyplot, write_tables
 from maspo_verl.lab.regimes import CONTROL
 
 COMPARISONS = (
@@ -61,7 +62,7 @@ def write(out: Path, args, runs: list[dict], choices: list[dict], rows: list[dic
     """The tables, plot and README from the runs and ``regimes_tuned``'s choice, comparisons and cells."""
     write_tables(out, {"tuned_choice.csv": choices, "tuned_compare.csv": rows, "tuned_cells.csv": cells})
     plot(rows, out / "tuned_vs_grpo.png")
-    (out / "README.md").write_text(readme(args, runs, choices, rows, cells, command_of(out)))
+    (out / "README.md").write_text(readme(args, runs, choices, rows, cells, journal.read(out)))
 
 
 def readme(args, runs, choices, rows, cells, command) -> str:

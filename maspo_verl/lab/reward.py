@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from maspo_verl.lab.common import default_out, log, markdown_table, prepare_out, write_csv
+from maspo_verl.lab import journal
+from maspo_verl.lab.common import default_out, log, markdown_table, write_csv
 
 WINDOW_S = 30.0
 GAP_S = 1.0
@@ -232,7 +233,7 @@ def run(args, argv) -> None:
     from maspo_verl.speech.codec import FrameTableCodec
     from maspo_verl.speech.text import normalize_text
 
-    out = prepare_out(args.out or default_out("reward"), argv)
+    out = journal.start(args.out or default_out("reward"), argv)
     total = time.monotonic()
     texts, waves = make_clips(args.clips)
     durations = [len(w) / 16000 for w in waves]

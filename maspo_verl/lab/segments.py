@@ -53,7 +53,7 @@ from maspo_verl.core import segments
 from maspo_verl.core.losses import token_log_ratios
 from maspo_verl.core.segments.rules import logprob, tokenval
 from maspo_verl.core.token_sets import inputs_needed
-from maspo_verl.lab import common
+from maspo_verl.lab import common, journal
 
 OUT = "segments"
 PREFIX = "actor_rollout_ref.actor.policy_loss."
@@ -909,11 +909,10 @@ def suggestions_json(result: dict, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    out = common.prepare_out(args.out or common.default_out(OUT), argv)
+    out = journal.start(args.out or common.default_out(OUT), argv)
     made_by = Path(args.source + ".COMMAND.txt")  # the command that wrote the input, if it says
     if made_by.is_file():
-        with open(out / "COMMAND.txt", "a") as f:
-            f.write(f"input made by: {made_by.read_text().strip()}\n")
+        journal.note(out, f"input made by: {made_by.read_text().strip()}")
     result = analyse(args)
     corpus, settings = result["corpus"], result["settings"]
     common.write_csv(out / "grid.csv", [r for rows in result["table"].values() for r in rows])

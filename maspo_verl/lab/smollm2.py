@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab.common import log, markdown_table, prepare_out, write_csv
+from maspo_verl.lab import journal
+from maspo_verl.lab.common import log, markdown_table, write_csv
 
 OUT = "smollm2"
 CONDITIONS = ("on_policy", "bf16_forward", "bf16_rollout")  # then drift_<k>
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit("--resume, --pieces, --report: allowed only with --granularity")
     if args.group < 2 or args.group % 2:
         raise SystemExit(f"--group {args.group}: allowed an even number >= 2 (resamples take half of each group)")
-    out = prepare_out(args.out, argv)
+    out = journal.start(args.out, argv)
     start = time.time()
     timings = {}
     model, tok, path = load(args.threads)

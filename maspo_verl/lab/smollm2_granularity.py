@@ -294,16 +294,15 @@ def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, i
 
 
 def run(args, argv: list[str]) -> None:
-    from maspo_verl.lab.common import prepare_out
+    from maspo_verl.lab import journal
 
     out = Path(args.out)
     if args.report:
         return report(out)
-    if args.resume and (out / "COMMAND.txt").is_file():
-        with open(out / "COMMAND.txt", "a") as f:
-            f.write("\nresumed: python -m maspo_verl.lab " + " ".join(argv) + "\n")
+    if args.resume and journal.read(out):
+        journal.again(out, argv)
     else:
-        prepare_out(out, argv)
+        journal.start(out, argv)
         for name in ("screen.csv", "correlation.csv", "gradient.csv", "batches.csv"):
             (out / name).unlink(missing_ok=True)
     tables = {n: read_csv(out / f"{n}.csv") for n in ("correlation", "gradient", "batches")}
@@ -441,9 +440,9 @@ DEVIATIONS = (
 
 def readme(out: Path, batches, corr, grad, vif, tests) -> str:
     """The report: the rows on disk (``batches``, ``corr``, ``grad``) and the registered tests (``vif``, ``tests``)."""
-    from maspo_verl.lab.common import command_of
+    from maspo_verl.lab import journal
 
-    command = command_of(out).strip()
+    command = journal.read(out).strip()
     screened = read_csv(out / "screen.csv")
     lines = [
         "# Granularity study, part 3: SmolLM2-135M gradients at realistic drift",

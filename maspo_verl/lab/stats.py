@@ -185,3 +185,52 @@ def paired_summary(d: Sequence[float], margin: float | None = None, level: float
         eq = tost(d, margin)
         row |= {"margin": margin, "p_tost": eq["p"], "tost_low": eq["low"], "tost_high": eq["high"]}
     return row
+
+
+# -- pairing the held-out runs of a study -------------------------------------------------------------
+
+
+def held(runs: list[dict], tune: int) -> dict[tuple, dict]:
+    """The held-out runs by task, cell, loss, band, seed and ``start`` (a run's starting point where a study keys
+    it, e.g. part 2's warm-model build; "" elsewhere), in the order of ``runs``."""
+    return {
+        (r["task"], r["cell"], r["loss"], r["band"], int(r["seed"]), r.get("start", "")): r
+        for r in runs
+        if int(r["seed"]) >= tune
+    }
+
+
+def pairs(held: dict, task: str, cell: str, a: tuple, b: tuple) -> dict[int, tuple[dict, dict]]:
+    """Per held-out seed, ``a``'s run and ``b``'s ((loss, band) each) that share their ``start``: one pair a seed,
+    ``a``'s first run, in ``held``'s order, that ``b`` has a run beside."""
+    starts: dict[int, list] = {}
+    for t, c, lo, ba, s, start in held:
+        if (t, c, lo, ba) == (task, cell, *a):
+            starts.setdefault(s, []).append(start)
+    out = {}
+    for s in sorted(starts):
+        shared = next((x for x in starts[s] if (task, cell, *b, s, x) in held), None)
+        if shared is not None:
+            out[s] = (held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)])
+    return out
+
+
+def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_reward", margin=None) -> dict:
+    """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
+    ``paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
+    interval excludes 0."""
+    from maspo_verl.lab.common import as_float
+
+    diffs = [as_float(x[metric]) - as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
+    diffs = [d for d in diffs if math.isfinite(d)]
+    if len(diffs) < 2:
+        return {}
+    row = paired_summary(diffs, margin)
+    return row | {"supported": bool(row["low"] > 0 or row["high"] < 0)}
+
+
+def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
+    """Holm-adjusted sign-flip p (``p_holm``) within each value of ``family``; *supported_holm*: below 0.05."""
+    for r in holm_by(rows, family, "p_signflip", "p_holm"):
+        r["supported_holm"] = r["p_holm"] < 0.05
+    return rows

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from maspo_verl.lab import common
+from maspo_verl.lab import common, journal
 from maspo_verl.lab.runs import run_local
 from maspo_verl.util import preset_names
 
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         rows += [{"preset": preset, "step": s, "timing_s_step": t} for s, t in times.items()]
     shutil.rmtree(runs, ignore_errors=True)
     common.write_csv(os.path.join(out, "steptime.csv"), rows)
-    with open(os.path.join(out, "STEPTIME_COMMAND.txt"), "w") as f:
-        f.write("python -m maspo_verl.lab " + " ".join(argv) + "\n")
+    journal.start(out, argv, name=bench.STEPTIME_COMMAND)
     bench.render_readme(out)
     print(common.markdown_table(bench.summarise_steps(rows, bench.BASELINE)))
 

@@ -408,10 +408,16 @@ def test_run_folders_are_removed_unless_a_run_failed(tmp_path, monkeypatch, caps
         [],
     )
     left = list((tmp_path / "tmp").iterdir())
+    console = capsys.readouterr()
+    named = re.findall(rf"{re.escape(str(tmp_path / 'tmp'))}[^\s,)]*", console.out + console.err)
+    assert all(Path(p).exists() for p in named), f"the console names folders that are gone: {named}"
+    summary = (Path(out) / "learn_summary.csv").read_text() + (Path(out) / "README.md").read_text()
+    assert "nan, nan" not in summary and "0.400 (1 seed: no interval)" in summary  # one seed: no interval, said
     if not fails:
-        assert left == []
+        assert "final reward vs grpo: no interval (1 seed; an interval needs 2)" in summary
+        assert left == [] and named == []
         return
     assert len(left) == 1 and left[0].name.startswith("maspo_learn_logs_")
     failed = [p for p in left[0].iterdir() if "gspo" in p.name]
     assert len(failed) == 1 and (failed[0] / "console.log").exists()
-    assert f"run folders kept in {left[0]} (failed: {failed[0]})" in capsys.readouterr().err
+    assert f"run folders kept in {left[0]} (failed: {failed[0]})" in console.err
