@@ -144,7 +144,9 @@ def test_pip_keeps_a_development_verl(built_wheel, tmp_path):
     assert version.stdout.strip().startswith("0.10.0.dev"), version.stdout + version.stderr
     report = tmp_path / "plan.json"
     cmd = [python, "-m", "pip", "install", "--dry-run", "--no-index", "-q", "--report", str(report), str(wheel)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # a PYTHONPATH naming a checkout shows pip its egg-info as maspo-verl installed already
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(report.read_text())["install"]
     assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan] == [("maspo-verl", "0.1.0")]
