@@ -534,13 +534,13 @@ class DPPOTV(DPPO):
             "p_S = 0.5, bounds 0.2, c = 3: r = 1.2, A > 0: p rose by 0.1, kept (loss -w A log pi, gradient -w A); "
             "r = 1.5, A > 0: rose by 0.25 > 0.2, masked (high); r = 1.5, A < 0: only a fall is bounded, kept; r = 0.5, "
             "A < 0: fell by 0.25, masked (low); p_S = 0.1, r = 5, A < 0: kept, weight truncated to 3 (dual); r = 0.5, "
-            "A > 0: kept; A = 0 is bounded as A < 0 (as verl's), masked",
-            ratio=(1.2, 1.5, 1.5, 0.5, 5.0, 0.5, 0.5),
-            advantage=(1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 0.0),
-            log_prob=(-0.5,) * 7,
-            old_log_prob=(math.log(0.5),) * 4 + (math.log(0.1),) + (math.log(0.5),) * 2,
-            loss=(0.6, 0.0, -0.75, 0.0, -1.5, 0.25, 0.0),
-            grad=(-1.2, 0.0, 1.5, 0.0, 3.0, -0.5, 0.0),
+            "A > 0: kept; r = 0.8, A < 0: fell by 0.1 <= 0.2, kept; A = 0 is bounded as A < 0 (as verl's), masked",
+            ratio=(1.2, 1.5, 1.5, 0.5, 5.0, 0.5, 0.8, 0.5),
+            advantage=(1.0, 1.0, -1.0, -1.0, -1.0, 1.0, -1.0, 0.0),
+            log_prob=(-0.5,) * 8,
+            old_log_prob=(math.log(0.5),) * 4 + (math.log(0.1),) + (math.log(0.5),) * 3,
+            loss=(0.6, 0.0, -0.75, 0.0, -1.5, 0.25, -0.4, 0.0),
+            grad=(-1.2, 0.0, 1.5, 0.0, 3.0, -0.5, 0.8, 0.0),
             actor={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0},
         ),
         Example(

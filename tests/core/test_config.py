@@ -9,7 +9,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from maspo_verl.config import SETTINGS, GranularLossConfig
 from maspo_verl.core.segments import SEGMENT_RULES
-from maspo_verl.main import dry_run
+from maspo_verl.main import check_policy_loss, dry_run
 from maspo_verl.plugin.checks import run_startup_checks as startup_checks
 from maspo_verl.util import preset_names
 from tests.helpers import SMALL, compose_config
@@ -199,21 +199,32 @@ def test_sapo_needs_positive_temperatures_at_start_up():
 
 
 def test_dro_beta_is_refused_at_start_up_when_missing_or_not_positive():
-    """``surrogate=dro`` reads verl's own ``policy_loss.dro_beta``: the composed config fails where verl builds it."""
+    """``surrogate=dro`` reads verl's own ``policy_loss.dro_beta``: the composed config fails where verl builds it,
+    which the start-up does before anything starts (``check_policy_loss``)."""
     dro = ("loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.surrogate=dro")
     ratio = "actor_rollout_ref.actor.policy_loss.clip_schedule=ratio"
+    allowed = r" is invalid: allowed a finite number > 0"
     for extra, message in [
-        ((), r"policy_loss.dro_beta=None is invalid: allowed a number > 0"),
-        (("actor_rollout_ref.actor.policy_loss.dro_beta=0",), r"policy_loss.dro_beta=0 is invalid"),
+        ((), r"policy_loss.dro_beta=None is invalid: allowed a number > 0 with surrogate='dro'"),
+        (("actor_rollout_ref.actor.policy_loss.dro_beta=0",), r"policy_loss.dro_beta=0" + allowed),
+        (("actor_rollout_ref.actor.policy_loss.dro_beta=-0.5",), r"policy_loss.dro_beta=-0.5" + allowed),
+        (("actor_rollout_ref.actor.policy_loss.dro_beta=nan",), r"policy_loss.dro_beta=nan" + allowed),
+        (("actor_rollout_ref.actor.policy_loss.dro_beta=abc",), r"policy_loss.dro_beta='abc'" + allowed),
     ]:
         with pytest.raises(Exception, match=message):
             omega_conf_to_dataclass(compose_config(*dro, ratio, *extra).actor_rollout_ref.actor.policy_loss)
+        with pytest.raises(Exception, match=message):
+            check_policy_loss(compose_config(*dro, ratio, *extra))
     built = compose_config(*dro, ratio, "actor_rollout_ref.actor.policy_loss.dro_beta=0.5")
+    check_policy_loss(built)
     assert omega_conf_to_dataclass(built.actor_rollout_ref.actor.policy_loss).dro_beta == 0.5
 
 
 @pytest.mark.parametrize("surrogate", ["dppo_tv", "dppo_kl"])
-@pytest.mark.parametrize("field,value", [("clip_ratio_low", 0.0), ("clip_ratio_high", -0.1), ("clip_ratio_c", 0.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("clip_ratio_low", 0.0), ("clip_ratio_high", -0.1), ("clip_ratio_high", "nan"), ("clip_ratio_c", 0.0)],
+)
 def test_dppo_divergence_bounds_are_checked_at_start_up(surrogate, field, value):
     """DPPO reads the actor's clip_ratio_low/high as divergence bounds and clip_ratio_c as the truncation: > 0."""
     chosen = ("loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.surrogate={surrogate}")
@@ -221,6 +232,20 @@ def test_dppo_divergence_bounds_are_checked_at_start_up(surrogate, field, value)
     assert startup_checks(compose_config(*chosen, ratio)) == []
     with pytest.raises(ValueError, match=rf"actor_rollout_ref.actor.{field}={value} is invalid: allowed a finite"):
         startup_checks(compose_config(*chosen, ratio, f"actor_rollout_ref.actor.{field}={value}"))
+
+
+@pytest.mark.parametrize("surrogate", ["dppo_tv", "dppo_kl"])
+def test_dppo_bounds_fall_back_to_clip_ratio_and_log_space_bounds_are_checked(surrogate):
+    """Without clip_ratio_low the ratio schedule's bound is verl's clip_ratio, named where it is invalid; on the
+    log_adaptive schedule the divergence bounds are log_clip_low/high and the truncation log_clip_dual: > 0."""
+    chosen = ("loss=maspo_fixed", f"actor_rollout_ref.actor.policy_loss.surrogate={surrogate}")
+    ratio = "actor_rollout_ref.actor.policy_loss.clip_schedule=ratio"
+    unset = ("actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio=0")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.clip_ratio=0 is invalid: allowed a finite number"):
+        startup_checks(compose_config(*chosen, ratio, *unset))
+    for field in ("log_clip_low", "log_clip_high", "log_clip_dual"):
+        with pytest.raises(Exception, match=rf"policy_loss.{field}=0 is invalid: allowed a finite number > 0"):
+            check_policy_loss(compose_config(*chosen, f"actor_rollout_ref.actor.policy_loss.{field}=0"))
 
 
 def test_our_loss_without_our_dataclass_is_a_startup_error():

@@ -132,15 +132,20 @@ def _ended_cleanly(code: int, console: str, run_dir: Path, left: dict) -> None:
 
 def test_vllm_rollout_bypass_reports_the_engine_and_its_mismatch_and_leaves_nothing(tmp_path, cache):
     """The README's first command (2 steps, bypass mode) with vLLM and the actor both in fp32 and one mini-batch a
-    step, which shows the weights reach the engine: at step 2, after an update and a weight sync, the trainer's
+    step, on DPPO-Binary-TV's objective (``policy_loss.surrogate=dppo_tv`` on the preset's segments: its one run in
+    the default set; ``test_surrogates_vllm`` has dppo_kl and dro), which shows the weights reach the engine: at step
+    2, after an update and a weight sync, the trainer's
     and the engine's log-probs of the engine's samples agree to fp32 round-off. Tolerance: 1e-4 nats on max |delta|:
     measured 9.5e-7 here (sd 3e-7) and 1.3e-5 on SmolLM2's 30 layers, while one update at the local mode's learning
     rate moves the log-probs by ~2e-2 on average (verl's actor/ppo_kl of a second mini-batch), which a sync that
     kept the old weights would show; an engine on weights the trainer never had (``plants/stale_sync``) measures
     max |delta| 1.1. Not zero either: the trainer's own log-probs would be. The shipped engine's mismatch: the SmolLM2
-    step below. A checkpoint at step 2 (verl locks it in the temp dir) and nothing left behind."""
-    code, console, run_dir, left = _run(tmp_path, [*FP32, "loss=maspo_fixed", "trainer.save_freq=2"], cache)
+    step below. A checkpoint at step 2 (verl locks it in the temp dir) and nothing left behind. Each update is
+    on-policy (ratios within 1e-4 of 1), so DPPO's trust region keeps every token and truncates none."""
+    overrides = [*FP32, "loss=maspo_fixed", "trainer.save_freq=2", f"{POLICY_LOSS}.surrogate=dppo_tv"]
+    code, console, run_dir, left = _run(tmp_path, overrides, cache)
     _ended_cleanly(code, console, run_dir, left)
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").actor_rollout_ref.actor.policy_loss.surrogate == "dppo_tv"
     steps = read_step_metrics(run_dir / "metrics.jsonl")
     assert sorted(steps) == [1, 2], console[-4000:]
     # the actor update's torch threads: the run's cores for its one trainer worker (Ray alone would give it one)
@@ -151,10 +156,13 @@ def test_vllm_rollout_bypass_reports_the_engine_and_its_mismatch_and_leaves_noth
         _engine_sampled_every_response(m, responses=4 * 4)
         assert 0 < m[f"{MISMATCH}rms"] and m[f"{MISMATCH}max_abs"] < 1e-4, (step, m)
         assert abs(math.exp(m[f"{MISMATCH}mean"]) - 1) < 1e-5  # the mean token ratio
+        assert m["actor/pg_clipfrac"] == 0 and m["actor/pg_clipfrac_lower"] == 0, (step, m)  # masked, truncated
+        assert math.isfinite(m["actor/pg_loss"]), (step, m)
     assert f"{MISMATCH}sd:" in console  # on the step line
     assert "(latest: global_step_2)" in console
 
 
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 FP32 = [
     "actor_rollout_ref.rollout.dtype=float32",
     "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
