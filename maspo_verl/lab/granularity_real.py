@@ -2,8 +2,10 @@
 SmolLM2-135M-Instruct on the worked arithmetic task in verl's trainer with verl's vLLM rollout, two regimes (N: one
 Adam update a batch; S: 2 mini-batches x 2 PPO epochs), arms ``grpo``, W = 16 and ``gspo``.
 
-``python -m maspo_verl.lab.granularity_real [--out DIR | --update-docs] [--pieces N] [--report]``
+``python -m maspo_verl.lab.granularity_real [--out DIR | --update-docs] [--gate] [--pieces N] [--report]``
 
+- ``--gate`` first: one registered run of regime S at a seed no study uses; ``--pieces`` refuses to run until a
+  gate run has cost at most ``GATE_CPU_S`` CPU-s (the budget's share of a run).
 - Pieces, in the registered order: every tuning piece (one arm at one learning rate in one regime, seeds 600-601),
   then the edge pieces of choices at an end of the grid, then ``choice.csv``, then the held-out pieces (one arm at
   its chosen rate, the regime's held-out seeds; S before N). A piece's runs go to ``pieces/<piece>/runs.csv``, one
@@ -42,6 +44,7 @@ TUNE_SEEDS = (600, 601)
 MARGIN = 0.08  # TOST margin, greedy accuracy (10 of 128 problems)
 ACCURACY = "val-core/maspo_arith_worked/acc/mean@1"
 ENGINE = "vllm"
+GATE_SEED, GATE_CPU_S = 950, 600  # the cost gate's run (no study's seed) and the budget's share of a run
 LADDER = ("1e-7", "3e-7", "1e-6", "3e-6", "1e-5", "3e-5", "1e-4", "3e-4", "1e-3")  # half-decades: an edge's next
 
 
@@ -266,7 +269,8 @@ def covered(out: Path, piece: Piece) -> bool:
 def all_rows(out: Path) -> list[dict]:
     rows = []
     for path in sorted((Path(out) / "pieces").glob("*/runs.csv")):
-        rows += [r | {"phase": path.parent.name.split("_", 1)[0]} for r in read_csv(path)]
+        phase = path.parent.name.split("_", 1)[0]
+        rows += [r | {"phase": phase} for r in read_csv(path)] if phase != "gate" else []
     return rows
 
 
@@ -380,6 +384,22 @@ def report(out: Path) -> None:
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
+def gate(out: Path, runner: Callable | None = None) -> dict:
+    """The cost gate before the first piece: one registered run of regime S (``grpo`` at 3e-5, seed
+    ``GATE_SEED``), its CPU-s against ``GATE_CPU_S``, written to ``gate.csv`` and the journal."""
+    piece = Piece("gate", "S", BASELINE, "3e-5", (GATE_SEED,))
+    row = run_piece(out, piece, runner)[-1]
+    row["cpu_s_allowed"] = GATE_CPU_S
+    row["passed"] = row["ok"] in (True, "True") and float(row["cpu_s"]) <= GATE_CPU_S
+    write_csv(Path(out) / "gate.csv", [row])
+    journal.note(out, f"cost gate: {float(row['cpu_s']):.0f} CPU-s (allowed {GATE_CPU_S}), passed: {row['passed']}")
+    return row
+
+
+def gate_passed(out: Path) -> bool:
+    return any(r["passed"] == "True" for r in read_csv(Path(out) / "gate.csv"))
+
+
 def main(argv: list[str] | None = None, runner: Callable | None = None) -> None:
     import sys
 
@@ -388,9 +408,17 @@ def main(argv: list[str] | None = None, runner: Callable | None = None) -> None:
     p.add_argument("--update-docs", action="store_true", help=f"write {default_out(FOLDER, update_docs=True)}")
     p.add_argument("--pieces", type=int, default=0, help="run the next N pieces (0: none)")
     p.add_argument("--report", action="store_true", help="write the report from the runs on disk")
+    p.add_argument("--gate", action="store_true", help=f"run the cost gate (a run must cost <= {GATE_CPU_S} CPU-s)")
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     out = Path(args.out) if args.out else default_out(FOLDER, args.update_docs)
+    if args.gate:
+        journal.again(out, ["python -m maspo_verl.lab.granularity_real", *argv], how="cost gate")
+        gate(out, runner)
+    if args.pieces and not gate_passed(out):
+        raise SystemExit(
+            f"{out}: no passed cost gate (gate.csv): run --gate first; a run must cost <= {GATE_CPU_S} CPU-s"
+        )
     for _ in range(args.pieces):
         todo = next_pieces(out)
         if not todo:

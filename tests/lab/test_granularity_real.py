@@ -99,9 +99,30 @@ def test_a_run_off_vllm_or_short_of_steps_fails(tmp_path):
     assert not gr.run_row(result, piece, 700)["ok"]
 
 
+def test_no_piece_before_a_passed_cost_gate(tmp_path):
+    fake = Fake(planted)
+    with pytest.raises(SystemExit, match="no passed cost gate"):
+        gr.main(["--out", str(tmp_path), "--pieces", "1"], runner=fake)
+    assert fake.calls == []
+    slow = Fake(planted)
+    original = slow.__call__
+
+    def expensive(ov, run_dir, timeout_s=0):
+        result = original(ov, run_dir, timeout_s)
+        result.cpu_s = gr.GATE_CPU_S + 1.0
+        return result
+
+    with pytest.raises(SystemExit, match="no passed cost gate"):
+        gr.main(["--out", str(tmp_path), "--gate", "--pieces", "1"], runner=expensive)
+    assert slow.calls == [("S", "grpo", "3e-5", gr.GATE_SEED)]
+    assert "passed: False" in (tmp_path / "COMMAND.txt").read_text()
+
+
 def test_the_whole_part_on_the_stand_in(tmp_path):
     fake = Fake(planted, other_prompts={("S", "gspo", 715)})
-    gr.main(["--out", str(tmp_path), "--pieces", "1000"], runner=fake)
+    gr.main(["--out", str(tmp_path), "--gate", "--pieces", "1000"], runner=fake)
+    assert fake.calls[0] == ("S", "grpo", "3e-5", gr.GATE_SEED)
+    fake.calls = fake.calls[1:]
     tuning = [c for c in fake.calls if c[3] in gr.TUNE_SEEDS]
     # 2 regimes x 3 arms x 3 rates, and the edge rates: grpo and gspo chose the middle; W16 in S the top (1e-4),
     # then 3e-4 beyond it; W16 in N chose the middle
