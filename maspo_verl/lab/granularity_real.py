@@ -294,12 +294,13 @@ def pairing(rows: list[dict]) -> list[dict]:
 
 
 def tests(rows: list[dict], choices: list[dict]) -> list[dict]:
-    """Families S5 and N5: each sharing arm minus ``grpo``, each at its chosen rate, on the held-out seeds whose
-    step-1 prompts agree, paired by seed; Holm within each family (difference and equivalence apart)."""
+    """Families S5 and N5: each sharing arm minus ``grpo``, each at its chosen rate, on the held-out seeds where
+    the two arms' step-1 prompts agree, paired by seed; Holm within each family (difference and equivalence apart)."""
     pick = {(c["regime"], c["arm"]): c["lr"] for c in choices}
-    same = {(p["regime"], p["seed"]) for p in pairing(rows) if p["same"]}
     out = []
     for regime, r in REGIMES.items():
+        held = [x for x in rows if x["phase"] == "held" and x["regime"] == regime]
+        prompts = {(x["arm"], int(x["seed"])): x["first_prompts"] for x in held}
         acc = {
             (x["arm"], int(x["seed"])): float(x["accuracy"])
             for x in rows
@@ -309,7 +310,11 @@ def tests(rows: list[dict], choices: list[dict]) -> list[dict]:
             and x["ok"] in (True, "True")
         }
         for arm in (a for a in ARMS if a != BASELINE):
-            seeds = [s for s in r.held if (arm, s) in acc and (BASELINE, s) in acc and (regime, s) in same]
+            seeds = [
+                s
+                for s in r.held
+                if (arm, s) in acc and (BASELINE, s) in acc and prompts[(arm, s)] == prompts[(BASELINE, s)] != ""
+            ]  # the pairing check: the two arms' step-1 prompts are the same
             d = [acc[(arm, s)] - acc[(BASELINE, s)] for s in seeds]
             row = {"family": r.family, "regime": regime, "arm": arm, "vs": BASELINE}
             none = {"seeds": len(d), "p_signflip": 1.0, "p_tost": 1.0}  # not run yet: p = 1 in its Holm

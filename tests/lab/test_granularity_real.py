@@ -140,9 +140,10 @@ def test_the_whole_part_on_the_stand_in(tmp_path):
 
     tests = {(t["regime"], t["arm"]): t for t in csv.DictReader(open(tmp_path / "tests.csv"))}
     s_w16, s_gspo = tests[("S", "W16")], tests[("S", "gspo")]
-    # seed 715 of S is left out (gspo's step-1 prompts differ): 15 seeds, every difference +0.1
-    assert s_w16["seeds"] == "15" and float(s_w16["diff"]) == pytest.approx(0.1)
-    assert float(s_w16["p_signflip"]) == pytest.approx(2 / 2**15)  # the exact test: only the all-+ and all-- signs
+    # every difference +0.1 on all 16 seeds; the exact test: only the all-+ and all-- sign vectors reach it
+    assert s_w16["seeds"] == "16" and float(s_w16["diff"]) == pytest.approx(0.1)
+    assert float(s_w16["p_signflip"]) == pytest.approx(2 / 2**16)
+    assert s_gspo["seeds"] == "15"  # seed 715 left out of gspo's pair alone: its step-1 prompts differ from grpo's
     assert s_w16["different"] == "True" and s_w16["equivalent"] == "False"
     assert s_gspo["different"] == "False" and s_gspo["equivalent"] == "True"
     assert tests[("N", "gspo")]["seeds"] == "8" and float(tests[("N", "gspo")]["diff"]) == pytest.approx(0.001)
