@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,8 @@ def run_piece(out: Path, piece: Piece, runner: Callable | None = None, timeout_s
         result = runner(ov, run_dir, timeout_s=timeout_s)
         rows.append(run_row(result, piece, seed))
         write_csv(folder / "runs.csv", rows)
+        if rows[-1]["ok"]:  # its row holds what the study reads; a failed run's folder stays to be read
+            shutil.rmtree(run_dir, ignore_errors=True)
         journal.note(folder, f"  {journal.load()}")
     return rows
 

@@ -75,6 +75,7 @@ def test_a_piece_runs_only_its_missing_seeds(tmp_path):
     piece = gr.Piece("tune", "S", "grpo", "3e-5", gr.TUNE_SEEDS)
     rows = gr.run_piece(tmp_path, piece, fake)
     assert [c[3] for c in fake.calls] == [600, 601] and all(r["ok"] for r in rows)
+    assert not (tmp_path / "pieces" / piece.name / "seed600").exists()  # an ok run's folder goes, its row stays
     gr.run_piece(tmp_path, piece, fake)
     assert len(fake.calls) == 2  # resumed: nothing left
     path = tmp_path / "pieces" / piece.name / "runs.csv"
