@@ -8,13 +8,15 @@ Adam update a batch; S: 2 mini-batches x 2 PPO epochs), arms ``grpo``, W = 16 an
   gate run has cost at most ``GATE_CPU_S`` CPU-s (the budget's share of a run).
 - Pieces, in the registered order: every tuning piece (one arm at one learning rate in one regime, seeds 600-601),
   then the edge pieces of choices at an end of the grid, then ``choice.csv``, then the held-out pieces (one arm at
-  its chosen rate, the regime's held-out seeds; S before N). A piece's runs go to ``pieces/<piece>/runs.csv``, one
-  row as each run ends; a piece runs only its missing seeds (resumable).
+  its chosen rate, the regime's held-out seeds; S before N), then K5's (``k5_pieces``) while the budget has room.
+  A piece's runs go to ``pieces/<piece>/runs.csv``, one row as each run ends; a piece runs only its missing seeds
+  (resumable).
 - Each run is one ``python -m maspo_verl.main local=cpu ...`` through the lab's runner (``runs.run_local``); its row
   holds the primary outcome (greedy validation accuracy after the last step), the diagnostics (KL per update, clip
   fraction, VIF(15), engine mismatch), the hash of its step-1 prompts (the pairing check), its CPU-s and rollout.
-- The report: ``choice.csv``, ``tests.csv`` (families S5 and N5: each sharing arm minus ``grpo``, paired by seed;
-  t-interval, exact sign-flip p, TOST at ``MARGIN``, Holm within each family), ``pairing.csv`` and ``README.md``.
+- The report: ``choice.csv``, ``matched_kl.csv``, ``tests.csv`` (families S5, N5 and K5: a sharing arm minus
+  ``grpo``, paired by seed; t-interval, exact sign-flip p, TOST at ``MARGIN``, Holm within each family),
+  ``pairing.csv``, ``arms.csv`` and ``README.md``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ TUNE_SEEDS = (600, 601)
 MARGIN = 0.08  # TOST margin, greedy accuracy (10 of 128 problems)
 ACCURACY = "val-core/maspo_arith_worked/acc/mean@1"
 ENGINE = "vllm"
+BUDGET_CPU_S = 20 * 3600  # the registered budget: about 20 CPU-hours
 GATE_SEED, GATE_CPU_S = 950, 600  # the cost gate's run (no study's seed) and the budget's share of a run
 LADDER = ("1e-7", "3e-7", "1e-6", "3e-6", "1e-5", "3e-5", "1e-4", "3e-4", "1e-3")  # half-decades: an edge's next
 
@@ -262,18 +265,41 @@ def next_pieces(out: Path) -> list[Piece]:
         return todo
     write_csv(Path(out) / "choice.csv", choices)
     held = [Piece("held", c["regime"], c["arm"], c["lr"], REGIMES[c["regime"]].held) for c in choices]
-    return [p for p in held if not covered(out, p)]
+    todo = [p for p in held if not covered(out, p)]
+    return todo or [p for p in k5_pieces(out, rows, choices) if not covered(out, p)]
+
+
+def k5_pieces(out: Path, tuning: list[dict], choices: list[dict]) -> list[Piece]:
+    """Family K5's pieces (regime S): each sharing arm whose chosen rate differs from ``grpo``'s, at its matched
+    rate, while the budget has room for all its runs (at the mean CPU-s of a run so far)."""
+    base = next(c["lr"] for c in choices if (c["regime"], c["arm"]) == ("S", BASELINE))
+    seeds = REGIMES["S"].held
+    pieces = [
+        Piece("held", "S", m["arm"], m["matched_lr"], seeds)
+        for m in matched_kl(tuning, choices)
+        if m["regime"] == "S" and m["chosen_lr"] != base and m["matched_lr"]
+    ]
+    cost = [float(r["cpu_s"]) for r in all_rows(out, gate=True) if r["cpu_s"] != ""]
+    spent, per_run = sum(cost), finite_mean(cost)
+    room = []
+    for p in pieces:
+        missing = len(set(seeds) - {int(r["seed"]) for r in piece_rows(out, p)})
+        if spent + missing * per_run <= BUDGET_CPU_S:
+            spent += missing * per_run
+            room.append(p)
+    return room
 
 
 def covered(out: Path, piece: Piece) -> bool:
     return {int(r["seed"]) for r in piece_rows(out, piece)} >= set(piece.seeds)
 
 
-def all_rows(out: Path) -> list[dict]:
+def all_rows(out: Path, gate: bool = False) -> list[dict]:
+    """Every run on disk, its piece's phase added (the cost gate's run only with ``gate``)."""
     rows = []
     for path in sorted((Path(out) / "pieces").glob("*/runs.csv")):
         phase = path.parent.name.split("_", 1)[0]
-        rows += [r | {"phase": phase} for r in read_csv(path)] if phase != "gate" else []
+        rows += [r | {"phase": phase} for r in read_csv(path)] if gate or phase != "gate" else []
     return rows
 
 
@@ -297,32 +323,29 @@ def pairing(rows: list[dict]) -> list[dict]:
 
 
 def tests(rows: list[dict], choices: list[dict]) -> list[dict]:
-    """Families S5 and N5: each sharing arm minus ``grpo``, each at its chosen rate, on the held-out seeds where
+    """Families S5 and N5 (each sharing arm minus ``grpo``, each at its chosen rate) and K5 (in S, a sharing arm
+    whose chosen rate differs from ``grpo``'s, at its matched rate, minus ``grpo``), on the held-out seeds where
     the two arms' step-1 prompts agree, paired by seed; Holm within each family (difference and equivalence apart)."""
     pick = {(c["regime"], c["arm"]): c["lr"] for c in choices}
+    tuning = [x for x in rows if x["phase"] == "tune"]
+    base = pick.get(("S", BASELINE))
+    matched = [m for m in matched_kl(tuning, choices) if m["regime"] == "S" and m["chosen_lr"] != base]
+    comparisons = [
+        *((r.family, regime, arm, pick.get((regime, arm))) for regime, r in REGIMES.items() for arm in ARMS),
+        *(("K5", "S", m["arm"], m["matched_lr"]) for m in matched),
+    ]
     out = []
-    for regime, r in REGIMES.items():
-        held = [x for x in rows if x["phase"] == "held" and x["regime"] == regime]
-        prompts = {(x["arm"], int(x["seed"])): x["first_prompts"] for x in held}
-        acc = {
-            (x["arm"], int(x["seed"])): float(x["accuracy"])
-            for x in rows
-            if x["phase"] == "held"
-            and x["regime"] == regime
-            and x["lr"] == pick.get((regime, x["arm"]))
-            and x["ok"] in (True, "True")
-        }
-        for arm in (a for a in ARMS if a != BASELINE):
-            seeds = [
-                s
-                for s in r.held
-                if (arm, s) in acc and (BASELINE, s) in acc and prompts[(arm, s)] == prompts[(BASELINE, s)] != ""
-            ]  # the pairing check: the two arms' step-1 prompts are the same
-            d = [acc[(arm, s)] - acc[(BASELINE, s)] for s in seeds]
-            row = {"family": r.family, "regime": regime, "arm": arm, "vs": BASELINE}
-            none = {"seeds": len(d), "p_signflip": 1.0, "p_tost": 1.0}  # not run yet: p = 1 in its Holm
-            row |= stats.paired_summary(d, MARGIN) if len(d) >= 2 else none
-            out.append(row)
+    for family, regime, arm, lr in (c for c in comparisons if c[2] != BASELINE):
+        held = [x for x in rows if x["phase"] == "held" and x["regime"] == regime and x["ok"] in (True, "True")]
+        runs = {(x["arm"], x["lr"], int(x["seed"])): x for x in held}
+        mine, theirs = (arm, lr), (BASELINE, pick.get((regime, BASELINE)))
+        pairs = [(runs.get((*mine, s)), runs.get((*theirs, s))) for s in REGIMES[regime].held]
+        # the pairing check: both runs there, with the same step-1 prompts
+        pairs = [(x, y) for x, y in pairs if x and y and x["first_prompts"] == y["first_prompts"] != ""]
+        d = [float(x["accuracy"]) - float(y["accuracy"]) for x, y in pairs]
+        row = {"family": family, "regime": regime, "arm": arm, "lr": lr, "vs": BASELINE, "vs_lr": theirs[1]}
+        none = {"seeds": len(d), "p_signflip": 1.0, "p_tost": 1.0}  # not run yet: p = 1 in its Holm
+        out.append(row | (stats.paired_summary(d, MARGIN) if len(d) >= 2 else none))
     stats.holm_by(out, "family", "p_signflip", "p_holm")
     stats.holm_by(out, "family", "p_tost", "p_tost_holm")
     for row in out:
@@ -381,7 +404,7 @@ def report(out: Path) -> None:
         "",
     ]
     for name, title in (
-        ("tests.csv", "Tests (families S5 and N5, held out, paired by seed)"),
+        ("tests.csv", "Tests (families S5, N5 and K5, held out, paired by seed)"),
         ("arms.csv", "Each arm at its chosen learning rate, held out"),
         ("choice.csv", "The learning rates chosen on the tuning seeds"),
         ("matched_kl.csv", "Matched KL per update (tuning seeds)"),

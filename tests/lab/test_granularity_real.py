@@ -134,12 +134,15 @@ def test_the_whole_part_on_the_stand_in(tmp_path):
     assert choice[("S", "W16")]["lr"] == "3e-4" and choice[("S", "W16")]["bracketed"] == "False"
     assert choice[("N", "gspo")]["lr"] == "3e-6"
     held = [c for c in fake.calls if c[3] not in gr.TUNE_SEEDS]
-    assert len(held) == 3 * 16 + 3 * 8
-    assert all(c[2] == choice[(c[0], c[1])]["lr"] for c in held)  # each arm at its chosen rate
+    # S5 and N5 at the chosen rates, then K5: W16 in S chose 3e-4, not grpo's 3e-5, so it runs again at its matched
+    # rate (the stand-in's KL is 10 x lr in S: 3e-5) on S's held-out seeds
+    k5 = [c for c in held if c[:3] == ("S", "W16", "3e-5")]
+    assert len(held) == 3 * 16 + 3 * 8 + 16 and len(k5) == 16 and held[-16:] == k5
+    assert all(c[2] == choice[(c[0], c[1])]["lr"] for c in held[:-16])  # each arm at its chosen rate
     first_held = fake.calls.index(held[0])
     assert all(c[3] in gr.TUNE_SEEDS for c in fake.calls[:first_held])  # every tuning run before any held-out one
 
-    tests = {(t["regime"], t["arm"]): t for t in csv.DictReader(open(tmp_path / "tests.csv"))}
+    tests = {(t["regime"], t["arm"]): t for t in csv.DictReader(open(tmp_path / "tests.csv")) if t["family"] != "K5"}
     s_w16, s_gspo = tests[("S", "W16")], tests[("S", "gspo")]
     # every difference +0.1 on all 16 seeds; the exact test: only the all-+ and all-- sign vectors reach it
     assert s_w16["seeds"] == "16" and float(s_w16["diff"]) == pytest.approx(0.1)
@@ -147,10 +150,30 @@ def test_the_whole_part_on_the_stand_in(tmp_path):
     assert s_gspo["seeds"] == "15"  # seed 715 left out of gspo's pair alone: its step-1 prompts differ from grpo's
     assert s_w16["different"] == "True" and s_w16["equivalent"] == "False"
     assert s_gspo["different"] == "False" and s_gspo["equivalent"] == "True"
+    k5_test = next(t for t in csv.DictReader(open(tmp_path / "tests.csv")) if t["family"] == "K5")
+    assert (k5_test["arm"], k5_test["lr"], k5_test["vs_lr"], k5_test["seeds"]) == ("W16", "3e-5", "3e-5", "16")
     assert tests[("N", "gspo")]["seeds"] == "8" and float(tests[("N", "gspo")]["diff"]) == pytest.approx(0.001)
     pairing = {(p["regime"], p["seed"]): p["same"] for p in csv.DictReader(open(tmp_path / "pairing.csv"))}
     assert pairing[("S", "715")] == "False" and pairing[("S", "700")] == "True"
     matched = {(m["regime"], m["arm"]): m["matched_lr"] for m in csv.DictReader(open(tmp_path / "matched_kl.csv"))}
     assert matched[("S", "W16")] == "3e-5"  # the stand-in's KL is 10 x lr in S: grpo's chosen 3e-5's KL
     readme = (tmp_path / "README.md").read_text()
-    assert "pieces left: 0" in readme and "Tests (families S5 and N5" in readme
+    assert "pieces left: 0" in readme and "Tests (families S5, N5 and K5" in readme
+
+
+def test_k5_runs_only_within_the_budget(tmp_path):
+    """The same part with runs of 1000 CPU-s: 110 runs before K5 (38 tuning, 72 held out), 110 000 CPU-s, past the
+    budget (72 000): K5 is not run, and its test stays in its family with p = 1."""
+    fake = Fake(planted)
+    original = fake.__call__
+
+    def costly(ov, run_dir, timeout_s=0):
+        result = original(ov, run_dir, timeout_s)
+        result.cpu_s = 1000.0 if int(_value(ov, "data.seed")) != gr.GATE_SEED else 1.0
+        return result
+
+    gr.main(["--out", str(tmp_path), "--gate", "--pieces", "1000"], runner=costly)
+    assert not any(c[:3] == ("S", "W16", "3e-5") and c[3] not in gr.TUNE_SEEDS for c in fake.calls)
+    assert len([c for c in fake.calls if c[0] == "S" and c[3] in gr.REGIMES["S"].held]) == 3 * 16  # S5's, no K5
+    k5 = next(t for t in csv.DictReader(open(tmp_path / "tests.csv")) if t["family"] == "K5")
+    assert k5["seeds"] == "0" and float(k5["p_holm"]) == 1.0
