@@ -248,14 +248,20 @@ def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_r
     """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
     ``paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
     interval excludes 0."""
-    from maspo_verl.lab.common import as_float
-
-    diffs = [as_float(x[metric]) - as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
+    diffs = [_as_float(x[metric]) - _as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
     diffs = [d for d in diffs if math.isfinite(d)]
     if len(diffs) < 2:
         return {}
     row = paired_summary(diffs, margin)
     return row | {"supported": bool(row["low"] > 0 or row["high"] < 0)}
+
+
+def _as_float(v) -> float:
+    """A number or CSV cell as a float, NaN where it does not read as one."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
