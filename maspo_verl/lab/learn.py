@@ -45,11 +45,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab import journal, learn_engine, word_grid
+from maspo_verl.lab import journal, learn_engine, stats, word_grid
 from maspo_verl.lab.common import log, markdown_table, mean_interval, pyplot, write_csv
 from maspo_verl.lab.learn_engine import ENGINES
 from maspo_verl.lab.runs import run_local
-from maspo_verl.local import engine_of
+from maspo_verl.local import engine_of, speechwarm
 from maspo_verl.local.learn_tasks import PRETRAINED, RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
 
@@ -465,6 +465,15 @@ def run_record(args, steps: dict[int, dict[str, float]], code: int | None) -> di
     } | extra
 
 
+def warm_fingerprint(steps: dict[int, dict[str, float]]) -> str:
+    """The warm model's fingerprint a trainer run's steps record (``speechwarm.FINGERPRINT_METRIC``), "" where they
+    record none; two in one run are both kept ("a+b"), so that it pairs with neither (``stats.same_model``)."""
+    metric = speechwarm.FINGERPRINT_METRIC
+    values = [m[metric] for m in steps.values() if math.isfinite(m.get(metric, math.nan))]
+    found = {speechwarm.fingerprint_of_metric(v) for v in values}
+    return "+".join(sorted(found))
+
+
 # -- summary ----------------------------------------------------------------------------------
 
 SUMMARY_METRICS = (
@@ -773,6 +782,9 @@ def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str
             "lr": args.lr,
             "rollout": getattr(result, "rollout", None) or engine_of(result.log) or "",
         }
+        fingerprint = getattr(result, "warm_fingerprint", "") or warm_fingerprint(steps)
+        if fingerprint:  # the study pairs only runs of one warm model (stats.same_model)
+            record[stats.FINGERPRINT] = fingerprint
         runs.append(record)
         log(
             f"learn {task} {cell.label} {loss} seed {seed}: exit {code}, {record['steps']} steps, reward "
@@ -801,7 +813,7 @@ def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], run
 
 
 INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
-TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout")
+TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout", stats.FINGERPRINT)
 
 
 def load_rows(path: Path) -> list[dict]:

@@ -89,6 +89,7 @@ class EngineRun:
     log: str
     run_dir: Path
     rollout: str = LAB
+    warm_fingerprint: str = ""  # the warm model's (speechwarm.fingerprint), as a trainer run's steps record it
 
 
 def _select(config, path: str):
@@ -355,7 +356,16 @@ def run(overrides: list[str], run_dir: Path, sentence: str, task: str) -> Engine
     lines.insert(0, f"maspo_verl lab engine: rollout=lab model={s.model} steps={s.steps}")
     text = "\n".join(lines) + "\n"
     (run_dir / "console.log").write_text(text)
-    return EngineRun(code, steps, time.monotonic() - start, _cpu() - cpu, text, run_dir)
+    return EngineRun(code, steps, time.monotonic() - start, _cpu() - cpu, text, run_dir, LAB, _fingerprint(s.model))
+
+
+def _fingerprint(model: str) -> str:
+    from maspo_verl.local import speechwarm
+
+    try:
+        return speechwarm.fingerprint(model)
+    except FileNotFoundError:  # not a folder of safetensors (a hub id): nothing to fingerprint
+        return ""
 
 
 def _cpu() -> float:

@@ -200,9 +200,37 @@ def held(runs: list[dict], tune: int) -> dict[tuple, dict]:
     }
 
 
+# a run row's column: the fingerprint of the warm model it started from (``speechwarm.fingerprint``), where the
+# run recorded one
+FINGERPRINT = "warm_fingerprint"
+
+
+def fingerprint_of(run: dict) -> str:
+    """The run's warm-model fingerprint, "" where it recorded none (a row without the column, or empty)."""
+    value = run.get(FINGERPRINT)
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def same_model(x: dict, y: dict) -> None:
+    """Two runs about to be paired: a ValueError naming both where each recorded a warm-model fingerprint and
+    they differ (the runs started from different models, so their difference is not the arms')."""
+    fx, fy = fingerprint_of(x), fingerprint_of(y)
+    if fx and fy and fx != fy:
+
+        def name(r):
+            where = f", piece {r['piece']}" if r.get("piece") else ""
+            return f"{r.get('task')} {r.get('cell')} {r.get('loss')} band {r.get('band')} seed {r.get('seed')}{where}"
+
+        raise ValueError(
+            f"refusing to pair two runs that started from different warm models: {name(x)} (fingerprint {fx}) "
+            f"and {name(y)} (fingerprint {fy}); rebuild the warm model or rerun one of them on the other's"
+        )
+
+
 def pairs(held: dict, task: str, cell: str, a: tuple, b: tuple) -> dict[int, tuple[dict, dict]]:
     """Per held-out seed, ``a``'s run and ``b``'s ((loss, band) each) that share their ``start``: one pair a seed,
-    ``a``'s first run, in ``held``'s order, that ``b`` has a run beside."""
+    ``a``'s first run, in ``held``'s order, that ``b`` has a run beside. Two runs whose warm-model fingerprints
+    differ are refused (``same_model``)."""
     starts: dict[int, list] = {}
     for t, c, lo, ba, s, start in held:
         if (t, c, lo, ba) == (task, cell, *a):
@@ -212,6 +240,7 @@ def pairs(held: dict, task: str, cell: str, a: tuple, b: tuple) -> dict[int, tup
         shared = next((x for x in starts[s] if (task, cell, *b, s, x) in held), None)
         if shared is not None:
             out[s] = (held[(task, cell, *a, s, shared)], held[(task, cell, *b, s, shared)])
+            same_model(*out[s])
     return out
 
 
@@ -219,14 +248,20 @@ def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_r
     """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
     ``paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
     interval excludes 0."""
-    from maspo_verl.lab.common import as_float
-
-    diffs = [as_float(x[metric]) - as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
+    diffs = [_as_float(x[metric]) - _as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
     diffs = [d for d in diffs if math.isfinite(d)]
     if len(diffs) < 2:
         return {}
     row = paired_summary(diffs, margin)
     return row | {"supported": bool(row["low"] > 0 or row["high"] < 0)}
+
+
+def _as_float(v) -> float:
+    """A number or CSV cell as a float, NaN where it does not read as one."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:

@@ -100,8 +100,12 @@ def _check_readable_log(run) -> None:
         {label: last[key] for key, label in STEP_KEYS.items() if key in last}, rel=1e-3
     ), block
     assert str(metrics_file.relative_to(run.run_dir)) in block[2] and (run.run_dir / "run.log").is_file(), block
-    # verl's known-harmless start-up warnings: left out of the console, kept in run.log
+    # verl's known-harmless start-up warnings: left out of the console, kept in run.log; no Python warning (verl's
+    # or another's) reaches the console before the first step line
     assert "engine is not available" not in run.log and "engine is not available" in run.full_log, context
+    first = next(i for i, line in enumerate(console) if re.search(r"(^|\) )step:1 - ", line))
+    warned = [line for line in console[:first] if re.search(r"\w*Warning: ", line)]
+    assert not warned, f"{warned}{context}"
     assert run.ray_dir and run.ray_dir.startswith("/tmp/maspo_ray_") and not run.ray_dir_left, run.ray_dir
 
 

@@ -320,6 +320,13 @@ def test_the_trainers_confirmation_reads_as_registered():
     # the trainer's runs beside only the other build's: no pair (not run), not a difference of two models
     tests, verdict = gw.confirmation([r for r in rows() if "/" in r["band"]] + other, choice)
     assert verdict == g.NOT_RUN and all(t.get("seeds", 0) == 0 for t in tests)
+    # every run records its warm model's fingerprint: a trainer's run and the engine's of one seed that started
+    # from two models (the same step-1 reward notwithstanding) are refused, not paired
+    fingerprinted = [r | {"warm_fingerprint": "0000000000b2" if "/" in r["band"] else "0000000000b1"} for r in rows()]
+    with pytest.raises(ValueError, match=r"different warm models: .* \(fingerprint 0000000000b2\) and .*b1\)"):
+        gw.confirmation(fingerprinted, choice)
+    fingerprinted = [r | {"warm_fingerprint": "0000000000b1"} for r in rows()]
+    assert gw.confirmation(fingerprinted, choice)[1] == "confirmed"
     planted_rows = rows(0.1)
     tests, verdict = gw.confirmation(planted_rows, choice)
     assert verdict == "contradicted" and [t["different"] for t in tests] == [False, True, True]

@@ -421,3 +421,35 @@ def test_run_folders_are_removed_unless_a_run_failed(tmp_path, monkeypatch, caps
     failed = [p for p in left[0].iterdir() if "gspo" in p.name]
     assert len(failed) == 1 and (failed[0] / "console.log").exists()
     assert f"run folders kept in {left[0]} (failed: {failed[0]})" in console.err
+
+
+def test_each_run_records_its_warm_models_fingerprint_from_the_trainers_metric(tmp_path, monkeypatch):
+    """A trainer run whose steps carry the warm model's fingerprint (``speechwarm.FINGERPRINT_METRIC``) has it in
+    learn_runs.csv, read back as the hex text it is (all digits here: not a number); a run without the metric has
+    none; a run whose steps name two models has both (it pairs with neither)."""
+    import tempfile
+
+    from maspo_verl.lab import stats
+    from maspo_verl.lab.runs import LocalRun
+    from maspo_verl.local import speechwarm
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    metric = speechwarm.FINGERPRINT_METRIC
+    one, other = float(int("000000012345", 16)), float(int("abcdef012345", 16))
+    per_seed = {0: ({metric: one}, {metric: one}), 1: ({}, {}), 2: ({metric: one}, {metric: other})}
+
+    def fake_run(overrides, run_dir, timeout_s=900):
+        seed = int(next(o for o in overrides if o.startswith("data.seed=")).removeprefix("data.seed="))
+        steps = _steps([0.3, 0.4])
+        for s, extra in zip(sorted(steps), per_seed[seed], strict=True):
+            steps[s] |= extra
+        return LocalRun(0, "", 1.0, Path(run_dir), steps)
+
+    monkeypatch.setattr(learn, "run_local", fake_run)
+    out = tmp_path / "out"
+    learn.run(_args("--tasks", "speech", "--steps", "2", "--last", "1", "--seeds", "3", "--losses", "grpo",
+                    "--out", str(out)), [])  # fmt: skip
+    runs = learn.load_rows(out / "learn_runs.csv")
+    assert [r[stats.FINGERPRINT] for r in runs] == ["000000012345", "", "000000012345+abcdef012345"]
+    assert [stats.fingerprint_of(r) for r in runs] == ["000000012345", "", "000000012345+abcdef012345"]

@@ -216,8 +216,8 @@ def test_a_non_finite_gradient_skips_the_update(tmp_path, warm):
 
 
 def test_lab_learn_runs_the_engine_and_records_it(tmp_path, monkeypatch, warm):
-    """``lab learn --engine lab``: every step's verl metrics, a run row that names the engine; another task is
-    refused by name."""
+    """``lab learn --engine lab``: every step's verl metrics, a run row that names the engine and the warm model's
+    fingerprint; another task is refused by name."""
     from maspo_verl.lab import learn
     from maspo_verl.lab.__main__ import main
 
@@ -230,6 +230,7 @@ def test_lab_learn_runs_the_engine_and_records_it(tmp_path, monkeypatch, warm):
     runs = learn.load_rows(out / "learn_runs.csv")
     steps = learn.load_rows(out / "learn_steps.csv")
     assert [(r["rollout"], r["ok"], r["steps"]) for r in runs] == [("lab", True, 3)]
+    assert [r["warm_fingerprint"] for r in runs] == [sw.fingerprint(warm)]  # the model it started from
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(0 <= r["critic/score/mean"] <= 1 and r["actor/ppo_kl"] == r["actor/ppo_kl"] for r in steps)
     assert all(r["actor/ratio/vif5"] == r["actor/ratio/vif5"] for r in steps)  # the loss's own metrics travel

@@ -80,3 +80,35 @@ def test_holm_adjusts_step_down_and_keeps_order():
 def test_too_few_differences_are_refused():
     with pytest.raises(ValueError, match="at least 2"):
         stats.t_interval([0.1])
+
+
+def _runs(fingerprints: dict[tuple[str, int], object]) -> list[dict]:
+    """Held-out runs of two arms on seeds 10-12 (a 0.1 above b on each), with ``fingerprints`` where given."""
+    out = []
+    for loss, final in (("a", 0.6), ("b", 0.5)):
+        for seed in (10, 11, 12):
+            r = {"task": "t", "cell": "c", "loss": loss, "band": "x", "seed": seed, "final_reward": final + seed / 1e3}
+            if (loss, seed) in fingerprints:
+                r[stats.FINGERPRINT] = fingerprints[(loss, seed)]
+            out.append(r)
+    return out
+
+
+def test_runs_of_one_warm_model_pair_and_runs_without_a_fingerprint_pair_as_before():
+    # committed tables have no fingerprint column; an empty or NaN cell is a run that recorded none
+    for fingerprints in ({}, {("a", 11): "0123456789ab", ("b", 11): "0123456789ab"}, {("a", 10): "", ("b", 10): "f"}):
+        held = stats.held(_runs(fingerprints), tune=10)
+        assert sorted(stats.pairs(held, "t", "c", ("a", "x"), ("b", "x"))) == [10, 11, 12]
+        assert stats.paired(held, "t", "c", ("a", "x"), ("b", "x"))["diff"] == pytest.approx(0.1)
+    held = stats.held(_runs({("a", 12): math.nan, ("b", 12): "0123456789ab"}), tune=10)
+    assert len(stats.pairs(held, "t", "c", ("a", "x"), ("b", "x"))) == 3
+
+
+def test_runs_of_two_warm_models_are_refused_naming_both():
+    held = stats.held(_runs({("a", 11): "0123456789ab", ("b", 11): "0123456789ac"}), tune=10)
+    for pair in (stats.pairs, stats.paired):
+        with pytest.raises(ValueError, match="different warm models") as e:
+            pair(held, "t", "c", ("a", "x"), ("b", "x"))
+        said = str(e.value)
+        assert "t c a band x seed 11 (fingerprint 0123456789ab)" in said
+        assert "t c b band x seed 11 (fingerprint 0123456789ac)" in said

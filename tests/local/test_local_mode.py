@@ -340,7 +340,7 @@ def test_worker_that_imports_the_rollout_first_activates_cleanly(tmp_path):
 
     env = {**os.environ, **local.LOCAL_ENV}
     env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
-    probe = "import maspo_verl.local.hf_rollout, maspo_verl.local as L; print(L._activated)"
+    probe = "import maspo_verl.local.hf_rollout, maspo_verl.local.adaptations as A; print(A._activated)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "True"

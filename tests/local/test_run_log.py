@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import pprint
 import sys
 from pathlib import Path
@@ -145,6 +146,33 @@ def test_transfer_queues_statistics_are_the_ones_left_out():
     source = inspect.getsource(perf_utils.IntervalPerfMonitor._flush_logs)
     for part in (": [Performance] ", "Total success requests: ", "Time range: last ", "Per-operation statistics: "):
         assert part in source, part
+
+
+def test_verls_start_up_warnings_as_it_prints_them_are_the_ones_left_out(tmp_path):
+    """What the installed verl warns on the import that the local mode makes first (its optional engines missing:
+    torchtitan, veomni, automodel, mindspeed, megatron), as Python prints it, goes to run.log only, counted: if
+    verl changes the message, or warns something new there, a line reaches the console and this fails."""
+    import subprocess
+
+    from maspo_verl.local import LOCAL_ENV
+
+    # the Python warnings of the local mode's first import of verl's engines (Python's default filters), each as
+    # Python prints it
+    imported = (
+        "import sys, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from maspo_verl.local import activate; activate()\n"
+        "for w in caught:\n"
+        "    sys.stdout.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))\n"
+    )
+    env = {**os.environ, **LOCAL_ENV}  # as a run's processes have it
+    printed = subprocess.run([sys.executable, "-c", imported], capture_output=True, text=True, timeout=300, env=env)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    lines = printed.stdout.splitlines()
+    assert sum("engine is not available" in line for line in lines) >= 1, lines  # what the local mode meets here
+    shown, logged, console = _feed(lines, tmp_path)
+    assert shown == "", shown
+    assert logged.splitlines() == lines and sum(console.hidden.values()) == len(lines)
 
 
 def test_a_muted_console_sends_every_line_to_the_log_only_and_counts_them(tmp_path):
