@@ -1,4 +1,4 @@
-"""The regime grid's engine (``maspo_verl.lab.regimes``): exact log-probs and sampling (enumeration), the gradient it
+"""The regime grid's engine (``lab.studies.regimes``): exact log-probs and sampling (enumeration), the gradient it
 follows (float64 autograd of verl's registered loss, seed by seed), every preset discovered, the mismatch conditions,
 and the command."""
 
@@ -13,15 +13,17 @@ import torch
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl.lab import regimes
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.common import read_csv
+from maspo_verl.lab.engine.cells import parse_mismatch
+from maspo_verl.lab.engine.common import read_csv
+from maspo_verl.lab.engine.presets import Preset, discover_presets, preset_config
+from maspo_verl.lab.studies import regimes
 from tests.helpers import REPO
 
 
 def test_every_loss_preset_is_discovered_and_composed_as_shipped():
     listing = sorted(p.stem for p in (REPO / "hydra_configs" / "loss").glob("*.yaml"))
-    presets = regimes.discover_presets()
+    presets = discover_presets()
     assert sorted(p.name for p in presets) == listing and presets[0].name == "grpo"
     for p in presets:
         own = OmegaConf.load(REPO / "hydra_configs" / "loss" / f"{p.name}.yaml").actor_rollout_ref.actor
@@ -70,8 +72,8 @@ def test_the_sampler_draws_from_the_table():
 def test_the_engine_follows_each_seeds_gradient_of_verls_loss(name):
     """Three seeds in one call: each seed's table gets the float64 autograd gradient of verl's registered loss on
     that seed's rows alone (the old log-probs a mismatched rollout's)."""
-    (preset,) = regimes.discover_presets([name])
-    fn, cfg = get_policy_loss_fn(preset.loss_mode), regimes.preset_config(preset)
+    (preset,) = discover_presets([name])
+    fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
     S, m, T = 3, 4, 20
     task = regimes.make_task("speech", T, list(range(S)))
     theta = regimes.init_tables(task, T, list(range(S)))
@@ -113,7 +115,7 @@ def _args(**kw):
 
 
 def test_the_mismatch_conditions_are_what_they_say():
-    grpo = regimes.discover_presets(["grpo"])[0]
+    grpo = discover_presets(["grpo"])[0]
 
     def spread(mismatch, updates=1):
         out = regimes.run_job(regimes.Job("text", 24, mismatch, updates, grpo), _args())
@@ -125,11 +127,11 @@ def test_the_mismatch_conditions_are_what_they_say():
     stale = spread("stale2")
     assert all(v > 0.05 for v in stale)  # two Adam updates of lr 0.2 behind
     with pytest.raises(SystemExit, match="allowed"):
-        regimes.parse_mismatch("stale0")
+        parse_mismatch("stale0")
 
 
 def test_a_preset_the_engine_cannot_feed_is_reported_with_its_reason():
-    bad = regimes.Preset(
+    bad = Preset(
         "broken",
         "no_such_loss",
         {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean"},
@@ -137,7 +139,7 @@ def test_a_preset_the_engine_cannot_feed_is_reported_with_its_reason():
     )
     reason = regimes.probe(bad, "speech")
     assert reason and "no_such_loss" in reason
-    assert regimes.probe(regimes.discover_presets(["maspo_steps"])[0], "text") is None
+    assert regimes.probe(discover_presets(["maspo_steps"])[0], "text") is None
 
 
 def test_the_command_writes_its_tables(tmp_path):

@@ -1,11 +1,11 @@
-"""The lab's statistics (``maspo_verl.lab.stats``) against closed forms, hand-derived values and exact enumeration."""
+"""The lab's statistics (``lab.engine.stats``) against closed forms, hand-derived values and exact enumeration."""
 
 import itertools
 import math
 
 import pytest
 
-from maspo_verl.lab import stats
+from maspo_verl.lab.engine import stats
 
 
 @pytest.mark.parametrize("t", [-7.0, -1.3, 0.0, 0.4, 2.5, 30.0])

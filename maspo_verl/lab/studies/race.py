@@ -30,8 +30,11 @@ from verl.workers.config import ActorConfig
 import maspo_verl.plugin  # noqa: F401  (registers maspo, ctpo, pgspo)
 from maspo_verl.advantages import SPAN_GRPO
 from maspo_verl.config import actor_config
-from maspo_verl.lab import common, journal, tabular
+from maspo_verl.lab.engine import common, journal, tabular
+from maspo_verl.lab.engine.study import Study
 from maspo_verl.speech.spans import ErrorSpan, token_penalties, token_scores
+
+STUDY = Study("race", "toy GRPO race of verl's and our losses (speech-like vs text-like task)")
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ VOCAB = 4
 
 
 @dataclass
-class Task:
+class RaceTask:
     name: str
     target: torch.Tensor  # [T]
     unit: int  # reward unit length (run length for speech, 1 for text)
@@ -91,20 +94,20 @@ class Task:
         return torch.tensor(rows)
 
 
-def make_task(name: str, length: int) -> Task:
+def make_task(name: str, length: int) -> RaceTask:
     if name == "speech":
         unit = 4
         runs = torch.tensor([0, 2, 1, 3, 2, 0, 3, 1])[: length // unit]
-        return Task(name, runs.repeat_interleave(unit), unit, persistence=2.5, noise=0.3)
+        return RaceTask(name, runs.repeat_interleave(unit), unit, persistence=2.5, noise=0.3)
     g = torch.Generator().manual_seed(7)
     target = torch.randint(VOCAB, (length,), generator=g)
     for t in range(1, length):  # no runs
         if target[t] == target[t - 1]:
             target[t] = (target[t] + 1) % VOCAB
-    return Task(name, target, 1, persistence=0.0, noise=0.5)
+    return RaceTask(name, target, 1, persistence=0.0, noise=0.5)
 
 
-def init_policy(task: Task, length: int, seed: int) -> torch.Tensor:
+def init_policy(task: RaceTask, length: int, seed: int) -> torch.Tensor:
     return tabular.initial_table(length, VOCAB, task.persistence, task.noise, seed).requires_grad_()
 
 
@@ -130,7 +133,7 @@ def sample(theta: torch.Tensor, batch: int, gen: torch.Generator) -> tuple[torch
     return torch.stack(ys, 1), torch.stack(ent, 1).mean()
 
 
-def train(task: Task, c: Contender, seed: int, args, return_policy: bool = False):
+def train(task: RaceTask, c: Contender, seed: int, args, return_policy: bool = False):
     """One training run: its curves, or with ``return_policy`` the final policy table."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(10_000 + seed)
@@ -170,7 +173,7 @@ def train(task: Task, c: Contender, seed: int, args, return_policy: bool = False
     return {"reward": rewards, "entropy": entropies, "ppo_kl": kls, "clipfrac": clipfracs}
 
 
-def advantages(task: Task, c: Contender, y, r, mask, index) -> torch.Tensor:
+def advantages(task: RaceTask, c: Contender, y, r, mask, index) -> torch.Tensor:
     """verl's GRPO advantage (reward on the last token), or span credit through verl's registry."""
     if c.credit is None:
         token_rewards = torch.zeros(y.shape)
@@ -213,7 +216,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     common.report_written(out)
 
 
-def race(tasks: list[Task], contenders: list[Contender], args, t0: float):
+def race(tasks: list[RaceTask], contenders: list[Contender], args, t0: float):
     """Train every contender on every task for ``args.seeds`` seeds: (curves, per-run rows, summary)."""
     seeds = list(range(args.seeds))
     curves, rows = {}, []

@@ -5,7 +5,7 @@ Reads finished runs and writes the comparison (no training here):
 - ``--grid``: a ``regimes_tuned`` folder (its ``tuned_runs.csv``) that ran ``grpo``, ``maspo_adaptive`` (and any
   variants ``maspo_adaptive@<field>=<value>``, e.g. the other criterion, each judged the same way) and fixed
   windows ``maspo_fixed@segment_window=<W>``. Each preset's clip band is chosen per cell on the tuning seeds
-  (``regimes_tuned.choose``: the same width budget for every preset); the best fixed window of a cell is the one
+  (``tuning.choose``: the same width budget for every preset); the best fixed window of a cell is the one
   whose chosen band has the best tuning mean; adaptive, at its own chosen band and with its shipped settings (no
   tuning of its length), is judged against that window and against grpo on the held-out seeds, paired by seed
   (``stats.paired``: 95 % t-interval, sign-flip p). *Within the interval* means the 95 % interval of
@@ -31,10 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import journal, stats
-from maspo_verl.lab.common import finite_mean, markdown_table, number, read_csv, write_csv
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.common import finite_mean, markdown_table, number, read_csv, write_csv
+from maspo_verl.lab.engine.study import Study
 
-OUT = "adaptive"
+STUDY = Study(
+    "adaptive",
+    "maspo_adaptive (untuned) against the best fixed window per cell, from a regimes_tuned and a smollm2 run",
+    writes=("README.md", "grid.csv", "warm.csv", "smollm2.csv", "adaptive_vs_fixed.png"),
+    reads_only=True,
+)
+
+OUT = STUDY.folder
 ADAPTIVE = "maspo_adaptive"
 FIXED = "maspo_fixed@segment_window="
 
@@ -63,7 +71,7 @@ def label(loss: str) -> str:
 def grid_rows(runs: list[dict], tune: int) -> list[dict]:
     """Per (task, cell) and adaptive variant: the best fixed window (tuning seeds), the variant's held-out
     difference to it and to grpo, and the lengths it chose (mean over its runs at its chosen band)."""
-    from maspo_verl.lab.regimes_tuned import BASELINE, choose
+    from maspo_verl.lab.studies.regimes_tuned import BASELINE, choose
 
     choices = choose(runs, tune)
     pick = {(c["task"], c["cell"], c["loss"]): c for c in choices}
@@ -130,8 +138,8 @@ def best_window(tuning: list[dict]) -> str:
 def warm_rows(runs: list[dict], tuning: list[dict]) -> list[dict]:
     """Per adaptive variant in ``runs``: its final reward minus the best window's (chosen on ``tuning``) and minus
     grpo's, paired by seed (95 % t-interval, exact sign-flip p), and its mean chosen length."""
-    from maspo_verl.lab import stats
-    from maspo_verl.lab.regimes_tuned import BASELINE
+    from maspo_verl.lab.engine import stats
+    from maspo_verl.lab.studies.regimes_tuned import BASELINE
 
     best = best_window(tuning)
     out = []

@@ -34,8 +34,11 @@ import torch
 
 from maspo_verl.config import GranularLossConfig, actor_config
 from maspo_verl.core.losses import loss_body
-from maspo_verl.lab import common, journal
-from maspo_verl.lab.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
+from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine.exact import DTYPE, enumerate_sequences, moments, per_sample_gradients, token_log_probs
+from maspo_verl.lab.engine.study import Study
+
+STUDY = Study("estimators", "exact bias/variance of each ratio estimator by enumeration")
 
 CONTENT = 3  # content tokens 0..2
 EOS = 3

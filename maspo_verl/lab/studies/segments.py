@@ -53,9 +53,13 @@ from maspo_verl.core import segments
 from maspo_verl.core.losses import token_log_ratios
 from maspo_verl.core.segments.rules import logprob, tokenval
 from maspo_verl.core.token_sets import inputs_needed
-from maspo_verl.lab import common, journal
+from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine.study import Study
 
-OUT = "segments"
+STUDY = Study(
+    "segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"
+)
+OUT = STUDY.folder
 PREFIX = "actor_rollout_ref.actor.policy_loss."
 # a rule is usable when its best word F1 beats fixed windows of the same mean length by this much
 MIN_F1_GAIN = 0.1
@@ -208,7 +212,7 @@ def base_settings(preset: str | None) -> dict:
     from maspo_verl.config import GranularLossConfig
 
     if preset:
-        from maspo_verl.lab.bench import preset_entries
+        from maspo_verl.lab.studies.bench import preset_entries
 
         entry = preset_entries([preset])[0]
         return {**entry.policy_loss, "loss_mode": "maspo"}

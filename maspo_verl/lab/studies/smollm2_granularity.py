@@ -14,7 +14,7 @@ vocabulary with natural lengths (ended by EOS, at most 128 tokens; EOS is a resp
 
 The analysis: the VIF minus its null, t-interval over batches; each window minus W = 1 and each adaptive
 criterion minus the best window (by mean cosine), paired by batch, t-interval, exact sign-flip p, Holm within
-each family (``maspo_verl.lab.stats``).
+each family (``maspo_verl.lab.engine.stats``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,19 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab import smollm2, stats
-from maspo_verl.lab.common import log, markdown_table, read_csv, write_csv
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.common import log, markdown_table, read_csv, write_csv
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.studies import smollm2
 
-FOLDER = "granularity/smollm2"
+STUDY = Study(
+    None,
+    "part 3 of the pre-registered granularity study: SmolLM2-135M's gradients per arm",
+    folder="granularity/smollm2",
+    writes=("README.md", "tests.csv", "design.csv"),
+)
+
+FOLDER = STUDY.folder
 BATCHES = tuple(range(200, 208))
 TOKENS = 128  # the longest response
 LRS = (1e-6, 1e-5)
@@ -164,7 +173,7 @@ def drift(model, ids, attn, resp, mask, old, adv, lr: float, stop_at, chunk: int
 def grpo_loss():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import discover_presets, preset_config
+    from maspo_verl.lab.studies.regimes import discover_presets, preset_config
 
     grpo = discover_presets(["grpo"])[0]
     return get_policy_loss_fn(grpo.loss_mode), preset_config(grpo)
@@ -191,8 +200,8 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     """The correlation rows, gradient rows and a summary of batch ``seed``."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import preset_config
-    from maspo_verl.lab.regimes_tuned import presets_of
+    from maspo_verl.lab.studies.regimes import preset_config
+    from maspo_verl.lab.studies.regimes_tuned import presets_of
 
     t0, cpu0 = time.time(), time.process_time()
     ids, attn = smollm2.prompt_batch(tok, [arith_prompt(q) for q, _ in problems], args.group)
@@ -294,7 +303,6 @@ def chosen_problems(model, tok, args, out: Path, need: int) -> list[tuple[str, i
 
 
 def run(args, argv: list[str]) -> None:
-    from maspo_verl.lab import journal
 
     out = Path(args.out)
     if args.report:
@@ -395,7 +403,7 @@ def mean_cosines(grad: list[dict]) -> list[dict]:
 
 
 def report(out: Path) -> None:
-    from maspo_verl.lab.common import report_written
+    from maspo_verl.lab.engine.common import report_written
 
     out.mkdir(parents=True, exist_ok=True)
     corr, grad, batches = (read_csv(out / f"{n}.csv") for n in ("correlation", "gradient", "batches"))
@@ -428,19 +436,11 @@ DEVIATIONS = (
     "Ambiguous: the VIF null is the mean over 16 within-row permutations of each batch's δ (one draw is noisier); "
     "the registration names only its falsifying reading (the interval of VIF minus null inside ±0.1); an interval "
     "above +0.1 is reported as *correlated*, anything else as —.",
-    "Part 3 runs niced on the 2 shared cores beside other sessions: its wall times are upper bounds (`cpu_s` is "
-    "the process's CPU time). The batches from the resume of 2026-11-28 on ran with 2 torch threads (`--threads 2`, "
-    "each resume's command is in COMMAND.txt; the lost batch-200 attempts before it ran with 1): the thread count "
-    "changes the order of float sums, not what is computed.",
-    "The first 8 pool problems were screened by a run started from commit c7d16e2, which screened the whole pool's "
-    "need before any batch; it was stopped and resumed (`--resume`) with the code that screens only as far as the "
-    "next batch needs (930a873). The screening code, pool, seeds and order are the same, so are the problems.",
 )
 
 
 def readme(out: Path, batches, corr, grad, vif, tests) -> str:
     """The report: the rows on disk (``batches``, ``corr``, ``grad``) and the registered tests (``vif``, ``tests``)."""
-    from maspo_verl.lab import journal
 
     command = journal.read(out).strip()
     screened = read_csv(out / "screen.csv")
@@ -448,8 +448,8 @@ def readme(out: Path, batches, corr, grad, vif, tests) -> str:
         "# Granularity study, part 3: SmolLM2-135M gradients at realistic drift",
         "",
         "Registered in [`../PREREGISTRATION.md`](../PREREGISTRATION.md) (part 3); engine "
-        "`maspo_verl/lab/smollm2_granularity.py` (what each number is: its docstring), tests "
-        "`maspo_verl/lab/stats.py`. "
+        "`maspo_verl/lab/studies/smollm2_granularity.py` (what each number is: its docstring), tests "
+        "`maspo_verl/lab/engine/stats.py`. "
         f"Batches on disk: {len(batches)} of {len(BATCHES)} (seeds {BATCHES[0]}-{BATCHES[-1]}); pool problems "
         f"screened: {len(screened)}, kept (|accuracy - 1/2| <= {NEAR} on {SCREEN} samples): "
         f"{len(screen([int(r['correct']) for r in screened], SCREEN, len(screened)))}. Every registered test "
@@ -505,7 +505,7 @@ def readme(out: Path, batches, corr, grad, vif, tests) -> str:
         "",
         "## Deviations from the pre-registration",
         "",
-        *[f"- {d}" for d in DEVIATIONS],
+        *[f"- {d}" for d in (*DEVIATIONS, *journal.deviations(out))],
         "",
         "Files: `screen.csv` (the screening pool), `batches.csv`, `correlation.csv` (per batch and drift), "
         "`gradient.csv` (per batch, drift and arm), `tests.csv`.",

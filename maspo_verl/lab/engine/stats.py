@@ -219,7 +219,7 @@ def paired(held: dict, task: str, cell: str, a: tuple, b: tuple, metric="final_r
     """``a`` minus ``b`` ((loss, band) each) on the held-out seeds, paired by seed and start (``pairs``):
     ``paired_summary`` (mean, 95 % t-interval, sign-flip p, TOST against ``margin``); *supported*: the
     interval excludes 0."""
-    from maspo_verl.lab.common import as_float
+    from maspo_verl.lab.engine.common import as_float
 
     diffs = [as_float(x[metric]) - as_float(y[metric]) for x, y in pairs(held, task, cell, a, b).values()]
     diffs = [d for d in diffs if math.isfinite(d)]
@@ -234,3 +234,12 @@ def with_holm(rows: list[dict], family: str = "comparison") -> list[dict]:
     for r in holm_by(rows, family, "p_signflip", "p_holm"):
         r["supported_holm"] = r["p_holm"] < 0.05
     return rows
+
+
+def mean_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its t-interval (``t_interval``: honest for a few seeds, where a
+    percentile bootstrap is too narrow); NaN for what fewer values do not define."""
+    x = [float(v) for v in values if v is not None and v == v]
+    if len(x) < 2:
+        return (x[0] if x else math.nan), math.nan, math.nan
+    return t_interval(x, level)

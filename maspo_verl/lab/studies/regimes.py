@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +67,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from maspo_verl.lab import journal, presets, tabular
+from maspo_verl.lab.engine import journal, tabular
+from maspo_verl.lab.engine.cells import UNIT_MEDIAN, parse_mismatch
+from maspo_verl.lab.engine.presets import Preset, discover_presets, preset_config
+from maspo_verl.lab.engine.study import Study
 
-BASELINE = "grpo"
+STUDY = Study(
+    "regimes",
+    "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo",
+    writes=(
+        "README.md",
+        "regimes_summary.csv",
+        "regimes_compare.csv",
+        "regimes_mismatch.csv",
+        "regimes_curves.png",
+        "regimes_auc_vs_grpo.png",
+        "regimes_final_vs_grpo.png",
+    ),
+)
 CODEC_OFFSET = 128264  # Llasa-1B's first speech id, the shipped codec presets' codec_offset
 CODEC_SIZE = 65536
 # 8 symbols -> FSQ codes (8 base-4 digits); the digits are 3 x the bits of a Hadamard code (pairwise Hamming
@@ -91,7 +105,6 @@ CONTROL = "maspo_words~shuffled"
 # what a preset's ``control`` feeds the words rule instead of the response's runs: its runs shuffled, or the
 # target's units (the reward's units) aligned, with each boundary moved to its unit's midpoint, or shuffled
 CONTROLS = ("shuffled", "units", "units_offset", "units_shuffled")
-UNIT_MEDIAN = 6  # frames: the speech-like task's median unit (120 ms at 50 Hz)
 # the segment lengths a job records (mean over its loss calls, pooled over seeds): column -> the loss's metric
 LENGTH_METRICS = {
     "segment_len": "actor/ratio/segment_len_mean",
@@ -102,41 +115,6 @@ LENGTH_METRICS = {
 
 
 # ------------------------------------------------------------------ presets as a user configures them
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    loss_mode: str
-    actor: dict  # clip_ratio_low/high/c, loss_agg_mode
-    policy_loss: dict  # the composed policy_loss section without _target_
-    band: str = "shipped"  # the clip band: as shipped, or scaled (``regimes_tuned.widen``)
-    control: str = ""  # what the words rule is fed instead of the response's runs (``CONTROLS``)
-
-
-def discover_presets(names: list[str] | None = None) -> list[Preset]:
-    """Every ``hydra_configs/loss/*.yaml`` (or ``names``), composed as ``python -m maspo_verl.main loss=<name>``
-    composes it; the baseline first."""
-    from maspo_verl.main import loss_section
-    from maspo_verl.reference import compose_config
-    from maspo_verl.util import preset_names
-
-    available = preset_names()
-    names = names or available
-    unknown = sorted(set(names) - set(available))
-    if unknown:
-        raise SystemExit(f"--presets {unknown}: allowed {available} (hydra_configs/loss/)")
-    names = sorted(names, key=lambda n: (n != BASELINE, n))
-    out = []
-    for name in names:
-        actor, policy_loss = presets.split(loss_section(compose_config(f"loss={name}")))
-        out.append(Preset(name, policy_loss["loss_mode"], actor, policy_loss))
-    return out
-
-
-def preset_config(p: Preset):
-    """verl's ``ActorConfig`` with our policy-loss dataclass, as the trainer instantiates it."""
-    return presets.actor_config_of(p.actor, p.policy_loss)
 
 
 _VOCABULARY: list[str] | None = None
@@ -277,19 +255,6 @@ def sample(table: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Ten
 # ------------------------------------------------------------------ mismatch
 
 
-def parse_mismatch(text: str) -> tuple[str, float]:
-    """``none`` | ``bf16`` | ``fp16`` | ``stale<K>`` | ``noise<SIGMA>`` -> (kind, K or SIGMA)."""
-    allowed = "none, bf16, fp16, stale<K> (K >= 1 updates behind, e.g. stale2), noise<SIGMA> (e.g. noise0.2)"
-    if text in ("none", "bf16", "fp16"):
-        return text, 0.0
-    m = re.fullmatch(r"(stale|noise)([0-9.]+)", text)
-    if m:
-        value = float(m.group(2))
-        if (m.group(1) == "stale" and value >= 1 and value == int(value)) or (m.group(1) == "noise" and value > 0):
-            return m.group(1), value
-    raise SystemExit(f"--mismatch {text!r}: allowed {allowed}")
-
-
 # ------------------------------------------------------------------ one job: a preset in a cell, all seeds
 
 
@@ -410,7 +375,7 @@ def run_job(job: Job, args) -> dict:
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
 
     import maspo_verl.plugin  # noqa: F401  (registers our losses)
-    from maspo_verl.lab.common import finite_mean
+    from maspo_verl.lab.engine.common import finite_mean
 
     torch.set_num_threads(1)
     device = torch.device(getattr(args, "device", "cpu"))
@@ -627,7 +592,7 @@ def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | 
     """Run ``jobs`` on ``args.workers`` processes; every finished job's rows (after ``kept``) are written to
     ``out/runs_csv`` at once (and its per-step curves to ``curves_csv``), so an interrupted study resumes from
     them; the run time and the machine's load go to ``COMMAND.txt``. Returns the rows."""
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     name = getattr(args, "command", None) or out.name
     seeds = "/".join(str(n) for n in sorted({len(j.seeds) for j in jobs if j.seeds})) or args.seeds
@@ -664,7 +629,7 @@ def run_jobs(jobs: list[Job], args, out: Path, runs_csv: str, curves_csv: str | 
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     out = Path(args.out)
     if args.report:  # the tables and README again from the CSVs in --out
@@ -687,7 +652,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def _report(out: Path, args) -> None:
-    from maspo_verl.lab import common, regimes_report
+    from maspo_verl.lab.engine import common
+    from maspo_verl.lab.studies import regimes_report
 
     regimes_report.write(out, args)
     common.report_written(out)

@@ -139,14 +139,3 @@ def pyplot():
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def mean_interval(values, level: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the mean and its t-interval (``stats.t_interval``: honest for a few seeds, where a
-    percentile bootstrap is too narrow); NaN for what fewer values do not define."""
-    from maspo_verl.lab import stats
-
-    x = [float(v) for v in values if v is not None and v == v]
-    if len(x) < 2:
-        return (x[0] if x else math.nan), math.nan, math.nan
-    return stats.t_interval(x, level)

@@ -22,11 +22,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab import journal, regimes, stats
-from maspo_verl.lab import regimes_tuned as rt
-from maspo_verl.lab.common import as_float, finite_mean, markdown_table, pyplot, read_csv, write_csv
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.cells import parse_cell
+from maspo_verl.lab.engine.common import as_float, finite_mean, markdown_table, pyplot, read_csv, write_csv
+from maspo_verl.lab.engine.presets import UNCLIPPED, Preset, discover_presets, variant, widen
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.engine.tuning import choose
+from maspo_verl.lab.studies import regimes
 
-OUT = "granularity"
+STUDY = Study(
+    "granularity",
+    "pre-registered: token vs windows vs aligned units vs adaptive, each arm's band tuned alike, fresh seeds",
+    writes=("README.md", "tests.csv", "decisions.csv", "cells.csv", "design.csv", "tests.png"),
+    modes={"part": {2: "granularity_warm", 4: "granularity_vllm"}},
+)
+
+OUT = STUDY.folder
 CELLS = ("L96/stale2/U4", "L96/stale2/U4/lr1", "L96/stale2/U4/lr1/u24")
 WINDOWS = (1, 2, 4, 8, 16, 32, 96)
 FIXED = "maspo_fixed@segment_window="
@@ -69,7 +80,7 @@ class Design:
     def unclipped(self, chosen: str) -> str:
         """The setting of an arm's unclipped runs, given its chosen one ("" where none is chosen yet)."""
         if self.clip_is_knob:
-            return rt.UNCLIPPED
+            return UNCLIPPED
         return f"{chosen}{NO_CLIP}" if chosen else ""
 
     def show(self, setting: str) -> str:
@@ -79,7 +90,7 @@ class Design:
         return f"lr {setting.removesuffix(NO_CLIP)}" + (", no clip" if setting.endswith(NO_CLIP) else "")
 
 
-NO_CLIP = f"/{rt.UNCLIPPED}"  # a learning-rate setting with the clip off (the dual clip too): "1e-3/inf"
+NO_CLIP = f"/{UNCLIPPED}"  # a learning-rate setting with the clip off (the dual clip too): "1e-3/inf"
 
 
 def part1() -> Design:
@@ -90,18 +101,18 @@ def part1() -> Design:
     )  # fmt: skip
 
 
-def arms() -> list[regimes.Preset]:
+def arms() -> list[Preset]:
     """The 12 registered arms: H1's windows, H2's unit segments, H3's adaptive criteria."""
-    fixed = [rt.variant(f"{FIXED}{w}") for w in WINDOWS]
-    (words,) = regimes.discover_presets(["maspo_words"])
+    fixed = [variant(f"{FIXED}{w}") for w in WINDOWS]
+    (words,) = discover_presets(["maspo_words"])
     units = [replace(words, name=f"maspo_words~{c}", control=c) for c in ("units", "units_offset", "units_shuffled")]
-    adaptive = [rt.variant(n) if "@" in n else regimes.discover_presets([n])[0] for n in ADAPTIVE]
+    adaptive = [variant(n) if "@" in n else discover_presets([n])[0] for n in ADAPTIVE]
     return fixed + units + adaptive
 
 
 def jobs_of(seeds: tuple[int, ...], cells=None, widths=None) -> list[regimes.Job]:
     jobs = [
-        regimes.Job(task="speech", preset=rt.widen(p, w), seeds=seeds, **rt.parse_cell(c))
+        regimes.Job(task="speech", preset=widen(p, w), seeds=seeds, **parse_cell(c))
         for c in cells or CELLS
         for p in arms()
         for w in widths or WIDTHS
@@ -228,7 +239,7 @@ def _below(r: dict) -> bool:
     return bool(r["different"]) and r["diff"] < 0
 
 
-def verdict(family: str, rows: list[dict]) -> str:
+def verdict(family: str, rows: list[dict], margin: float = MARGIN) -> str:
     """The registered rule for one family and cell. H1 (F1a/b/c): supported if some window is above W = 1,
     falsified if every one is equivalent or below. H2 (F2): supported if aligned is above both controls, falsified
     if equivalent to both or below either. Where a difference is also within the margin, the verdict says so."""
@@ -240,11 +251,11 @@ def verdict(family: str, rows: list[dict]) -> str:
         falsified = all(r["equivalent"] or _below(r) for r in rows)
     if supported:
         small = all(r["equivalent"] for r in rows if _above(r))
-        return "supported" + (f" (every gain within ±{MARGIN})" if small else "")
+        return "supported" + (f" (every gain within ±{margin})" if small else "")
     return "falsified" if falsified else "inconclusive"
 
 
-def decisions(rows: list[dict]) -> list[dict]:
+def decisions(rows: list[dict], margin: float = MARGIN) -> list[dict]:
     """The pre-registered decision rules per family and cell; H3 (F3) per criterion: holds if equivalent to W*
     or above it, falsified if below (said so where the shortfall is also within the margin)."""
     out = []
@@ -253,11 +264,11 @@ def decisions(rows: list[dict]) -> list[dict]:
             out.append({"family": family, "cell": cell, "arm": "", "verdict": NOT_RUN})
             continue
         if family != "F3":
-            out.append({"family": family, "cell": cell, "arm": "", "verdict": verdict(family, mine)})
+            out.append({"family": family, "cell": cell, "arm": "", "verdict": verdict(family, mine, margin)})
             continue
         for r in mine:
             if _below(r):
-                v = "falsified" + (f" (below, within ±{MARGIN})" if r["equivalent"] else "")
+                v = "falsified" + (f" (below, within ±{margin})" if r["equivalent"] else "")
             else:
                 v = "holds" if r["equivalent"] or _above(r) else "inconclusive"
             out.append({"family": family, "cell": cell, "arm": r["arm"], "verdict": v})
@@ -303,7 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "tuned with the same widths on seeds 20000-20031, judged on fresh seeds 30000-30063; paired t-intervals, "
         "sign-flip tests, TOST and Holm per family. --part 2: the warm speech model in verl's trainer, each arm's "
         "learning rate tuned on seeds 200-203 and judged on seeds 300-311, in resumable pieces of `lab learn` "
-        "(maspo_verl/lab/granularity_warm.py; folder granularity/warm). --part 4 (exploratory): SmolLM2-135M in "
+        "(maspo_verl/lab/studies/granularity_warm.py; folder granularity/warm). --part 4 (exploratory): "
+        "SmolLM2-135M in "
         "verl's trainer with the vLLM rollout, grpo, W = 1 and the whole response, each arm's learning rate tuned "
         "on seeds 400-401 and judged on seeds 500-503, pieces on the same engine (granularity_vllm.py; folder "
         "granularity/vllm)."
@@ -322,7 +334,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --part 2 and 4 run granularity_warm's driver and write their folders (the lab CLI swaps the module in)
-MODES = {"part": {2: "granularity_warm", 4: "granularity_vllm"}}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
@@ -339,11 +350,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     args.seeds = len(HELD_SEEDS)
     if args.phase in ("tune", "all"):
         runs = regimes.run_jobs(missing(jobs_of(TUNE_SEEDS), runs), args, out, "runs.csv", kept=runs)
-        write_csv(out / "choice.csv", rt.choose(runs, HELD_SEEDS[0], baseline=TOKEN))
+        write_csv(out / "choice.csv", choose(runs, HELD_SEEDS[0], baseline=TOKEN))
     if args.phase in ("held", "all"):
         if not (out / "choice.csv").is_file():
             raise SystemExit(f"--phase held: {out / 'choice.csv'} is missing: run --phase tune first")
-        choices = rt.choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
+        choices = choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
         jobs = tested_first(missing(jobs_of(HELD_SEEDS), runs), choices)
         runs = regimes.run_jobs(jobs, args, out, "runs.csv", kept=runs)
         report(out, args)
@@ -358,10 +369,10 @@ def check_choice(path: Path, choices: list[dict]) -> None:
 
 
 def report(out: Path, args) -> None:
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     runs = read_csv(out / "runs.csv")
-    choices = rt.choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
+    choices = choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
     check_choice(out / "choice.csv", choices)
     rows = tests(runs, choices)
     verdicts = decisions(rows)
@@ -369,25 +380,10 @@ def report(out: Path, args) -> None:
     tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design_table(part1())}
     common.write_tables(out, tables)
     plot(rows, out / "tests.png", FAMILIES)
-    (out / "README.md").write_text(readme(runs, choices, rows, verdicts, cells, journal.read(out)))
+    text = readme(runs, choices, rows, verdicts, cells, journal.read(out), journal.deviations(out))
+    (out / "README.md").write_text(text)
     common.report_written(out)
 
-
-# departures from PREREGISTRATION.md in how part 1 was run (none in its design, seeds, tests or decision rules)
-DEVIATIONS = (
-    "The run was started from the working tree that became commit be4238a a few minutes before that commit; the "
-    "engine and tuning code it ran are that commit's (only report code and the exact sign-flip's algorithm, not "
-    "used at 64 seeds, changed after).",
-    "The held-out phase was stopped after 15 of its 252 jobs and resumed (`--phase held --resume`, in COMMAND.txt) "
-    "with the jobs a registered test reads first (an arm at its chosen width, unclipped, at matched KL: 68 jobs); "
-    "the other widths' held-out runs feed no test and run after them (see the run counts below).",
-    "Machine load: two other sessions shared the 2 cores (load average 4-12 in COMMAND.txt), so the run times are "
-    "those of a loaded machine.",
-    "The other 167 held-out jobs (widths no registered test reads) ran in a later session from commit 950866d, "
-    "resumed the same way under `nice -n 19` beside two other sessions (3385 s, load average 6-8 in COMMAND.txt). "
-    "The registered tests and verdicts did not change (tests.csv, decisions.csv, cells.csv and choice.csv are "
-    "byte for byte those of the 85-job state): they read only the 68 jobs above.",
-)
 
 # the registered parts after part 1: each folder's README holds its own status, tests and deviations (this README
 # states none of them, so it stays true as they run)
@@ -435,7 +431,7 @@ def plot(rows: list[dict], path: Path, families: dict, margin: float = MARGIN, w
         ax.axhline(0, color="k", lw=0.8)
         for m in (-margin, margin):
             ax.axhline(m, color="tab:green", lw=0.6, ls="--")
-        ax.set_xticks(range(len(mine)), [f"{r['cell']}\n{_short(r['arm'])}" for r in mine], rotation=90, fontsize=5)
+        ax.set_xticks(range(len(mine)), [f"{r['cell']}\n{short(r['arm'])}" for r in mine], rotation=90, fontsize=5)
         ax.set_title(family, fontsize=9)
     axes[0][0].set_ylabel(f"held-out {what} difference (95 % t-interval)")
     fig.tight_layout()
@@ -443,7 +439,7 @@ def plot(rows: list[dict], path: Path, families: dict, margin: float = MARGIN, w
     plt.close(fig)
 
 
-def _short(arm: str) -> str:
+def short(arm: str) -> str:
     return arm.replace(FIXED, "W=").replace("maspo_words~", "").replace("maspo_adaptive@adaptive_criterion=", "")
 
 
@@ -465,11 +461,11 @@ def family_sections(rows: list[dict], d: Design) -> list[str]:
 
     def fmt_row(r: dict) -> dict:
         if not r.get("seeds"):
-            return {"cell": r["cell"], arm: _short(r["arm"]), vs: _short(r["vs"])} | {"outcome": NOT_RUN}
+            return {"cell": r["cell"], arm: short(r["arm"]), vs: short(r["vs"])} | {"outcome": NOT_RUN}
         return {
             "cell": r["cell"],
-            arm: f"{_short(r['arm'])} ({d.show(r[d.knob])})",
-            vs: f"{_short(r['vs'])} ({d.show(r[f'vs_{d.knob}'])})",
+            arm: f"{short(r['arm'])} ({d.show(r[d.knob])})",
+            vs: f"{short(r['vs'])} ({d.show(r[f'vs_{d.knob}'])})",
             "diff [95 % t]": f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]",
             "p sign-flip": r["p_signflip"],
             "Holm": r["p_holm"],
@@ -500,14 +496,15 @@ def bracket_note(choices: list[dict], d: Design) -> str:
     return " ".join(notes)
 
 
-def readme(runs, choices, rows, verdicts, cells, command) -> str:
+def readme(runs, choices, rows, verdicts, cells, command, deviations) -> str:
     d = part1()
     lines = [
         "# Granularity at matched step size: results of the pre-registered study",
         "",
         "The protocol is [`PREREGISTRATION.md`](PREREGISTRATION.md), committed before any of these runs. Every "
         "registered test of the parts run so far is below, whatever its outcome. Made by "
-        "`python -m maspo_verl.lab granularity` (engine `maspo_verl/lab/regimes.py`, tuning `regimes_tuned.py`, "
+        "`python -m maspo_verl.lab granularity` (engine `maspo_verl/lab/studies/regimes.py`, "
+        "tuning `regimes_tuned.py`, "
         f"tests `stats.py`): {len(runs)} runs ({_jobs(runs, TUNE_SEEDS)} tuning jobs x {len(TUNE_SEEDS)} seeds, "
         f"{_jobs(runs, HELD_SEEDS)} of {len(jobs_of(HELD_SEEDS))} held-out jobs x {len(HELD_SEEDS)} seeds, among them "
         f"{_jobs(runs, HELD_SEEDS, _read_by_tests(choices))} of the {len(_read_by_tests(choices))} that a registered "
@@ -528,7 +525,7 @@ def readme(runs, choices, rows, verdicts, cells, command) -> str:
         markdown_table(cells),
         *family_sections(rows, d),
     ]
-    lines += ["## Deviations from the pre-registration", "", *(f"- {x}" for x in DEVIATIONS), ""]
+    lines += ["## Deviations from the pre-registration", "", *(f"- {x}" for x in deviations), ""]
     lines += [
         "## The other parts",
         "",

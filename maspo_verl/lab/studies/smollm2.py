@@ -34,10 +34,18 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab import journal
-from maspo_verl.lab.common import log, markdown_table, write_csv
+from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine.common import log, markdown_table, write_csv
+from maspo_verl.lab.engine.study import Study
 
-OUT = "smollm2"
+STUDY = Study(
+    "smollm2",
+    "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch "
+    "(--granularity: part 3 of the pre-registered granularity study)",
+    modes={"granularity": "smollm2_granularity"},
+)
+
+OUT = STUDY.folder
 CONDITIONS = ("on_policy", "bf16_forward", "bf16_rollout")  # then drift_<k>
 
 
@@ -185,7 +193,7 @@ def advantages(r: torch.Tensor, prompt_of: torch.Tensor, mask: torch.Tensor) -> 
 
 def scaled(preset, scale: float):
     """The preset's loss config with its clip band (not the dual clip) scaled by ``scale``."""
-    from maspo_verl.lab.regimes import Preset, preset_config
+    from maspo_verl.lab.studies.regimes import Preset, preset_config
 
     actor, policy_loss = dict(preset.actor), dict(preset.policy_loss)
     if policy_loss.get("clip_schedule") == "log_adaptive":
@@ -200,7 +208,7 @@ def scaled(preset, scale: float):
 def loss_weights(fn, cfg, old, lp, adv, resp, mask=None) -> tuple[torch.Tensor, dict]:
     """d loss / d lp [rows, T] of the preset's loss, called as verl's ppo_loss calls it, and its metrics; ``mask``:
     the response tokens (None: all)."""
-    from maspo_verl.lab.regimes import loss_call
+    from maspo_verl.lab.studies.regimes import loss_call
 
     leaf = lp.clone().requires_grad_()
     loss, metrics = loss_call(fn, cfg, old, leaf, adv, resp, torch.full_like(resp, -1), mask)
@@ -251,7 +259,7 @@ def drift(model, ids, attn, resp, masked, old, adv, args, stop_at: list[int]):
     {k: (log-probs, MLP parts)}."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.studies.regimes import discover_presets
 
     grpo = discover_presets(["grpo"])[0]
     fn, cfg = get_policy_loss_fn(grpo.loss_mode), scaled(grpo, 1.0)
@@ -283,7 +291,7 @@ def drift(model, ids, attn, resp, masked, old, adv, args, stop_at: list[int]):
 
 
 def _loss(fn, cfg, old, lp, adv, resp):
-    from maspo_verl.lab.regimes import loss_call
+    from maspo_verl.lab.studies.regimes import loss_call
 
     return loss_call(fn, cfg, old, lp, adv, resp, torch.full_like(resp, -1))
 
@@ -291,7 +299,7 @@ def _loss(fn, cfg, old, lp, adv, resp):
 def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -> list[dict]:
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import LENGTH_METRICS
+    from maspo_verl.lab.studies.regimes import LENGTH_METRICS
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     picks = []  # the same resamples for every preset
@@ -355,7 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--granularity",
         action="store_true",
-        help="part 3 of the registered granularity study (maspo_verl/lab/smollm2_granularity.py; its design is "
+        help="part 3 of the registered granularity study (maspo_verl/lab/studies/smollm2_granularity.py; its design is "
         "fixed: of the knobs above only --prompts, --group, --chunk, --threads apply); folder granularity/smollm2",
     )
     p.add_argument("--resume", action="store_true", help="--granularity: run only the batches not on disk")
@@ -364,12 +372,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --granularity runs part 3 of the granularity study, a module of its own (the lab CLI swaps it in)
-MODES = {"granularity": "smollm2_granularity"}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab.regimes import discover_presets
-    from maspo_verl.lab.regimes_tuned import presets_of
+    from maspo_verl.lab.studies.regimes import discover_presets
+    from maspo_verl.lab.studies.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 
     if args.resume or args.pieces or args.report:
@@ -437,7 +444,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     grad, notes = [], []
     if not args.no_gradient:
         t0 = time.time()
-        # shipped presets, and variants <preset>@<field>=<value> (``regimes_tuned.variant``)
+        # shipped presets, and variants <preset>@<field>=<value> (``variant``)
         presets = presets_of(args.presets) if args.presets else discover_presets()
         grpo = discover_presets(["grpo"])[0]
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -488,7 +495,7 @@ def _report(out: Path, args, corr, grad, meta, argv) -> None:
         f" responses of exactly {args.tokens} tokens; mean reward {meta['reward_fp32_samples']:.3f} (fp32 samples),"
         f" {meta['reward_bf16_samples']:.3f} (bf16 samples). Drift: Adam lr {args.lr}, the top {args.top_layers}"
         " decoder layers trained on the fp32 batch with GRPO's loss. What each row measures: the module docstring"
-        " (maspo_verl/lab/smollm2.py).",
+        " (maspo_verl/lab/studies/smollm2.py).",
         "",
         "## Token log-ratio correlation (core.losses, docs/algorithms.md §9: lag-1; VIF(n), 1 if independent)",
         "",

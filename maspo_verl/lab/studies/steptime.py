@@ -2,7 +2,7 @@
 
 Runs ``python -m maspo_verl.main local=cpu loss=<preset> trainer.total_training_steps=N`` once per
 preset (every preset of ``hydra_configs/loss/`` unless ``--presets``; ``grpo`` first), one after the
-other (same seed, same steps, same toy data and tiny model), through ``maspo_verl.lab.runs``, and
+other (same seed, same steps, same toy data and tiny model), through ``maspo_verl.lab.engine.runs``, and
 reads each step's ``timing_s/step`` from the run folder's ``metrics.jsonl`` (verl's ``file`` logger).
 Step 1 holds the trainer's warm-up, so the table uses steps 2..N: the median and the minimum per
 preset, and both as a multiple of ``grpo``'s in the same invocation. Results go to ``steptime.csv``
@@ -17,11 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from maspo_verl.lab import common, journal
-from maspo_verl.lab.runs import run_local
+from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine.runs import run_local
+from maspo_verl.lab.engine.study import Study
 from maspo_verl.util import preset_names
 
-OUT = "bench"  # results live next to the loss benchmark
+STUDY = Study("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)", folder="bench")
+
+OUT = STUDY.folder
 STEP_TIME = "timing_s/step"
 
 
@@ -41,7 +44,7 @@ def presets_of(text: str, baseline: str) -> list[str]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab import bench
+    from maspo_verl.lab.studies import bench
 
     out = args.out
     presets = presets_of(args.presets, bench.BASELINE)

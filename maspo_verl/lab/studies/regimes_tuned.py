@@ -1,6 +1,6 @@
 """The regime grid with a fair protocol: every preset's clip band tuned with the same budget, judged on held-out seeds.
 
-The engine is the regime grid's (``maspo_verl.lab.regimes``: a tabular policy, verl's GRPO advantage, each
+The engine is the regime grid's (``maspo_verl.lab.studies.regimes``: a tabular policy, verl's GRPO advantage, each
 preset's loss from verl's registry as the trainer composes it). What this study adds:
 
 - **the same tuning budget for every preset**: its shipped clip band scaled by each of ``--widths`` (default
@@ -29,96 +29,38 @@ needed), README, plot, ``COMMAND.txt``. ``docs/choosing.md`` is generated from t
 from __future__ import annotations
 
 import argparse
-import math
-import re
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import journal, regimes, stats
-from maspo_verl.lab.common import as_float as _f
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.cells import parse_cell
+from maspo_verl.lab.engine.common import as_float as _f
+from maspo_verl.lab.engine.presets import BASELINE, UNCLIPPED, Preset, discover_presets, variant, widen
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.engine.tuning import choose
+from maspo_verl.lab.studies import regimes
 
-OUT = "regimes_tuned"
-BASELINE = regimes.BASELINE
+STUDY = Study(
+    "regimes_tuned",
+    "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds",
+    writes=("README.md", "tuned_choice.csv", "tuned_compare.csv", "tuned_cells.csv", "tuned_vs_grpo.png"),
+)
+
+OUT = STUDY.folder
 WIDTHS = ("0.25", "1", "4", "16", "inf")
-UNCLIPPED = "inf"
-LOG_UNCLIPPED = 30.0  # a log-space bound no log-ratio reaches (verl clamps them to +-20)
-RATIO_UNCLIPPED = 1e9
 CONTROL = regimes.CONTROL
 CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
 
 
-def widen(p: regimes.Preset, width: str) -> regimes.Preset:
-    """``p`` with its clip band scaled by ``width`` (``inf``: no clip, the dual clip off too)."""
-    actor, policy_loss = dict(p.actor), dict(p.policy_loss)
-    # the band the loss reads: log-space fields with clip_schedule=log_adaptive, else the actor's ratio-space ones
-    # (every preset's composed section carries the log_clip_* defaults, read or not)
-    log_space = policy_loss.get("clip_schedule") == "log_adaptive"
-    if width == UNCLIPPED:
-        if log_space:
-            policy_loss |= {k: LOG_UNCLIPPED for k in ("log_clip_low", "log_clip_high", "log_clip_dual")}
-        # the ratio-space band too (some log-space losses read the dual clip from the actor)
-        actor |= {"clip_ratio_low": 1.0, "clip_ratio_high": RATIO_UNCLIPPED, "clip_ratio_c": RATIO_UNCLIPPED}
-    else:
-        k = float(width)
-        if log_space:
-            policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
-        else:  # ratio-space: 1 - eps_low stays above 0
-            actor |= {
-                "clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999),
-                "clip_ratio_high": actor["clip_ratio_high"] * k,
-            }
-    return replace(p, actor=actor, policy_loss=policy_loss, band=width)
-
-
-def parse_cell(text: str) -> dict:
-    """``L<tokens>/<mismatch>/U<updates>[/lr<lr>][/u<median unit frames>]`` -> ``regimes.Job``'s cell fields."""
-    m = re.fullmatch(r"L(\d+)/([^/]+)/U(\d+)(?:/lr([0-9.e-]+))?(?:/u(\d+))?", text)
-    if not m:
-        raise SystemExit(
-            f"--cells {text!r}: L<tokens>/<mismatch>/U<updates>[/lr<lr>][/u<unit>], e.g. L96/stale2/U4/lr1/u24"
-        )
-    regimes.parse_mismatch(m.group(2))
-    return {
-        "length": int(m.group(1)),
-        "mismatch": m.group(2),
-        "updates": int(m.group(3)),
-        "lr": float(m.group(4)) if m.group(4) else None,
-        "unit": int(m.group(5)) if m.group(5) else regimes.UNIT_MEDIAN,
-    }
-
-
-def variant(name: str, flag: str = "--presets") -> regimes.Preset:
-    """A preset with policy-loss fields changed: ``<preset>@<field>=<value>[,<field>=<value>...]`` (values as
-    YAML, e.g. ``maspo_fixed@segment_window=4``), checked as the trainer checks them."""
-    import yaml
-
-    from maspo_verl.config import actor_config
-
-    base, _, changes = name.partition("@")
-    fields = {}
-    for item in changes.split(","):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise SystemExit(f"{flag} {name!r}: <preset>@<field>=<value>[,...], e.g. maspo_fixed@segment_window=4")
-        fields[key.strip()] = yaml.safe_load(value)
-    (p,) = regimes.discover_presets([base])
-    policy_loss = {**p.policy_loss, **fields}
-    try:
-        actor_config(**policy_loss)
-    except (ValueError, TypeError) as exc:
-        raise SystemExit(f"{flag} {name!r}: {exc}") from exc
-    return replace(p, name=name, policy_loss=policy_loss)
-
-
-def presets_of(names: list[str]) -> list[regimes.Preset]:
-    """The presets as shipped (grpo first), the variants named ``<preset>@<field>=<value>`` (``variant``), and the
-    shuffled-runs control where maspo_words is in."""
-    shipped = regimes.discover_presets([n for n in names if n != CONTROL and "@" not in n])
+def presets_of(names: list[str]) -> list[Preset]:
+    """The presets as shipped (grpo first), the variants named ``<preset>@<field>=<value>`` (``presets.variant``),
+    and the shuffled-runs control where maspo_words is in."""
+    shipped = discover_presets([n for n in names if n != CONTROL and "@" not in n])
     out = list(shipped) + [variant(n) for n in names if "@" in n]
     if CONTROL in names:
-        words = next((p for p in regimes.discover_presets(["maspo_words"])), None)
+        words = next((p for p in discover_presets(["maspo_words"])), None)
         out.append(replace(words, name=CONTROL, control="shuffled"))
     return out
 
@@ -139,38 +81,6 @@ def jobs_of(args) -> list[regimes.Job]:
 
 
 # ------------------------------------------------------------------ analysis
-
-
-def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = "final_reward") -> list[dict]:
-    """Per (task, cell, loss): the width with the best mean ``metric`` (final reward) on the tuning seeds (those
-    below ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
-    chosen width (log scale)."""
-    per_band: dict[tuple, dict] = {}
-    for r in runs:
-        if int(r["seed"]) < tune:
-            s = per_band.setdefault((r["task"], r["cell"], r["loss"], r["band"]), {"final": [], "kl": []})
-            s["final"].append(_f(r[metric]))
-            s["kl"].append(_f(r["ppo_kl"]))
-    groups: dict[tuple, list] = {}
-    for (task, cell, loss, band), s in per_band.items():
-        groups.setdefault((task, cell, loss), []).append((band, float(np.mean(s["final"])), float(np.nanmean(s["kl"]))))
-    out = []
-    for (task, cell, loss), options in sorted(groups.items()):
-        best = max(options, key=lambda o: (o[1], -float(o[0])))
-        out.append(
-            {"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]}
-        )
-    base = {(c["task"], c["cell"]): c for c in out if c["loss"] == baseline}
-    for c in out:
-        target = base.get((c["task"], c["cell"]))
-        options = groups[(c["task"], c["cell"], c["loss"])]
-        finite = [o for o in options if o[2] > 0 and math.isfinite(o[2])]
-        if target is None or not finite or not target["tune_kl"] > 0:
-            c["kl_band"], c["kl_band_kl"] = "", float("nan")
-            continue
-        near = min(finite, key=lambda o: abs(math.log(o[2] / target["tune_kl"])))
-        c["kl_band"], c["kl_band_kl"] = near[0], near[2]
-    return out
 
 
 def compare(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
@@ -336,7 +246,8 @@ def _read_runs(out: Path) -> list[dict]:
 
 
 def report(out: Path, args) -> None:
-    from maspo_verl.lab import common, regimes_tuned_report
+    from maspo_verl.lab.engine import common
+    from maspo_verl.lab.studies import regimes_tuned_report
 
     runs = _read_runs(out)
     choices = choose(runs, args.tune_seeds)

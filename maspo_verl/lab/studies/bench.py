@@ -44,8 +44,11 @@ from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
 from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS
-from maspo_verl.lab import common, journal, presets
+from maspo_verl.lab.engine import common, journal, presets
+from maspo_verl.lab.engine.study import Study
 from maspo_verl.util import config_dir, preset_names
+
+STUDY = Study("bench", "forward+backward time, peak memory and host syncs of each loss")
 
 BASELINE = "grpo"
 # The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.

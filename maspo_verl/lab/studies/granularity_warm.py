@@ -16,7 +16,7 @@ appended to the folder's ``COMMAND.txt`` with its wall and CPU time and the mach
 
 - ``--phase tune``: every arm at every lr of ``LRS`` on seeds 200-203 (32 pieces). Once all are done it writes
   ``choice.csv``: each arm's lr with the best tuning mean final reward (ties: the smaller), and the lr whose
-  tuning KL per update is nearest W = 1's at its chosen lr (``regimes_tuned.choose``, part 1's rule).
+  tuning KL per update is nearest W = 1's at its chosen lr (``tuning.choose``, part 1's rule).
 - ``--phase held``: refuses without ``choice.csv``; then seeds 300-311: every arm at its chosen lr, each window
   unclipped at its chosen lr, each window at its matched-KL lr (where that differs), then the other arms
   unclipped (no registered test reads those), then the trainer's confirmation pieces (``--engine trainer``:
@@ -29,19 +29,39 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab import granularity as g
-from maspo_verl.lab import journal, learn, learn_engine, regimes, stats
-from maspo_verl.lab import regimes_tuned as rt
-from maspo_verl.lab.common import finite_mean, log, markdown_table, read_csv, write_csv, write_tables
+from maspo_verl.lab.engine import journal, learn_engine, stats
+from maspo_verl.lab.engine import tuning as tuned
+from maspo_verl.lab.engine.common import finite_mean, log, markdown_table, read_csv, write_csv, write_tables
+from maspo_verl.lab.engine.presets import UNCLIPPED
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.studies import learn, regimes
 
-FOLDER = "granularity/warm"
+STUDY = Study(
+    None,
+    "part 2 of the pre-registered granularity study: the warm speech model (lab learn --engine lab, "
+    "confirmed by verl's trainer)",
+    folder="granularity/warm",
+    writes=(
+        "README.md",
+        "tests.csv",
+        "decisions.csv",
+        "pieces.csv",
+        "tuning.csv",
+        "cells.csv",
+        "confirmation.csv",
+        "design.csv",
+        "tests.png",
+    ),
+)
+
+FOLDER = STUDY.folder
 PIECES = "pieces"  # one folder per piece
 TASK = "speechwarm"
 CELL = "L96/stale2/U4"  # lab learn's label of --cells 96/stale2/4
@@ -120,7 +140,7 @@ class Piece:
     seeds: tuple[int, ...]
     unclipped: bool = False
     trainer: bool = False  # run by verl's trainer (``--engine trainer``), not the part's engine
-    again: bool = False  # a registered piece's command run again (the deviation of 2026-12-02: ``DEVIATIONS``)
+    again: bool = False  # a registered piece's command run again (a deviation: the folder's DEVIATIONS.md)
 
     @property
     def setting(self) -> str:
@@ -135,7 +155,7 @@ class Piece:
             + ("_trainer" if self.trainer else "")
             + ("_again" if self.again else "")
         )
-        return learn.slug(f"{self.phase}_{g._short(self.arm)}_lr{self.lr}{suffix}")
+        return learn.slug(f"{self.phase}_{g.short(self.arm)}_lr{self.lr}{suffix}")
 
     def argv(self, out: Path, flags: tuple[str, ...]) -> list[str]:
         """The lab CLI's arguments of this piece (``flags``: its part's registered lab learn flags)."""
@@ -144,7 +164,7 @@ class Piece:
             "learn", "--out", str(Path(out) / PIECES / self.name), *flags, "--losses", self.arm,
             "--lr", self.lr,
             "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
-            *(["--bands", f"{self.arm}={rt.UNCLIPPED}"] if self.unclipped else []),
+            *(["--bands", f"{self.arm}={UNCLIPPED}"] if self.unclipped else []),
             *(["--engine", learn_engine.TRAINER, "--workers", "1"] if self.trainer else []),
         ]  # fmt: skip
 
@@ -192,7 +212,7 @@ def held_pieces(choices: list[dict]) -> list[Piece]:
     pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != g.TOKEN and pick[a]["kl_band"]]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in arms if a not in windows]
     # the trainer's confirmation, after every piece of the engine; then the engine's runs of its arms again, on the
-    # warm models the trainer's runs started from (DEVIATIONS)
+    # warm models the trainer's runs started from (DEVIATIONS.md)
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, trainer=True) for a in CONFIRM_ARMS if a in pick]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, again=True) for a in CONFIRM_ARMS if a in pick]
     return list(dict.fromkeys(pieces))  # a matched-KL lr equal to the chosen one is the chosen piece
@@ -207,7 +227,7 @@ def piece_rows(out: Path, piece: Piece, part: Part) -> list[dict]:
     row that is not this piece's stops with the folder named."""
     folder = Path(out) / PIECES / piece.name
     rows = learn.load_rows(folder / "learn_runs.csv")
-    band = rt.UNCLIPPED if piece.unclipped else learn.SHIPPED
+    band = UNCLIPPED if piece.unclipped else learn.SHIPPED
     for r in rows:
         mine = (r["task"], r["cell"], r["loss"], r["band"]) == (part.task, part.cell, piece.arm, band)
         if not mine or r["seed"] not in piece.seeds or ("lr" in r and not math.isclose(r["lr"], float(piece.lr))):
@@ -238,10 +258,10 @@ def tuning_rows(out: Path, part: Part) -> list[dict]:
 
 
 def choose(rows: list[dict], part: Part) -> list[dict]:
-    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``regimes_tuned.choose`` on the
+    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``tuning.choose`` on the
     part's metric)."""
     tuning = [r for r in rows if r["seed"] in part.tune_seeds and r["ok"]]
-    return rt.choose(tuning, part.held_seeds[0], baseline=g.TOKEN, metric=part.metric)
+    return tuned.choose(tuning, part.held_seeds[0], baseline=g.TOKEN, metric=part.metric)
 
 
 def written_choice(out: Path, rows: list[dict], part: Part) -> list[dict]:
@@ -341,12 +361,11 @@ def run_piece(out: Path, piece: Piece, part: Part) -> None:
     args = lab.parse(argv)
     args.module.run(args, argv)
     rows = [r for r in piece_rows(out, piece, part) if r["seed"] in piece.seeds]
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     cpu = finite_mean(r.get("cpu_s") for r in rows)
     journal.note(
         out,
         f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {cpu:.0f} CPU-s per run (learn_runs.csv "
-        f"cpu_s), load average {load} at the end",
+        f"cpu_s); machine load at the end: {journal.load()}",
     )
     if rows and not any(r["ok"] for r in rows):
         codes = sorted({str(r["exit_code"]) for r in rows})
@@ -466,11 +485,11 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
     token, whole = (pairs(a) for a in CONFIRM_ARMS)
     comparisons = [
         *(
-            (f"{g._short(a)}, trainer", f"{g._short(a)}, lab engine", p)
+            (f"{g.short(a)}, trainer", f"{g.short(a)}, lab engine", p)
             for a, p in zip(CONFIRM_ARMS, (token, whole), strict=True)
         ),
         (
-            f"{g._short(CONFIRM_ARMS[1])} minus {g._short(CONFIRM_ARMS[0])}, trainer",
+            f"{g.short(CONFIRM_ARMS[1])} minus {g.short(CONFIRM_ARMS[0])}, trainer",
             "the same, lab engine",
             {s: (whole[s][0] - token[s][0], whole[s][1] - token[s][1]) for s in token.keys() & whole.keys()},
         ),
@@ -513,12 +532,12 @@ def on_disk(out: Path, part: Part) -> tuple[list[dict], list[dict], list[Piece]]
 
 
 def report(out: Path) -> None:
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     out = Path(out)
     d, p = design(), part2()
     rows, choices, held = on_disk(out, p)
-    # a paired test pairs runs of one seed that started from the same warm model (DEVIATIONS)
+    # a paired test pairs runs of one seed that started from the same warm model (DEVIATIONS.md)
     started = [r | {"start": start_of(r)} for r in rows if r["ok"]]
     tests = g.tests(started, choices, d)
     verdicts = g.decisions(tests)
@@ -538,28 +557,10 @@ def report(out: Path) -> None:
     if plotted:
         g.plot(tests, out / "tests.png", FAMILIES)
     predicted = prediction(verdicts, read_csv(out.parent / "decisions.csv"))
-    text = readme(rows, choices, tables, predicted, confirmed, plotted, journal.read(out))
+    text = readme(rows, choices, tables, predicted, confirmed, plotted, journal.read(out), journal.deviations(out))
     (out / "README.md").write_text(text)
     common.report_written(out)
 
-
-# what differs from the registration, each with the date it was found and written (before the runs it adds)
-DEVIATIONS = (
-    "2026-12-02, found when family C's first piece ran: a held-out seed's warm model exists in two builds. The "
-    "registration pairs runs by seed, taking one seed's runs to start from one model. Every run of a seed that starts "
-    "from one build has the same step-1 reward, the trainer's and the engine's alike, to every digit; the two "
-    "builds' step-1 rewards differ on every seed (`pieces.csv`, column `build`: 1 for the first 8 held-out pieces, "
-    "2 for those run since 2026-12-01, the trainer's included). The models are built from the same code and seed "
-    "when the cache is empty (`local/speechwarm.py`): rebuilt on one machine, a model is the same to every bit "
-    "(seed 300, checked on 2026-12-02), but the machines this part ran on did not all build the same weights. "
-    "The tuning seeds too: W = 1, 2 and 8 on one build, the other arms on another, each arm's "
-    "4 learning rates on one.",
-    "So every paired test now pairs, per seed, runs with the same step-1 reward (`start_of`; one pair a seed, the "
-    "registered piece's run first). Before, F1c's W = 96 row (at 3e-3, build 2, minus W = 1 at 1e-3, build 1) and "
-    "family C (the trainer's runs, build 2, minus the engine's, build 1) paired different models. So that they pair "
-    "one build, the engine's pieces of C's two arms run again on build 2 (the pieces `*_again`, written here "
-    "before they ran). F1c's W = 96 row takes W = 1's run again, C takes both; every other test keeps its pairs.",
-)
 
 # how this part reads the registration where it is silent or loose, written before any of its runs
 READINGS = (
@@ -642,7 +643,7 @@ def per_run(rows: list[dict]) -> str:
     return f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run)."
 
 
-def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, command: str) -> str:
+def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, command: str, deviations) -> str:
     d = design()
     pieces = tables["pieces.csv"]
     tuned = [p for p in pieces if p["phase"] == "tune"]
@@ -653,7 +654,8 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 2" and its amendment of 2026-11-28 '
         "(2)), committed before any of these runs; part 1 is [`../README.md`](../README.md). Made by "
         "`python -m maspo_verl.lab granularity --part 2` "
-        "(`maspo_verl/lab/granularity_warm.py`: the pieces; `granularity.py`: the tests and decisions, part 1's): "
+        "(`maspo_verl/lab/studies/granularity_warm.py`: the pieces; `granularity.py`: the tests and decisions, "
+        "part 1's): "
         f"`lab learn {' '.join(LEARN)}` per piece, arms {', '.join(ARMS)}, learning "
         f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{g.MARGIN}.",
@@ -666,7 +668,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         "",
         "## Deviations from the pre-registration",
         "",
-        *(f"- {x}" for x in DEVIATIONS),
+        *(f"- {x}" for x in deviations),
         "",
         *g.verdict_section(tables["decisions.csv"]),
         "## The registered prediction: part 1's longer-unit cell",

@@ -119,7 +119,7 @@ def check(config) -> None:
 def compose(overrides: list[str]):
     """The trainer config of the lab runner's ``python -m maspo_verl.main local=cpu <overrides>`` (``runs.pinned``:
     with the runner's defaults)."""
-    from maspo_verl.lab.runs import pinned
+    from maspo_verl.lab.engine.runs import pinned
     from maspo_verl.reference import compose_config
 
     return compose_config("local=cpu", *pinned(overrides))
@@ -127,7 +127,7 @@ def compose(overrides: list[str]):
 
 def loss_of(config):
     """(the registry's loss function, verl's ``ActorConfig`` with our policy-loss section) of the composed config."""
-    from maspo_verl.lab import presets
+    from maspo_verl.lab.engine import presets
     from maspo_verl.main import loss_section
 
     return presets.loss_and_config(*presets.split(loss_section(config)))
@@ -215,7 +215,7 @@ def score_rows(s: Settings, ids) -> tuple:
     ``rm_scores``, so verl's GRPO score is their float32 sum) and each row's word ids (``segment_rule=words``)."""
     import torch
 
-    from maspo_verl.lab.word_grid import grid_word_ids
+    from maspo_verl.lab.engine.word_grid import grid_word_ids
     from maspo_verl.local.learn_tasks import decode, token_scores_of, word_ids
 
     scores, words = [], []
@@ -243,7 +243,7 @@ def update(actor, opt, fn, cfg, s: Settings, prompt, ids, old, adv, words) -> li
     """The step's updates, one per mini-batch of ``s.mini_rows`` rows in order; verl's metrics of each."""
     import torch
 
-    from maspo_verl.lab.regimes import loss_call
+    from maspo_verl.lab.studies.regimes import loss_call
 
     out = []
     params = [p for p in actor.parameters() if p.requires_grad]
@@ -345,7 +345,7 @@ def run(overrides: list[str], run_dir: Path, sentence: str, task: str) -> Engine
     except Exception as exc:  # noqa: BLE001 - a failed run is recorded (exit 1, its traceback kept), as a trainer's
         import traceback
 
-        from maspo_verl.lab.common import log
+        from maspo_verl.lab.engine.common import log
 
         code = 1
         lines.append(traceback.format_exc())

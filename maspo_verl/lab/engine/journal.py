@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 NAME = "COMMAND.txt"
+DEVIATIONS = "DEVIATIONS.md"  # a results folder's hand-written history (``deviations``)
 PROG = "python -m maspo_verl.lab"
 
 
@@ -77,6 +78,13 @@ def read(out: str | os.PathLike) -> str:
     """The folder's journal, or "" where it has none."""
     path = Path(out) / NAME
     return path.read_text() if path.is_file() else ""
+
+
+def deviations(out: str | os.PathLike) -> list[str]:
+    """What happened as a results folder's runs ran (its machine, commits, stops and resumes), from the folder's
+    hand-written DEVIATIONS.md (one ``- `` line each; none where it has none): a run's history is its folder's."""
+    path = Path(out) / DEVIATIONS
+    return [line[2:] for line in path.read_text().splitlines() if line.startswith("- ")] if path.is_file() else []
 
 
 def load() -> str:

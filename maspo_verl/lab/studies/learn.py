@@ -21,7 +21,7 @@ rollout). A *cell* is one point of the axes:
 ``--losses`` takes loss presets (``hydra_configs/loss/``; default: all, and ``maspo_fixed+span``, a
 preset with the credit preset ``credit=span``); ``ADJUSTMENTS`` fits a preset to these short responses.
 
-Runs go through ``maspo_verl.lab.runs``; metrics are verl's own (the run folder's ``metrics.jsonl``,
+Runs go through ``maspo_verl.lab.engine.runs``; metrics are verl's own (the run folder's ``metrics.jsonl``,
 verl's ``file`` logger; else its console lines ``step:N - key:value ...``). Per run: final reward
 (``critic/score/mean``, mean of the last K steps), mean reward over all steps (the speed measure),
 steps to a reward gain, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm`` (mean and sd
@@ -45,17 +45,25 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab import journal, learn_engine, word_grid
-from maspo_verl.lab.common import log, markdown_table, mean_interval, pyplot, write_csv
-from maspo_verl.lab.learn_engine import ENGINES
-from maspo_verl.lab.runs import run_local
+from maspo_verl.lab.engine import journal, learn_engine, word_grid
+from maspo_verl.lab.engine.common import log, markdown_table, pyplot, write_csv
+from maspo_verl.lab.engine.learn_engine import ENGINES
+from maspo_verl.lab.engine.runs import run_local
+from maspo_verl.lab.engine.stats import mean_interval
+from maspo_verl.lab.engine.study import Study
 from maspo_verl.local import engine_of
 from maspo_verl.local.learn_tasks import PRETRAINED, RESPONSE_TOKENS, SPEECH_WORDS, turns_of
 from maspo_verl.util import preset_names
 
+STUDY = Study(
+    "learn",
+    "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks",
+    writes=("README.md", "learn_summary.csv", "learn_compare.csv", "learn_reward.png", "learn_sigma.png"),
+)
+
 BASELINE = "grpo"
 # a loss of ``--losses`` is a loss preset (``loss=<name>``) or PRESET+CREDIT with a credit preset (``credit=``);
-# PRESET may be a variant PRESET@field=value[,field=value] (``regimes_tuned.variant``: policy-loss fields changed)
+# PRESET may be a variant PRESET@field=value[,field=value] (``presets.variant``: policy-loss fields changed)
 # or maspo_words~offsetN (``word_grid``: the frame grid's word ids shifted by N frames, part 2's H2 control)
 CREDIT_SEP = "+"
 VARIANT_SEP = "@"
@@ -277,17 +285,17 @@ def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool 
 
 @functools.cache  # composing a preset takes Hydra about a second; every run of a study asks again
 def preset_of(name: str):
-    """A preset as the regime labs compose it (``regimes.Preset``), or a variant ``PRESET@field=value[,...]`` of
-    one (``regimes_tuned.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
-    from maspo_verl.lab.regimes import discover_presets
-    from maspo_verl.lab.regimes_tuned import variant
+    """A preset as the regime labs compose it (``presets.Preset``), or a variant ``PRESET@field=value[,...]`` of
+    one (``presets.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
+    from maspo_verl.lab.studies.regimes import discover_presets
+    from maspo_verl.lab.studies.regimes_tuned import variant
 
     return variant(name, "--losses") if VARIANT_SEP in name else discover_presets([name])[0]
 
 
 def parse_bands(items: list[str]) -> dict[str, str]:
     """``--bands PRESET=WIDTH ...`` -> {preset: width}; WIDTH a number > 0 or ``inf``; PRESET may be a variant."""
-    from maspo_verl.lab.regimes_tuned import UNCLIPPED
+    from maspo_verl.lab.studies.regimes_tuned import UNCLIPPED
 
     presets, out = preset_names(), {}
     for item in items:
@@ -314,9 +322,9 @@ def bands_of(runs: list[dict]) -> dict[str, str]:
 
 
 def band_overrides(preset: str, width: str) -> list[str]:
-    """The overrides that scale ``preset``'s clip band by ``width`` (``regimes_tuned.widen``: the log-space band
+    """The overrides that scale ``preset``'s clip band by ``width`` (``presets.widen``: the log-space band
     where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
-    from maspo_verl.lab.regimes_tuned import widen
+    from maspo_verl.lab.studies.regimes_tuned import widen
 
     shipped = preset_of(word_grid.split(preset)[0])  # the word-grid arm's band is its preset's
     wide = widen(shipped, width)
@@ -520,7 +528,7 @@ def _by_seed(runs: list[dict], task: str, cell: str, loss: str, key: str) -> dic
 
 def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float, float]:
     """Seeds present in every term; the per-seed sum of sign * value, its mean, t-interval and exact sign-flip p."""
-    from maspo_verl.lab import stats
+    from maspo_verl.lab.engine import stats
 
     seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
     diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
@@ -697,7 +705,7 @@ def run(args, argv) -> None:
 
 
 @dataclass(frozen=True)
-class Job:
+class LearnRun:
     """One run of ``lab learn``: its trainer overrides and run folder."""
 
     task: str
@@ -723,10 +731,10 @@ def jobs_of(args, cells, done, logs: Path):
                         data = {n: task_data(logs / f"data_seed{seed}_L{n}", task, seed, n) for n in lengths}
                     overrides = overrides_for(args, task, loss, seed, data[cell.length], cell)
                     name = slug(f"{task}_{cell.label}_{loss}_{seed}")
-                    yield Job(task, cell, loss, seed, overrides, logs / name, data[cell.length].get("sentence"))
+                    yield LearnRun(task, cell, loss, seed, overrides, logs / name, data[cell.length].get("sentence"))
 
 
-def run_job(job: Job, engine: str, timeout_s: float):
+def run_job(job: LearnRun, engine: str, timeout_s: float):
     """One run: in this process (``--engine lab``) or verl's trainer in its own (``run_local``)."""
     if engine == learn_engine.LAB:
         return learn_engine.run(job.overrides, job.run_dir, job.sentence, job.task)

@@ -1,4 +1,4 @@
-"""Span credit vs plain GRPO on the toy tasks of :mod:`maspo_verl.lab.race`, whose reward is built from
+"""Span credit vs plain GRPO on the toy tasks of :mod:`maspo_verl.lab.studies.race`, whose reward is built from
 per-span errors (a span = a run of 4 tokens on the speech-like task, one token on the text-like one).
 
 1. Gradient quality at fixed policies (the initial one, and the one after ``--warm-steps`` GRPO
@@ -23,13 +23,17 @@ import time
 import numpy as np
 import torch
 
-from maspo_verl.lab import common, journal, race
-from maspo_verl.lab.race import VOCAB, Contender, Task
+from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.studies import race
+from maspo_verl.lab.studies.race import VOCAB, Contender, RaceTask
+
+STUDY = Study("credit", "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks")
 
 LAMS = (0.25, 0.5, 1.0, 2.0)
 
 
-def exact_reward(theta: torch.Tensor, task: Task) -> torch.Tensor:
+def exact_reward(theta: torch.Tensor, task: RaceTask) -> torch.Tensor:
     """Expected reward of the bigram policy, differentiable: 1 - mean over units of P(unit wrong).
 
     prev[t] = distribution of the token before position t (BOS first); a unit starting at s is right
@@ -56,7 +60,7 @@ def estimators() -> list[Contender]:
     return [Contender("grpo (verl)", "vanilla")] + [Contender(f"span lam={x:g}", "vanilla", credit=x) for x in LAMS]
 
 
-def gradient_study(task: Task, theta: torch.Tensor, args, gen: torch.Generator) -> list[dict]:
+def gradient_study(task: RaceTask, theta: torch.Tensor, args, gen: torch.Generator) -> list[dict]:
     theta = theta.detach().clone().requires_grad_()
     true = torch.autograd.grad(exact_reward(theta, task), theta)[0].flatten()
     B = args.groups * args.group_size
@@ -146,7 +150,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     common.report_written(out)
 
 
-def train_to(task: Task, seed: int, args) -> torch.Tensor:
+def train_to(task: RaceTask, seed: int, args) -> torch.Tensor:
     """The policy after ``args.steps`` steps of the race's GRPO + vanilla training loop."""
     if args.steps == 0:
         return race.init_policy(task, args.length, seed)
@@ -163,7 +167,7 @@ def write_report(out, grad_summary, summary, args, seconds) -> None:
         "",
         "## Setup",
         "",
-        f"- The race's tasks (`maspo_verl.lab.race`): T={args.length}, vocabulary {VOCAB}, position-dependent "
+        f"- The race's tasks (`maspo_verl.lab.studies.race`): T={args.length}, vocabulary {VOCAB}, position-dependent "
         "bigram policy. `speech`: reward = fraction of runs of 4 reproduced; `text`: fraction of tokens right. "
         "An error span = a wrong run (speech) or a wrong token (text).",
         "- Per-token scores: each error span's penalty 1 spread over its tokens and centred, plus the reward on "

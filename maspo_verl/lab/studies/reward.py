@@ -31,8 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from maspo_verl.lab import journal
-from maspo_verl.lab.common import default_out, log, markdown_table, write_csv
+from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine.common import default_out, log, markdown_table, write_csv
+from maspo_verl.lab.engine.study import Study
+
+STUDY = Study("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step")
 
 WINDOW_S = 30.0
 GAP_S = 1.0
@@ -187,7 +190,7 @@ def packed(asr, codes, texts):
 
 # ---- step-time split -------------------------------------------------------------------------------------
 def step_split(args, workdir: Path) -> tuple[list[dict], int | None]:
-    from maspo_verl.lab.runs import run_local
+    from maspo_verl.lab.engine.runs import run_local
     from maspo_verl.speech.local_assets import build
 
     assets = build(str(workdir / "assets"))
@@ -300,7 +303,7 @@ def readme(args, rows, clip_rows, split, code, durations, same_scores, total_s) 
         "",
         f"Made by the command in `COMMAND.txt` ({total_s:.0f} s; a CPU machine shared with other jobs: ratios "
         "within one run are what to compare). What each part measures: the docstring of "
-        "`maspo_verl/lab/reward.py`.",
+        "`maspo_verl/lab/studies/reward.py`.",
         "",
         f"## Scorer throughput: {len(durations)} espeak-ng clips, {min(durations):.1f}..{max(durations):.1f} s "
         f"({sum(durations):.0f} s of speech), Whisper tiny.en int8, {args.threads} CPU threads",

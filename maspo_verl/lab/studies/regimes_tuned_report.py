@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maspo_verl.lab import journal
-from maspo_verl.lab.common import markdown_table, pyplot, write_tables
-from maspo_verl.lab.regimes import CONTROL
+from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine.common import markdown_table, pyplot, write_tables
+from maspo_verl.lab.studies.regimes import CONTROL
 
 COMPARISONS = (
     ("tuned", "each at its width chosen on the tuning seeds"),
@@ -73,7 +73,8 @@ def readme(args, runs, choices, rows, cells, command) -> str:
         "# The regime grid with tuned clip bands, judged on held-out seeds",
         "",
         f"Made by the command in `COMMAND.txt` (`python -m maspo_verl.lab regimes_tuned`, engine "
-        f"`maspo_verl/lab/regimes_tuned.py` on `maspo_verl/lab/regimes.py`): {len(runs)} runs. Every preset's "
+        "`maspo_verl/lab/studies/regimes_tuned.py` on `maspo_verl/lab/studies/regimes.py`): "
+        f"{len(runs)} runs. Every preset's "
         f"shipped clip band scaled by each of {', '.join(widths)} (inf: no clip), the same budget for each; the "
         f"width chosen per cell on tuning seeds 0-{args.tune_seeds - 1} (best mean final reward), judged on "
         f"held-out seeds {held[0] if held else '-'}-{held[-1] if held else '-'} (other tables, targets and "

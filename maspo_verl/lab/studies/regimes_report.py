@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import journal, stats
-from maspo_verl.lab.common import markdown_table, mean_interval, pyplot, read_csv, write_tables
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.common import markdown_table, pyplot, read_csv, write_tables
+from maspo_verl.lab.engine.stats import mean_interval
 
 BASELINE = "grpo"
 METRICS = ("final_reward", "auc", "steps_to_target_c")  # compared with grpo, paired by seed
@@ -282,7 +283,7 @@ def readme(args, runs, summary, comparisons, spreads, skipped, command) -> str:
         "# The regime grid: every loss preset on long, correlated responses under a real rollout mismatch",
         "",
         "Made by the command in `COMMAND.txt` (`python -m maspo_verl.lab regimes`, engine "
-        f"`maspo_verl/lab/regimes.py`): {len(runs)} runs ({len(seeds)} seeds per cell).",
+        f"`maspo_verl/lab/studies/regimes.py`): {len(runs)} runs ({len(seeds)} seeds per cell).",
         "",
         "```",
         *timing,

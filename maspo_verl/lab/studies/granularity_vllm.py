@@ -24,14 +24,32 @@ from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
-from maspo_verl.lab import granularity as g
-from maspo_verl.lab import granularity_warm as gw
-from maspo_verl.lab import journal, learn, stats
-from maspo_verl.lab.common import finite_mean, markdown_table, read_csv, write_tables
+from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.common import finite_mean, markdown_table, read_csv, write_tables
+from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.studies import granularity_warm as gw
+from maspo_verl.lab.studies import learn
 from maspo_verl.local.learn_tasks import PRETRAINED
 from maspo_verl.pretrained import arith
 
-FOLDER = "granularity/vllm"
+STUDY = Study(
+    None,
+    "part 4 (exploratory) of the granularity study: SmolLM2-135M RL on the vLLM rollout",
+    folder="granularity/vllm",
+    writes=(
+        "README.md",
+        "tests.csv",
+        "secondary.csv",
+        "arms.csv",
+        "pieces.csv",
+        "tuning.csv",
+        "design.csv",
+        "tests.png",
+    ),
+)
+
+FOLDER = STUDY.folder
 TASK = PRETRAINED  # lab learn --tasks smollm2: model=smollm2 on its arithmetic task, the data from the seed
 
 
@@ -116,7 +134,7 @@ def part1_winner(tests: list[dict]) -> int:
 
 
 def part1_tests() -> Path:
-    from maspo_verl.lab.common import default_out
+    from maspo_verl.lab.engine.common import default_out
 
     return default_out(g.OUT, update_docs=True) / "tests.csv"
 
@@ -174,7 +192,7 @@ def secondary(rows: list[dict], choices: list[dict]) -> list[dict]:
 
 
 def report(out: Path) -> None:
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     out = Path(out)
     p, d = part(), design()
@@ -248,7 +266,7 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
         "",
         'The protocol is [`PREREGISTRATION.md`](../PREREGISTRATION.md) ("Part 4" and its amendment of 2026-11-28), '
         "fixed before any of these runs. Made by `python -m maspo_verl.lab granularity --part 4` "
-        "(`maspo_verl/lab/granularity_vllm.py`, on part 2's piece engine `granularity_warm.py`; tests "
+        "(`maspo_verl/lab/studies/granularity_vllm.py`, on part 2's piece engine `granularity_warm.py`; tests "
         f"`granularity.py`): `lab learn {' '.join(LEARN)}` per piece, arms {', '.join(ARMS)}, learning rates "
         f"{', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{MARGIN} mean training reward. **Every number here is "

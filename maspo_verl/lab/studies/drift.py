@@ -5,7 +5,7 @@ delta_t = log pi_theta - log pi_old of neighbouring tokens are correlated. This 
 Qwen2-shaped causal LM (``--sizes``: ``tiny`` is the local mode's embedded shape, hidden 64 and 2 layers),
 warm-started by supervised steps on code sequences made here, deterministically and without a download:
 
-- ``runs``: the regime grid's speech-like units (``maspo_verl.lab.regimes.make_task("speech")``: units of
+- ``runs``: the regime grid's speech-like units (``maspo_verl.lab.studies.regimes.make_task("speech")``: units of
   3-15 frames, log-normal durations), unit k's symbol as byte id ``32 k``;
 - ``jitter``: the same units, each frame's code moved by one step in one of its 4 base-4 digits with
   probability 0.3 (codec frames of one sound are near, not equal);
@@ -36,8 +36,12 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab import journal
+from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine.study import Study
 
+STUDY = Study(
+    "drift", "warm-started small LM: do its drift log-ratios move together (lag-1, VIF)? one factor at a time"
+)
 VOCAB = 264  # the local mode's vocabulary: 256 byte ids (codes) + specials, a multiple of 8
 SIZES = {  # hidden, intermediate, layers, attention heads, key-value heads
     name: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -100,7 +104,7 @@ GPU_ONLY = ("medium_espeak", "medium_runs", "smol_espeak", "smol_espeak_2000", "
 
 
 def _runs(n: int, length: int, seed: int, jitter: float = 0.0) -> torch.Tensor:
-    from maspo_verl.lab.regimes import make_task
+    from maspo_verl.lab.studies.regimes import make_task
 
     target = make_task("speech", length, list(range(seed * n, seed * n + n))).target * UNIT_ID
     if jitter:
@@ -279,7 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     if args.report:
         import csv
@@ -310,8 +314,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def write_report(out: Path, rows: list[dict], args) -> None:
-    from maspo_verl.lab import common
-    from maspo_verl.lab.regimes import null_correlation
+    from maspo_verl.lab.engine import common
+    from maspo_verl.lab.studies.regimes import null_correlation
 
     order = {n: i for i, n in enumerate(CONDITIONS)}
     rows = sorted(rows, key=lambda r: order.get(r["name"], len(order)))
@@ -339,7 +343,7 @@ def write_report(out: Path, rows: list[dict], args) -> None:
     text = [
         "# Drift-ratio correlation of a warm-started small LM: what makes it rise",
         "",
-        "Made by `python -m maspo_verl.lab drift` (engine `maspo_verl/lab/drift.py`; what each data set and "
+        "Made by `python -m maspo_verl.lab drift` (engine `maspo_verl/lab/studies/drift.py`; what each data set and "
         "factor is: its docstring). Each row changes one factor of `base` (tiny model, `runs` data, 300 warm-start "
         f"steps, Adam lr 1e-3, 1 update, prompt 1); {repeats} measurements of {size} responses x {tokens} tokens "
         "each, pooled. lag-1 and VIF(n) of delta = log pi_new - log pi_old after the update(s) "
@@ -359,10 +363,12 @@ def write_report(out: Path, rows: list[dict], args) -> None:
     (out / "README.md").write_text("\n".join(text))
 
 
-if __name__ == "__main__":  # without the lab's CLI (no verl needed): python -m maspo_verl.lab.drift --out DIR ...
+if (
+    __name__ == "__main__"
+):  # without the lab's CLI (no verl needed): python -m maspo_verl.lab.studies.drift --out DIR ...
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m maspo_verl.lab.drift")
+    parser = argparse.ArgumentParser(prog="python -m maspo_verl.lab.studies.drift")
     parser.add_argument("--out", default=str(Path("outputs", "lab", "drift")))
     add_arguments(parser)
     run(parser.parse_args(), ["drift", *sys.argv[1:]])  # recorded as the lab command it equals
