@@ -10,7 +10,8 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.engine.presets import discover_presets, preset_config, widen
+from maspo_verl.lab.engine import tabular
+from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config, widen
 from maspo_verl.lab.engine.tuning import choose
 from maspo_verl.lab.studies import regimes
 from maspo_verl.lab.studies import regimes_tuned as rt
@@ -21,9 +22,9 @@ def _loss_grad(preset, ratio: float, adv: float) -> float:
     fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
     lp = torch.full((1, 1), -1.0, requires_grad=True)
     old = lp.detach() - math.log(ratio)
-    ids = torch.full((1, 1), regimes.CODEC_OFFSET)
+    ids = torch.full((1, 1), tabular.CODEC_OFFSET)
     words = torch.zeros(1, 1, dtype=torch.long)
-    loss, _ = regimes.loss_call(fn, cfg, old, lp, torch.full((1, 1), adv), ids, words)
+    loss, _ = loss_call(fn, cfg, old, lp, torch.full((1, 1), adv), ids, words)
     loss.backward()
     return float(lp.grad.abs().sum())
 

@@ -80,3 +80,12 @@ def test_holm_adjusts_step_down_and_keeps_order():
 def test_too_few_differences_are_refused():
     with pytest.raises(ValueError, match="at least 2"):
         stats.t_interval([0.1])
+
+
+def test_contrast_pairs_the_seeds_every_term_has():
+    """(sign, value per seed) terms: seeds 0 and 1 are in both, so d = [1 - 0.5, 2 - 1] = [0.5, 1]; mean 0.75, se
+    0.25 with 1 degree of freedom (t quantile 12.706), exact sign-flip p = 2 of the 4 sign vectors = 0.5."""
+    n, mean, low, high, p = stats.contrast([(1, {0: 1.0, 1: 2.0, 2: 4.0}), (-1, {0: 0.5, 1: 1.0, 3: 9.0})])
+    assert (n, p) == (2, 0.5) and mean == pytest.approx(0.75)
+    assert (low, high) == pytest.approx((0.75 - 12.7062 * 0.25, 0.75 + 12.7062 * 0.25), abs=1e-3)
+    assert stats.contrast([])[0] == 0 and math.isnan(stats.contrast([])[4])

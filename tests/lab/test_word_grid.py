@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from maspo_verl.batch import WORD_IDS_KEY
 from maspo_verl.lab.engine import word_grid
-from maspo_verl.lab.engine.presets import discover_presets, preset_config
-from maspo_verl.lab.studies import learn, regimes
+from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
 from tests.helpers import compose_config
 from tests.lab.test_learn_axes import _args
@@ -46,7 +46,7 @@ def _loss(preset, words):
     lp = old + 0.1 * torch.randn(4, 96, generator=gen, dtype=torch.float64)
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 96)
     ids = torch.randint(0, 256, (4, 96), generator=gen)
-    return regimes.loss_call(get_policy_loss_fn(preset.loss_mode), preset_config(preset), old, lp, adv, ids, words)
+    return loss_call(get_policy_loss_fn(preset.loss_mode), preset_config(preset), old, lp, adv, ids, words)
 
 
 def test_offset_zero_is_the_window_of_a_word_and_twelve_is_not():

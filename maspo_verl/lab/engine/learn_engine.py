@@ -17,7 +17,7 @@ trainer run's own code:
 - the advantage: verl's ``compute_grpo_outcome_advantage``, one group per prompt (its ``n`` responses in
   consecutive rows);
 - the update: the rows split in order into ``ppo_mini_batch_size x n`` row mini-batches, one optimizer update each,
-  the loss from verl's registry called as verl's ``ppo_loss`` calls it (``regimes.loss_call``), then verl's
+  the loss from verl's registry called as verl's ``ppo_loss`` calls it (``presets.loss_call``), then verl's
   optimizer step: the gradient clipped to ``optim.clip_grad`` (a non-finite norm skips the update), AdamW with
   the config's betas and weight decay, a constant learning rate;
 - the metrics under verl's names (``critic/score/mean``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/grad_norm``,
@@ -243,7 +243,7 @@ def update(actor, opt, fn, cfg, s: Settings, prompt, ids, old, adv, words) -> li
     """The step's updates, one per mini-batch of ``s.mini_rows`` rows in order; verl's metrics of each."""
     import torch
 
-    from maspo_verl.lab.studies.regimes import loss_call
+    from maspo_verl.lab.engine.presets import loss_call
 
     out = []
     params = [p for p in actor.parameters() if p.requires_grad]

@@ -74,26 +74,29 @@ LOG_UNCLIPPED = 30.0  # a log-space bound no log-ratio reaches (verl clamps them
 RATIO_UNCLIPPED = 1e9
 
 
-def widen(p: Preset, width: str) -> Preset:
-    """``p`` with its clip band scaled by ``width`` (``inf``: no clip, the dual clip off too)."""
+def scaled(p: Preset, k: float, cap: float | None = 0.999) -> Preset:
+    """``p`` with its clip band (not the dual clip) scaled by ``k``: the band the loss reads, the log-space fields
+    with clip_schedule=log_adaptive, else the actor's ratio-space ones (every preset's composed section carries
+    the log_clip_* defaults, read or not); ``cap``: the most eps_low may reach (1 - eps_low stays above 0)."""
     actor, policy_loss = dict(p.actor), dict(p.policy_loss)
-    # the band the loss reads: log-space fields with clip_schedule=log_adaptive, else the actor's ratio-space ones
-    # (every preset's composed section carries the log_clip_* defaults, read or not)
-    log_space = policy_loss.get("clip_schedule") == "log_adaptive"
-    if width == UNCLIPPED:
-        if log_space:
-            policy_loss |= {k: LOG_UNCLIPPED for k in ("log_clip_low", "log_clip_high", "log_clip_dual")}
-        # the ratio-space band too (some log-space losses read the dual clip from the actor)
-        actor |= {"clip_ratio_low": 1.0, "clip_ratio_high": RATIO_UNCLIPPED, "clip_ratio_c": RATIO_UNCLIPPED}
+    if policy_loss.get("clip_schedule") == "log_adaptive":
+        policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
     else:
-        k = float(width)
-        if log_space:
-            policy_loss |= {key: policy_loss[key] * k for key in ("log_clip_low", "log_clip_high")}
-        else:  # ratio-space: 1 - eps_low stays above 0
-            actor |= {
-                "clip_ratio_low": min(actor["clip_ratio_low"] * k, 0.999),
-                "clip_ratio_high": actor["clip_ratio_high"] * k,
-            }
+        low = actor["clip_ratio_low"] * k
+        high = actor["clip_ratio_high"] * k
+        actor |= {"clip_ratio_low": low if cap is None else min(low, cap), "clip_ratio_high": high}
+    return replace(p, actor=actor, policy_loss=policy_loss)
+
+
+def widen(p: Preset, width: str) -> Preset:
+    """``p`` with its clip band scaled by ``width`` (``scaled``; ``inf``: no clip, the dual clip off too)."""
+    if width != UNCLIPPED:
+        return replace(scaled(p, float(width)), band=width)
+    actor, policy_loss = dict(p.actor), dict(p.policy_loss)
+    if policy_loss.get("clip_schedule") == "log_adaptive":
+        policy_loss |= {k: LOG_UNCLIPPED for k in ("log_clip_low", "log_clip_high", "log_clip_dual")}
+    # the ratio-space band too (some log-space losses read the dual clip from the actor)
+    actor |= {"clip_ratio_low": 1.0, "clip_ratio_high": RATIO_UNCLIPPED, "clip_ratio_c": RATIO_UNCLIPPED}
     return replace(p, actor=actor, policy_loss=policy_loss, band=width)
 
 
@@ -118,3 +121,16 @@ def variant(name: str, flag: str = "--presets") -> Preset:
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"{flag} {name!r}: {exc}") from exc
     return replace(p, name=name, policy_loss=policy_loss)
+
+
+def loss_call(fn, cfg, old, lp, adv, ids, words, mask=None):
+    """One call of a loss as verl's ``ppo_loss`` makes it: [rows, T] tensors, the micro-batch's ids and the toy
+    tasks' tokens (``tabular.vocabulary``) in scope; ``mask``: the response tokens (None: all)."""
+    import torch
+
+    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
+    from maspo_verl.lab.engine.tabular import vocabulary
+
+    mask = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.bool()
+    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, vocabulary()):
+        return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)

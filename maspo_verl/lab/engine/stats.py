@@ -243,3 +243,12 @@ def mean_interval(values, level: float = 0.95) -> tuple[float, float, float]:
     if len(x) < 2:
         return (x[0] if x else math.nan), math.nan, math.nan
     return t_interval(x, level)
+
+
+def contrast(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float, float]:
+    """A paired contrast of ``terms`` ((sign, value per seed) each) over the seeds present in every term: the
+    number of seeds, the mean of the per-seed sum of sign * value with its t-interval, and its sign-flip p."""
+    seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
+    diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
+    p = sign_flip(diffs)[0] if diffs else math.nan
+    return (len(seeds), *mean_interval(diffs), p)

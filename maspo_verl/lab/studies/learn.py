@@ -45,7 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab.engine import journal, learn_engine, word_grid
+from maspo_verl.lab.engine import journal, learn_engine, stats, word_grid
 from maspo_verl.lab.engine.common import log, markdown_table, pyplot, write_csv
 from maspo_verl.lab.engine.learn_engine import ENGINES
 from maspo_verl.lab.engine.runs import run_local
@@ -287,7 +287,7 @@ def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool 
 def preset_of(name: str):
     """A preset as the regime labs compose it (``presets.Preset``), or a variant ``PRESET@field=value[,...]`` of
     one (``presets.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
-    from maspo_verl.lab.studies.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
     from maspo_verl.lab.studies.regimes_tuned import variant
 
     return variant(name, "--losses") if VARIANT_SEP in name else discover_presets([name])[0]
@@ -526,16 +526,6 @@ def _by_seed(runs: list[dict], task: str, cell: str, loss: str, key: str) -> dic
     }
 
 
-def _paired(terms: list[tuple[float, dict[int, float]]]) -> tuple[int, float, float, float, float]:
-    """Seeds present in every term; the per-seed sum of sign * value, its mean, t-interval and exact sign-flip p."""
-    from maspo_verl.lab.engine import stats
-
-    seeds = sorted(set.intersection(*(set(t[1]) for t in terms))) if terms else []
-    diffs = [sum(sign * values[s] for sign, values in terms) for s in seeds]
-    p = stats.sign_flip(diffs)[0] if diffs else math.nan
-    return (len(seeds), *mean_interval(diffs), p)
-
-
 COMPARE_COLUMNS = (
     "task",
     "cell",
@@ -563,7 +553,7 @@ def compare(args, cells: list[Cell], runs: list[dict]) -> list[dict]:
     rows = []
 
     def add(kind, task, cell, loss, metric, terms, other):
-        n, mean, low, high, p = _paired(terms)
+        n, mean, low, high, p = stats.contrast(terms)
         if n == 0:
             return
         supported = (low > 0 or high < 0) and n > 1

@@ -69,8 +69,14 @@ import torch
 
 from maspo_verl.lab.engine import journal, tabular
 from maspo_verl.lab.engine.cells import UNIT_MEDIAN, parse_mismatch
-from maspo_verl.lab.engine.presets import Preset, discover_presets, preset_config
+from maspo_verl.lab.engine.presets import Preset, discover_presets, loss_call, preset_config
 from maspo_verl.lab.engine.study import Study
+from maspo_verl.lab.engine.tabular import (
+    CODEC_OFFSET,
+    CODES,
+    TEXT_END,
+    VOCAB,
+)
 
 STUDY = Study(
     "regimes",
@@ -85,17 +91,6 @@ STUDY = Study(
         "regimes_final_vs_grpo.png",
     ),
 )
-CODEC_OFFSET = 128264  # Llasa-1B's first speech id, the shipped codec presets' codec_offset
-CODEC_SIZE = 65536
-# 8 symbols -> FSQ codes (8 base-4 digits); the digits are 3 x the bits of a Hadamard code (pairwise Hamming
-# distance >= 4), so two symbols' codes are >= 12 apart in digit L1 distance, one symbol's code 0 from itself
-HADAMARD = ("00000000", "11110000", "00001111", "11111111", "11001100", "00110011", "10101010", "01010101")
-CODES = tuple(sum(3 * int(b) * 4**k for k, b in enumerate(word)) for word in HADAMARD)
-VOCAB = len(CODES)
-TEXT = (" ka", " lo", " mi", " nu", " pe", " ro", " su", ".")  # text-task ids 0..7
-TEXT_END = TEXT.index(".")
-# the rest of the toy tokenizer's text (never sampled): what the shipped delimiters look for
-TEXT_OTHER = ("\n\n", "\n", "?", "!", " ")
 COLLAPSE_DROP = 0.1
 MISMATCHES = ("none", "bf16", "stale2", "noise0.2")
 TASKS = ("speech", "text")
@@ -115,17 +110,6 @@ LENGTH_METRICS = {
 
 
 # ------------------------------------------------------------------ presets as a user configures them
-
-
-_VOCABULARY: list[str] | None = None
-
-
-def vocabulary() -> list[str]:
-    """The text of every id (the tokenizer's part ``delimiters`` reads): the text task's words, codes empty."""
-    global _VOCABULARY
-    if _VOCABULARY is None:
-        _VOCABULARY = list(TEXT + TEXT_OTHER) + [""] * (CODEC_OFFSET + CODEC_SIZE - len(TEXT + TEXT_OTHER))
-    return _VOCABULARY
 
 
 # ------------------------------------------------------------------ tasks
@@ -276,16 +260,6 @@ class Job:
             + (f"/lr{self.lr:g}" if self.lr is not None else "")
             + (f"/u{self.unit}" if self.unit != UNIT_MEDIAN else "")
         )
-
-
-def loss_call(fn, cfg, old, lp, adv, ids, words, mask=None):
-    """One call as verl's ``ppo_loss`` makes it: [rows, T] tensors, the micro-batch's ids in scope; ``mask``:
-    the response tokens (None: all)."""
-    from maspo_verl.batch import WORD_IDS_KEY, micro_batch_scope
-
-    mask = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask.bool()
-    with micro_batch_scope({"responses": ids, WORD_IDS_KEY: words}, vocabulary()):
-        return fn(old, lp, adv, mask, cfg.loss_agg_mode, cfg, None)
 
 
 def shuffled_runs(words: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine import journal, presets
 from maspo_verl.lab.engine.common import log, markdown_table, write_csv
+from maspo_verl.lab.engine.presets import preset_config
 from maspo_verl.lab.engine.study import Study
 
 STUDY = Study(
@@ -192,23 +193,14 @@ def advantages(r: torch.Tensor, prompt_of: torch.Tensor, mask: torch.Tensor) -> 
 
 
 def scaled(preset, scale: float):
-    """The preset's loss config with its clip band (not the dual clip) scaled by ``scale``."""
-    from maspo_verl.lab.studies.regimes import Preset, preset_config
-
-    actor, policy_loss = dict(preset.actor), dict(preset.policy_loss)
-    if policy_loss.get("clip_schedule") == "log_adaptive":
-        for k in ("log_clip_low", "log_clip_high"):
-            policy_loss[k] = policy_loss[k] * scale
-    else:
-        for k in ("clip_ratio_low", "clip_ratio_high"):
-            actor[k] = actor[k] * scale
-    return preset_config(Preset(preset.name, preset.loss_mode, actor, policy_loss))
+    """The preset's loss config with its clip band (not the dual clip) scaled by ``scale`` (uncapped)."""
+    return preset_config(presets.scaled(preset, scale, cap=None))
 
 
 def loss_weights(fn, cfg, old, lp, adv, resp, mask=None) -> tuple[torch.Tensor, dict]:
     """d loss / d lp [rows, T] of the preset's loss, called as verl's ppo_loss calls it, and its metrics; ``mask``:
     the response tokens (None: all)."""
-    from maspo_verl.lab.studies.regimes import loss_call
+    from maspo_verl.lab.engine.presets import loss_call
 
     leaf = lp.clone().requires_grad_()
     loss, metrics = loss_call(fn, cfg, old, leaf, adv, resp, torch.full_like(resp, -1), mask)
@@ -259,7 +251,7 @@ def drift(model, ids, attn, resp, masked, old, adv, args, stop_at: list[int]):
     {k: (log-probs, MLP parts)}."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.studies.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
 
     grpo = discover_presets(["grpo"])[0]
     fn, cfg = get_policy_loss_fn(grpo.loss_mode), scaled(grpo, 1.0)
@@ -291,7 +283,7 @@ def drift(model, ids, attn, resp, masked, old, adv, args, stop_at: list[int]):
 
 
 def _loss(fn, cfg, old, lp, adv, resp):
-    from maspo_verl.lab.studies.regimes import loss_call
+    from maspo_verl.lab.engine.presets import loss_call
 
     return loss_call(fn, cfg, old, lp, adv, resp, torch.full_like(resp, -1))
 
@@ -375,7 +367,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab.studies.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
     from maspo_verl.lab.studies.regimes_tuned import presets_of
     from maspo_verl.pretrained import arith
 

@@ -173,7 +173,7 @@ def drift(model, ids, attn, resp, mask, old, adv, lr: float, stop_at, chunk: int
 def grpo_loss():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.studies.regimes import discover_presets, preset_config
+    from maspo_verl.lab.engine.presets import discover_presets, preset_config
 
     grpo = discover_presets(["grpo"])[0]
     return get_policy_loss_fn(grpo.loss_mode), preset_config(grpo)
@@ -200,7 +200,7 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     """The correlation rows, gradient rows and a summary of batch ``seed``."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.studies.regimes import preset_config
+    from maspo_verl.lab.engine.presets import preset_config
     from maspo_verl.lab.studies.regimes_tuned import presets_of
 
     t0, cpu0 = time.time(), time.process_time()
