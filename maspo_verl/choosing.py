@@ -1020,7 +1020,7 @@ def part3_outcome(tests: list[dict], margin: str) -> str:
 
 TOKEN_ARM = "maspo_fixed@segment_window=1"  # H1's reference in parts 1, 2 and 4: one ratio per token, our code path
 WINDOW_ARM = "maspo_fixed@segment_window="
-SETTING_WORDS = {  # a cell code's parts in words (the grid's grammar, maspo_verl/lab/regimes.py)
+SETTING_WORDS = {  # a cell code's parts in words (the grid's grammar, maspo_verl/lab/engine/cells.py)
     "L": "{} tokens",
     "stale": "the rollout {} updates stale",
     "noise": "log-prob noise {}",

@@ -9,6 +9,7 @@ Each generated part stands between two marker lines and is replaced whole; the r
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -236,6 +237,29 @@ def presets_short(presets: dict) -> list[str]:
     return rows
 
 
+def lab_commands() -> dict[str, tuple[str, str]]:
+    """command -> (what it measures, its results folder) of each lab study that declares a command (``STUDY`` in
+    maspo_verl/lab/studies/, ``maspo_verl.lab.engine.study``), read from the source: the lab is not imported."""
+    found = {}
+    for path in sorted((Path(__file__).parent / "lab" / "studies").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["STUDY"]:
+                command, summary = (ast.literal_eval(a) for a in node.value.args[:2])
+                folder = next((ast.literal_eval(k.value) for k in node.value.keywords if k.arg == "folder"), command)
+                if command:
+                    found[command] = (summary, folder)
+    return found
+
+
+def lab_table(root: Path) -> list[str]:
+    """docs/lab.md's table of the lab's commands, with the committed results folder of each that has one."""
+    rows = ["| command | what it measures | committed results |", "|---|---|---|"]
+    for command, (summary, folder) in lab_commands().items():
+        results = f"[`{folder}/`](results/{folder}/)" if (root / "docs" / "results" / folder).is_dir() else "–"
+        rows.append(f"| `python -m maspo_verl.lab {command}` | {_cell(summary)} | {results} |")
+    return rows
+
+
 def generated(root: Path) -> dict[Path, Callable[[str], str]]:
     """file -> the function that makes its generated text from its current text."""
     presets = _presets()
@@ -260,6 +284,7 @@ def generated(root: Path) -> dict[Path, Callable[[str], str]]:
         ),
         root / "README.md": parts("README.md", readme),
         root / "docs" / "configuration.md": parts("docs/configuration.md", docs),
+        root / "docs" / "lab.md": parts("docs/lab.md", {"lab_commands": lab_table(root)}),
         config_dir() / "maspo_base.yaml": lambda text: _replace(text, *YAML_MARKERS, yaml_lines, "maspo_base.yaml"),
     }
     if (root / choosing.GRID_CSV).is_file():  # a checkout with the committed results: the guide from their tables

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from maspo_verl.core.surrogates import DEFAULT, SURROGATES
-from maspo_verl.lab import bench
+from maspo_verl.lab.studies import bench
 
 # segments with min/max length; prefixes; each other surrogate on fixed segments (CI compiles the first and
 # sapo's, whose temperatures are params; the rest are slow tests)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from maspo_verl.lab.runs import run_local
+from maspo_verl.lab.engine.runs import run_local
 from tests.helpers import REPO
 
 NAME = "zqx_probe"  # the example's "spike", renamed

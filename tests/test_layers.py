@@ -109,6 +109,16 @@ def test_imports_only_downward(module):
     assert not upward, f"{module} ({part}) imports {sorted(upward)}; {part} may import {sorted(allowed)}"
 
 
+def test_the_lab_engine_imports_no_study():
+    """maspo_verl/lab/engine/ is what every study stands on: it never imports a study (lab/studies/), which finds
+    the studies by their declarations instead (``engine.study``); a study imports the engine."""
+    engine = {m for m in MODULES if m.startswith("maspo_verl.lab.engine")}
+    assert {"maspo_verl.lab.engine.study", "maspo_verl.lab.engine.stats", "maspo_verl.lab.engine.presets"} <= engine
+    for module in engine:
+        studies = {m for m in imports(MODULES[module]) if m.startswith("maspo_verl.lab.studies")}
+        assert not studies, f"{module} imports {sorted(studies)}"
+
+
 def test_core_and_plugin_know_no_recipe_class():
     for module, path in MODULES.items():
         if part_of(module) in ("core", "plugin"):

@@ -175,7 +175,7 @@ def test_readme_says_the_first_run_is_a_plumbing_check_with_measured_times_and_p
     shows a CPU run that learns, whose arguments the lab accepts (tests/e2e/test_learning_demo.py runs it)."""
     import argparse
 
-    from maspo_verl.lab import learn
+    from maspo_verl.lab.studies import learn
     from maspo_verl.local import learn_tasks
 
     text = " ".join((REPO / "README.md").read_text().split())

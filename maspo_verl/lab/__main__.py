@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import importlib.util
 import os
 import signal
@@ -21,34 +20,6 @@ from pathlib import Path
 from maspo_verl.local.run_log import Interrupted
 
 LOG = "lab.log"  # each command's whole console output, in its folder
-
-# name (also the module of maspo_verl.lab), what it measures
-COMMANDS = [
-    ("estimators", "exact bias/variance of each ratio estimator by enumeration"),
-    ("race", "toy GRPO race of verl's and our losses (speech-like vs text-like task)"),
-    ("credit", "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks"),
-    ("bench", "forward+backward time, peak memory and host syncs of each loss"),
-    ("steptime", "local trainer step time of each loss preset vs grpo (writes next to bench)"),
-    ("regimes", "fast grid: every loss preset x length x rollout mismatch x updates per batch, 20+ seeds, vs grpo"),
-    ("drift", "warm-started small LM: do its drift log-ratios move together (lag-1, VIF)? one factor at a time"),
-    ("regimes_tuned", "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds"),
-    (
-        "granularity",
-        "pre-registered: token vs windows vs aligned units vs adaptive, each arm's band tuned alike, fresh seeds",
-    ),
-    ("learn", "each loss preset on verl's real trainer (local CPU mode): reward per step on toy tasks"),
-    ("reward", "speech reward throughput (batched vs per clip, packing) and its share of a step"),
-    (
-        "adaptive",
-        "maspo_adaptive (untuned) against the best fixed window per cell, from a regimes_tuned and a smollm2 run",
-    ),
-    (
-        "smollm2",
-        "a real pretrained LM (SmolLM2-135M): token log-ratio correlation and gradient quality per mismatch "
-        "(--granularity: part 3 of the pre-registered granularity study)",
-    ),
-    ("segments", "see and calibrate the segmentation (inspect files or code sequences): plots, word F1, thresholds"),
-]
 
 
 def _require_environment() -> None:
@@ -65,16 +36,15 @@ def _require_environment() -> None:
 def parse(argv: list[str]) -> argparse.Namespace:
     """The lab CLI's arguments of ``argv`` (``<command> [options]``): the command's module (a mode's, where one is
     on), its folder and ``out`` resolved. A study that runs another command in pieces parses each piece here."""
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common, study
 
     parser = argparse.ArgumentParser(
         prog="python -m maspo_verl.lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in COMMANDS:
-        module = importlib.import_module(f"maspo_verl.lab.{name}")
-        folder = getattr(module, "OUT", name)
-        p = sub.add_parser(name, help=help_)
+    for name, module in study.commands().items():
+        folder = module.STUDY.folder
+        p = sub.add_parser(name, help=module.STUDY.summary)
         where = p.add_mutually_exclusive_group()
         where.add_argument("--out", default=None, help=f"output folder (default {common.default_out(folder)})")
         where.add_argument(
@@ -85,13 +55,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         module.add_arguments(p)
         p.set_defaults(module=module, folder=folder)
     args = parser.parse_args(argv)
-    # a mode in a module of its own (its run and FOLDER): MODES maps a flag to the module, or the flag's values to them
-    for flag, mode in getattr(args.module, "MODES", {}).items():
+    # a mode in a module of its own (its run and folder): the study's modes map a flag (or its values) to the module
+    for flag, mode in args.module.STUDY.modes.items():
         value = getattr(args, flag)
         name = mode.get(value) if isinstance(mode, dict) else mode if value else None
         if name:
-            args.module = importlib.import_module(f"maspo_verl.lab.{name}")
-            args.folder = args.module.FOLDER
+            args.module = study.module(name)
+            args.folder = args.module.STUDY.folder
     if hasattr(args.module, "folder_of"):  # a mode with a folder of its own (bench --mode update)
         args.folder = args.module.folder_of(args)
     if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():
@@ -103,7 +73,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _require_environment()
-    from maspo_verl.lab import common
+    from maspo_verl.lab.engine import common
 
     args = parse(argv)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler's USDT start/stop marker lines: none

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from maspo_verl.core.token_sets import TOKEN_SETS
-from maspo_verl.lab import bench
+from maspo_verl.lab.studies import bench
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ import maspo_verl.plugin  # noqa: F401  (registers our losses, wraps verl's)
 from maspo_verl import inspection
 from maspo_verl.batch import WORD_IDS_KEY, Update, micro_batch_scope, update_scope
 from maspo_verl.config import GranularLossConfig
-from maspo_verl.lab.bench import VOCABULARY, count_host_syncs, entry_config, make_inputs, preset_entries
+from maspo_verl.lab.studies.bench import VOCABULARY, count_host_syncs, entry_config, make_inputs, preset_entries
 from maspo_verl.plugin import hooks
 from maspo_verl.util import preset_names
 from tests.helpers import actor_config, compose_config

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maspo_verl.lab import bench
+from maspo_verl.lab.studies import bench
 
 B, T = 16, 512
 UNIT = B * T * 4  # one [B, T] float32 tensor, in bytes

@@ -7,7 +7,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 
 from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.core.token_sets import TOKEN_SETS
-from maspo_verl.lab.bench import count_host_syncs
+from maspo_verl.lab.studies.bench import count_host_syncs
 from maspo_verl.util import config_dir, preset_names
 from tests.helpers import BYTE_VOCABULARY, actor_config, random_batch
 

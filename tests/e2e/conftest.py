@@ -1,12 +1,12 @@
 """e2e fixtures: ``local_run`` runs ``python -m maspo_verl.main local=cpu ...`` through the lab's runner
-(``maspo_verl.lab.runs``: a private Ray cluster stopped afterwards, the run folder in the test's tmp dir,
+(``maspo_verl.lab.engine.runs``: a private Ray cluster stopped afterwards, the run folder in the test's tmp dir,
 verl's step metrics from its ``metrics.jsonl``) and returns its ``LocalRun``."""
 
 from __future__ import annotations
 
 import pytest
 
-from maspo_verl.lab.runs import LocalRun, run_local
+from maspo_verl.lab.engine.runs import LocalRun, run_local
 
 
 def manager_overrides(module, name: str) -> list[str]:

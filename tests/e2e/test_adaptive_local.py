@@ -24,7 +24,7 @@ def test_adaptive_trains_and_logs_its_chosen_lengths(local_run, tmp_path):
 
     from maspo_verl.core.segments.rules.adaptive import band_of, plain_choice
     from maspo_verl.lab.__main__ import main
-    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
 
     preset = SimpleNamespace(**discover_presets(["maspo_adaptive"])[0].policy_loss)
     band = band_of(preset)

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from maspo_verl.lab import learn
-from maspo_verl.lab import learn_engine as le
+from maspo_verl.lab.engine import learn_engine as le
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
 from maspo_verl.local.hf_rollout import WEIGHTS_DUMP_ENV

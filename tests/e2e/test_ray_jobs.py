@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from maspo_verl.lab.runs import ANSI, parse_steps, stop_run
+from maspo_verl.lab.engine.runs import ANSI, parse_steps, stop_run
 from tests.helpers import REPO
 from tests.math.fixtures import LOCAL_SPECS
 

@@ -40,7 +40,7 @@ def fake_learn_runs(monkeypatch, tmp_path, trainer):
     ``tmp_path`` (not left in /tmp) and no per-seed plots (not what the piece engines' tests test)."""
     import tempfile
 
-    from maspo_verl.lab import learn
+    from maspo_verl.lab.studies import learn
 
     (tmp_path / "tmp").mkdir(exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

@@ -1,4 +1,4 @@
-"""Run ``maspo_verl.lab.megatron_update`` on the CPU: a test harness, not a supported mode.
+"""Run ``maspo_verl.lab.studies.megatron_update`` on the CPU: a test harness, not a supported mode.
 
 ``python tests/lab/megatron_cpu.py [--plant-wrong-loss] [megatron_update arguments]``
 
@@ -79,6 +79,6 @@ if __name__ == "__main__":
     if "--plant-wrong-loss" in argv:
         argv.remove("--plant-wrong-loss")
         plant_wrong_loss()
-    from maspo_verl.lab.megatron_update import main
+    from maspo_verl.lab.studies.megatron_update import main
 
     raise SystemExit(main(argv))

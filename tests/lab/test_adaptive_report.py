@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from maspo_verl.lab.adaptive import best_window, grid_rows, warm_rows
+from maspo_verl.lab.studies.adaptive import best_window, grid_rows, warm_rows
 
 W2, W4 = "maspo_fixed@segment_window=2", "maspo_fixed@segment_window=4"
 # (loss, band) -> final reward on the tuning seeds 0-1 and on the held-out seeds 2-3

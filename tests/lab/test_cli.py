@@ -26,7 +26,7 @@ def test_estimators_command(tmp_path):
 
 
 def test_estimator_verdicts_follow_the_numbers():
-    from maspo_verl.lab.estimators import claim_verdicts
+    from maspo_verl.lab.studies.estimators import claim_verdicts
 
     claims = {"cum_pc_bias_max": 1e-14, "cum_var_lower_count": 59, "n_cases": 60, "cum_true_bias_max": 0.39}
     assert claim_verdicts(claims) == {1: "HOLDS", 2: "holds in 59 of 60 cases", 3: "DOES NOT HOLD"}
@@ -105,7 +105,8 @@ def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
     """Step times from the run folder's metrics.jsonl as verl's own file logger writes it."""
     from verl.utils.tracking import FileLogger
 
-    from maspo_verl.lab import bench, runs, steptime
+    from maspo_verl.lab.engine import runs
+    from maspo_verl.lab.studies import bench, steptime
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / runs.METRICS_FILE))
     logger = FileLogger("p", "e")
@@ -124,7 +125,7 @@ def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
 
 
 def test_steptime_presets_are_the_loss_presets():
-    from maspo_verl.lab import steptime
+    from maspo_verl.lab.studies import steptime
 
     assert steptime.presets_of("", "grpo") == ["grpo", *(p for p in preset_names() if p != "grpo")]
     assert steptime.presets_of("ctpo,grpo,ctpo", "grpo") == ["grpo", "ctpo"]

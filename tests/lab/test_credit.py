@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from maspo_verl.lab import credit, race
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.studies import credit, race
 
 
 @pytest.mark.parametrize("name", ["speech", "text"])

@@ -1,4 +1,4 @@
-"""The drift-correlation study (``maspo_verl.lab.drift``): its data have the structure they claim, the measurement
+"""The drift-correlation study (``lab.studies.drift``): its data have the structure they claim, the measurement
 reads the correlation of the update's log-ratios, and the command writes its tables."""
 
 import argparse
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from maspo_verl.lab import drift
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.studies import drift
 
 
 def _runs_of(row: torch.Tensor) -> list[int]:

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from maspo_verl.lab import estimators as E
-from maspo_verl.lab.exact import (
+from maspo_verl.lab.engine.exact import (
     DTYPE,
     enumerate_sequences,
     moments,
     per_sample_gradients,
     token_log_probs,
 )
+from maspo_verl.lab.studies import estimators as E
 
 
 def test_enumeration_counts_and_masks():
@@ -153,7 +153,7 @@ def test_lab_weights_are_the_loss_gradient(loss_mode, est, extra):
     """Without active clipping, d loss / d log_prob of the registered loss is -A * w_t (token-sum)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.race import Contender, contender_config
+    from maspo_verl.lab.studies.race import Contender, contender_config
 
     tokens, mask = enumerate_sequences(4, 4, eos=3)
     old = E.behaviour_logits("speech")

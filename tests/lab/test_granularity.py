@@ -1,4 +1,4 @@
-"""The pre-registered granularity study (``maspo_verl.lab.granularity``): its segment controls, the task's unit
+"""The pre-registered granularity study (``maspo_verl.lab.studies.granularity``): its segment controls, the task's unit
 length, its decision rules, resuming, and the command end to end on a tiny configuration."""
 
 import csv
@@ -6,10 +6,10 @@ import csv
 import pytest
 import torch
 
-from maspo_verl.lab import granularity as g
-from maspo_verl.lab import regimes
-from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.engine.tuning import choose
+from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.studies import regimes
 
 
 def _units(lengths):
@@ -86,7 +86,7 @@ def test_the_command_tunes_then_judges_and_resumes(tmp_path, monkeypatch):
     main([*base, "--phase", "tune"])
     assert (tmp_path / "choice.csv").is_file() and not (tmp_path / "tests.csv").exists()
     with open(tmp_path / "runs.csv") as f:
-        choices = rt.choose(list(csv.DictReader(f)), g.HELD_SEEDS[0], baseline=g.TOKEN)
+        choices = choose(list(csv.DictReader(f)), g.HELD_SEEDS[0], baseline=g.TOKEN)
     order = [g._key(j) for j in g.tested_first(g.jobs_of(g.HELD_SEEDS), choices)]
     read = {(c, *arm) for _, c, *arms in g.comparisons(choices) for arm in arms}  # by hand, not _read_by_tests
     assert set(order[: len(read)]) == read and not set(order[len(read) :]) & read  # what a test reads runs first

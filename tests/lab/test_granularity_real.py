@@ -1,5 +1,5 @@
-"""Part 5's runner (maspo_verl/lab/granularity_real.py) on a stand-in for the trainer: a fake ``run_local`` whose
-runs' accuracies are planted per regime, arm, rate and seed. No SmolLM2 run here."""
+"""Part 5's runner (maspo_verl/lab/studies/granularity_real.py) on a stand-in for the trainer: a fake ``run_local``
+whose runs' accuracies are planted per regime, arm, rate and seed. No SmolLM2 run here."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from maspo_verl.lab import granularity_real as gr
-from maspo_verl.lab.runs import LocalRun
+from maspo_verl.lab.engine.runs import LocalRun
+from maspo_verl.lab.studies import granularity_real as gr
 from maspo_verl.local import ENGINE_LINE, ENGINE_WORDS
 
 

@@ -1,4 +1,4 @@
-"""Part 4 of the registered granularity study (``maspo_verl.lab.granularity_vllm``): part 1's H1 winner by the
+"""Part 4 of the registered granularity study (``maspo_verl.lab.studies.granularity_vllm``): part 1's H1 winner by the
 registered rule, the pieces and the lab learn command each one is (parsed by the lab CLI's own parser, composed by
 Hydra), the choice written before the held-out seeds, resuming, the vLLM-only rule, and the P4 tests on planted
 results, with a fake trainer run behind the real ``lab learn``; and the part's seeds fresh in every committed
@@ -19,13 +19,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl import choosing
-from maspo_verl.lab import granularity as g
-from maspo_verl.lab import granularity_vllm as gv
-from maspo_verl.lab import granularity_warm as gw
-from maspo_verl.lab import learn, runs
 from maspo_verl.lab.__main__ import main, parse
-from maspo_verl.lab.common import write_csv
-from maspo_verl.lab.runs import LocalRun
+from maspo_verl.lab.engine import runs
+from maspo_verl.lab.engine.common import write_csv
+from maspo_verl.lab.engine.runs import LocalRun
+from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.studies import granularity_vllm as gv
+from maspo_verl.lab.studies import granularity_warm as gw
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import _engine_line, engine_of
 from tests.lab.conftest import fake_learn_runs
 

@@ -1,4 +1,4 @@
-"""Part 2 of the registered granularity study (``maspo_verl.lab.granularity_warm``): its pieces, the lab learn
+"""Part 2 of the registered granularity study (``maspo_verl.lab.studies.granularity_warm``): its pieces, the lab learn
 command each one is (parsed by the lab CLI's own parser), the choice written before the held-out seeds, resuming,
 and the shared tests and decisions on planted results, with a fake trainer run behind the real ``lab learn``."""
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from maspo_verl import choosing
-from maspo_verl.lab import granularity as g
-from maspo_verl.lab import granularity_warm as gw
-from maspo_verl.lab import learn
-from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main, parse
-from maspo_verl.lab.learn_engine import EngineRun
-from maspo_verl.lab.runs import LocalRun
+from maspo_verl.lab.engine.learn_engine import EngineRun
+from maspo_verl.lab.engine.presets import LOG_UNCLIPPED, RATIO_UNCLIPPED, UNCLIPPED
+from maspo_verl.lab.engine.runs import LocalRun
+from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.studies import granularity_warm as gw
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import ENGINE_LINE, ENGINE_WORDS
 from tests.lab.conftest import fake_learn_runs
 
@@ -147,13 +147,13 @@ def test_each_piece_is_a_lab_learn_command_its_parser_takes(tmp_path):
         assert list(range(args.first_seed, args.first_seed + args.seeds)) == list(piece.seeds)
         assert [c.label for c in learn.cells_of(args)] == [gw.CELL]
         learn.check_losses(args.losses)
-        assert learn.parse_bands(args.bands) == ({piece.arm: rt.UNCLIPPED} if piece.unclipped else {})
+        assert learn.parse_bands(args.bands) == ({piece.arm: UNCLIPPED} if piece.unclipped else {})
     for arm in gw.ARMS:
-        ov = learn.loss_overrides(arm, {arm: rt.UNCLIPPED}, adjust=False)
+        ov = learn.loss_overrides(arm, {arm: UNCLIPPED}, adjust=False)
         actor = compose_config("local=cpu", *ov).actor_rollout_ref.actor
         for key in ("log_clip_low", "log_clip_high", "log_clip_dual"):
-            assert actor.policy_loss[key] == rt.LOG_UNCLIPPED, (arm, key)
-        assert actor.clip_ratio_c == rt.RATIO_UNCLIPPED and actor.policy_loss.clip_schedule == "log_adaptive"
+            assert actor.policy_loss[key] == LOG_UNCLIPPED, (arm, key)
+        assert actor.clip_ratio_c == RATIO_UNCLIPPED and actor.policy_loss.clip_schedule == "log_adaptive"
 
 
 def _csv(path: Path) -> list[dict]:

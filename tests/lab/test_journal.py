@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from maspo_verl.lab import journal
+from maspo_verl.lab.engine import journal
 
 
 def test_a_journal_begins_with_the_command_a_shell_runs_again(tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from maspo_verl.lab import learn
-from maspo_verl.lab.common import mean_interval
+from maspo_verl.lab.engine.stats import mean_interval
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.util import config_dir, preset_names
 
@@ -212,7 +212,7 @@ def test_paired_comparisons_by_hand():
 
 
 def test_runs_round_trip_through_csv_for_resume(tmp_path):
-    from maspo_verl.lab.common import write_csv
+    from maspo_verl.lab.engine.common import write_csv
 
     args = _args("--steps", "3", "--last", "1")
     key = {"task": "speech", "cell": "L12/0.2/U1", "length": 12, "mismatch": "0.2", "updates": 1, "loss": "gspo"}
@@ -259,7 +259,7 @@ def test_a_run_that_logged_no_step_is_recorded_as_failed():
     """A run that died before its first step (no metrics) is a failed record, not a crash of the benchmark."""
     import argparse
 
-    from maspo_verl.lab.learn import run_record
+    from maspo_verl.lab.studies.learn import run_record
 
     args = argparse.Namespace(steps=15, last=3, target=None, gain=0.1)
     record = run_record(args, {}, 1)
@@ -269,7 +269,7 @@ def test_a_run_that_logged_no_step_is_recorded_as_failed():
 def test_a_run_does_not_inherit_an_earlier_runs_tracking_paths(tmp_path, monkeypatch):
     """The local mode sets VERL_FILE_LOGGER_PATH & co. in its driver; a run started later from that process
     (a test, the lab) writes its files into its own run folder, not a stale (perhaps removed) one."""
-    from maspo_verl.lab import runs
+    from maspo_verl.lab.engine import runs
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "gone" / "metrics.jsonl"))
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "gone"))
@@ -294,7 +294,7 @@ def test_a_run_records_the_cpu_time_of_its_process_tree(tmp_path, monkeypatch):
     children would miss it)."""
     import sys
 
-    from maspo_verl.lab import runs
+    from maspo_verl.lab.engine import runs
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.2:\n    pass"
     script = (
@@ -352,7 +352,7 @@ def test_a_preset_added_with_resume_joins_the_study(tmp_path, monkeypatch):
     (the earlier runs are not run again); each run records its band."""
     import tempfile
 
-    from maspo_verl.lab.runs import LocalRun
+    from maspo_verl.lab.engine.runs import LocalRun
 
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # lab learn's logs folders: not left in /tmp
@@ -388,7 +388,7 @@ def test_run_folders_are_removed_unless_a_run_failed(tmp_path, monkeypatch, caps
     ran; when one failed they all stay, and the log names them."""
     import tempfile
 
-    from maspo_verl.lab.runs import LocalRun
+    from maspo_verl.lab.engine.runs import LocalRun
 
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -429,8 +429,8 @@ def test_each_run_records_its_warm_models_fingerprint_from_the_trainers_metric(t
     none; a run whose steps name two models has both (it pairs with neither)."""
     import tempfile
 
-    from maspo_verl.lab import stats
-    from maspo_verl.lab.runs import LocalRun
+    from maspo_verl.lab.engine import stats
+    from maspo_verl.lab.engine.runs import LocalRun
     from maspo_verl.local import speechwarm
 
     (tmp_path / "tmp").mkdir()

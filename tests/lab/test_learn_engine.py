@@ -1,4 +1,4 @@
-"""``lab learn --engine lab`` (``maspo_verl/lab/learn_engine.py``): the warm speech task's RL loop in one process.
+"""``lab learn --engine lab`` (``lab/engine/learn_engine.py``): the warm speech task's RL loop in one process.
 
 Against independent references: the hf rollout server's own weight-sync code (``HFServer.load_weights``) for the
 stale rollout, a full forward for the sampled log-probs, hand-computed GRPO advantages, a float64 policy gradient
@@ -17,7 +17,7 @@ from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
 
 torch = pytest.importorskip("torch")
-le = pytest.importorskip("maspo_verl.lab.learn_engine")
+le = pytest.importorskip("maspo_verl.lab.engine.learn_engine")
 
 TINY = {"steps": 3, "batch": 2, "lr": 1e-3, "warmup": 1}
 LENGTH = 8
@@ -37,7 +37,7 @@ def _model(path):
 
 def _overrides(tmp_path, warm, loss="maspo_fixed@segment_window=1", extra=(), length=LENGTH, **kw):
     """lab learn's trainer overrides of part 2's registered command for one run of ``loss``."""
-    from maspo_verl.lab import learn
+    from maspo_verl.lab.studies import learn
 
     args = SimpleNamespace(
         batch=4, n=2, bypass=True, fp32_trainer=True, lr=1e-3, steps=2, bands=[], no_adjust=True, **kw
@@ -50,7 +50,7 @@ def _overrides(tmp_path, warm, loss="maspo_fixed@segment_window=1", extra=(), le
 def test_part_2s_commands_compose_to_what_the_engine_runs(tmp_path, warm):
     """Every kind of part 2 arm (a window, the offset words arm, unclipped) passes the engine's checks, and the
     settings it reads are the command's."""
-    from maspo_verl.lab.learn import band_overrides
+    from maspo_verl.lab.studies.learn import band_overrides
 
     for loss, extra in (
         ("maspo_fixed@segment_window=24", ()),
@@ -218,8 +218,8 @@ def test_a_non_finite_gradient_skips_the_update(tmp_path, warm):
 def test_lab_learn_runs_the_engine_and_records_it(tmp_path, monkeypatch, warm):
     """``lab learn --engine lab``: every step's verl metrics, a run row that names the engine and the warm model's
     fingerprint; another task is refused by name."""
-    from maspo_verl.lab import learn
     from maspo_verl.lab.__main__ import main
+    from maspo_verl.lab.studies import learn
 
     monkeypatch.setattr(sw, "ensure_model", lambda seed, length, cache_dir=None: warm)
     monkeypatch.setattr(learn.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "logs"))
@@ -260,8 +260,8 @@ def test_a_failed_run_is_recorded_with_its_traceback(tmp_path, warm, monkeypatch
 def test_runs_in_worker_processes_are_the_runs_in_one(tmp_path, monkeypatch, warm):
     """``--workers 2``: the same rows (each run is its own seeded computation on one thread), in the jobs' order;
     refused with the trainer."""
-    from maspo_verl.lab import learn
     from maspo_verl.lab.__main__ import main
+    from maspo_verl.lab.studies import learn
 
     monkeypatch.setattr(sw, "ensure_model", lambda seed, length, cache_dir=None: warm)
     argv = ["learn", "--tasks", lt.WARM, "--cells", f"{LENGTH}/stale2/2", "--steps", "2", "--bypass", "--no-adjust"]

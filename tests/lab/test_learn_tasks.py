@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from maspo_verl.lab.learn import steps_to
-from maspo_verl.lab.runs import parse_steps
+from maspo_verl.lab.engine.runs import parse_steps
+from maspo_verl.lab.studies.learn import steps_to
 from maspo_verl.local import learn_tasks as lt
 
 

@@ -1,4 +1,4 @@
-"""maspo_verl.lab.megatron_update: one actor update of verl's Megatron engine with our loss presets.
+"""maspo_verl.lab.studies.megatron_update: one actor update of verl's Megatron engine with our loss presets.
 
 The update itself needs megatron-core: on a GPU (marked gpu), and on the CPU through tests/lab/megatron_cpu.py
 where megatron-core is installed (CI has none: those tests skip). The pieces below it run everywhere.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from maspo_verl.lab import megatron_update as mu
+from maspo_verl.lab.studies import megatron_update as mu
 
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="needs megatron-core")

@@ -18,27 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("docs", "results")
 
-# a report-only path: the module that runs it -> the files it writes (a folder holds those of them it committed)
-WRITES = {
-    "learn": ("README.md", "learn_summary.csv", "learn_compare.csv", "learn_reward.png", "learn_sigma.png"),
-    "regimes": (
-        "README.md", "regimes_summary.csv", "regimes_compare.csv", "regimes_mismatch.csv", "regimes_curves.png",
-        "regimes_auc_vs_grpo.png", "regimes_final_vs_grpo.png",
-    ),
-    "regimes_tuned": ("README.md", "tuned_choice.csv", "tuned_compare.csv", "tuned_cells.csv", "tuned_vs_grpo.png"),
-    "granularity": ("README.md", "tests.csv", "decisions.csv", "cells.csv", "design.csv", "tests.png"),
-    "granularity_warm": (
-        "README.md", "tests.csv", "decisions.csv", "pieces.csv", "tuning.csv", "cells.csv", "confirmation.csv",
-        "design.csv", "tests.png",
-    ),
-    "granularity_vllm": (
-        "README.md", "tests.csv", "secondary.csv", "arms.csv", "pieces.csv", "tuning.csv", "design.csv", "tests.png",
-    ),
-    "smollm2_granularity": ("README.md", "tests.csv", "design.csv"),
-    "adaptive": ("README.md", "grid.csv", "warm.csv", "smollm2.csv", "adaptive_vs_fixed.png"),
-}  # fmt: skip
-WHOLE = {"adaptive"}  # a command that is a report itself (it reads other folders): run as it was run
-
 # files a regenerated folder's report writes otherwise today, and why
 STALE = {
     "regimes_tuned/README.md": "the README quotes COMMAND.txt, which gained the re-report's line after it was written",
@@ -105,10 +84,11 @@ def _folders() -> list[str]:
     return found
 
 
-def _module(argv: list[str]) -> str:
+def _study(argv: list[str]):
+    """The declaration (``STUDY``) of the study module that runs ``argv`` (a mode's, where one is on)."""
     from maspo_verl.lab import __main__ as lab
 
-    return lab.parse(argv).module.__name__.rpartition(".")[2]
+    return lab.parse(argv).module.STUDY
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +106,11 @@ def test_report_regenerates_committed_files(name, copy, monkeypatch):
     monkeypatch.chdir(copy)
     committed, folder = ROOT / RESULTS / name, copy / RESULTS / name
     words = _report_argv(_command(committed))
-    module = _module(words)
-    assert module in WRITES, f"{name}: {words[0]} ({module}) has no report-only path here: add it or say why not"
-    argv = words if module in WHOLE else [*words, "--report"]
-    written = [n for n in WRITES[module] if (committed / n).is_file()]
-    assert written, f"{name}: none of {WRITES[module]} is committed"
+    study = _study(words)
+    assert study.writes, f"{name}: {words[0]} declares no report-only path (STUDY.writes): add it or say why not"
+    argv = words if study.reads_only else [*words, "--report"]
+    written = [n for n in study.writes if (committed / n).is_file()]
+    assert written, f"{name}: none of {study.writes} is committed"
     for n in written:
         (folder / n).unlink()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -1,4 +1,4 @@
-"""The regime grid's engine (``maspo_verl.lab.regimes``): exact log-probs and sampling (enumeration), the gradient it
+"""The regime grid's engine (``lab.studies.regimes``): exact log-probs and sampling (enumeration), the gradient it
 follows (float64 autograd of verl's registered loss, seed by seed), every preset discovered, the mismatch conditions,
 and the command."""
 
@@ -13,15 +13,18 @@ import torch
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl.lab import regimes
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.common import read_csv
+from maspo_verl.lab.engine import tabular
+from maspo_verl.lab.engine.cells import parse_mismatch
+from maspo_verl.lab.engine.common import read_csv
+from maspo_verl.lab.engine.presets import Preset, discover_presets, loss_call, preset_config
+from maspo_verl.lab.studies import regimes
 from tests.helpers import REPO
 
 
 def test_every_loss_preset_is_discovered_and_composed_as_shipped():
     listing = sorted(p.stem for p in (REPO / "hydra_configs" / "loss").glob("*.yaml"))
-    presets = regimes.discover_presets()
+    presets = discover_presets()
     assert sorted(p.name for p in presets) == listing and presets[0].name == "grpo"
     for p in presets:
         own = OmegaConf.load(REPO / "hydra_configs" / "loss" / f"{p.name}.yaml").actor_rollout_ref.actor
@@ -35,12 +38,12 @@ def test_every_loss_preset_is_discovered_and_composed_as_shipped():
 
 def _table(seed=0, S=1, T=3):
     g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(S, T, regimes.VOCAB + 1, regimes.VOCAB, generator=g, dtype=torch.float64), -1)
+    return torch.log_softmax(torch.randn(S, T, tabular.VOCAB + 1, tabular.VOCAB, generator=g, dtype=torch.float64), -1)
 
 
 def test_log_probs_are_exact_over_every_response():
     table = _table(T=3)
-    V = regimes.VOCAB
+    V = tabular.VOCAB
     ys = torch.tensor(list(itertools.product(range(V), repeat=3)))[None]  # [1, 512, 3]: every response
     lp = regimes.gather(table, ys)
     assert math.isclose(float(lp.sum(-1).exp().sum()), 1.0, rel_tol=1e-12)
@@ -57,7 +60,7 @@ def test_the_sampler_draws_from_the_table():
     table = _table(seed=3, S=2, T=2).float()
     y, lp = regimes.sample(table, 20000, torch.Generator().manual_seed(0))
     assert torch.allclose(lp, regimes.gather(table, y))
-    V = regimes.VOCAB
+    V = tabular.VOCAB
     for s in range(2):
         codes = y[s, :, 0] * V + y[s, :, 1]
         freq = torch.bincount(codes, minlength=V * V).double() / codes.numel()
@@ -70,8 +73,8 @@ def test_the_sampler_draws_from_the_table():
 def test_the_engine_follows_each_seeds_gradient_of_verls_loss(name):
     """Three seeds in one call: each seed's table gets the float64 autograd gradient of verl's registered loss on
     that seed's rows alone (the old log-probs a mismatched rollout's)."""
-    (preset,) = regimes.discover_presets([name])
-    fn, cfg = get_policy_loss_fn(preset.loss_mode), regimes.preset_config(preset)
+    (preset,) = discover_presets([name])
+    fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
     S, m, T = 3, 4, 20
     task = regimes.make_task("speech", T, list(range(S)))
     theta = regimes.init_tables(task, T, list(range(S)))
@@ -84,7 +87,7 @@ def test_the_engine_follows_each_seeds_gradient_of_verls_loss(name):
     for s in range(S):
         ref = theta[s : s + 1].double().requires_grad_()
         lp = regimes.gather(torch.log_softmax(ref, -1), y[s : s + 1])[0]
-        loss, _ = regimes.loss_call(fn, cfg, old[s].double(), lp, adv[s].double(), ids[s], words[s])
+        loss, _ = loss_call(fn, cfg, old[s].double(), lp, adv[s].double(), ids[s], words[s])
         (grad,) = torch.autograd.grad(loss, ref)
         assert float(grad.abs().max()) > 1e-4  # a gradient to compare
         torch.testing.assert_close(leaf.grad[s : s + 1].double(), grad, rtol=2e-4, atol=2e-6)
@@ -97,13 +100,13 @@ def test_the_speech_reward_scores_units_not_tokens():
     assert int(sizes.sum()) == 96 and bool(((sizes[:-1] >= 3) & (sizes[:-1] <= 15)).all())  # the last: cut at the end
     y = target.clone()[None, None]
     assert float(task.reward(y)) == 1.0
-    y[..., 1] = (target[1] + 1) % regimes.VOCAB  # one wrong frame in a unit of 3+ frames: still recognised
+    y[..., 1] = (target[1] + 1) % tabular.VOCAB  # one wrong frame in a unit of 3+ frames: still recognised
     assert float(task.reward(y)) == 1.0
     first = task.unit_id[0] == 0
-    y[0, 0, first] = (target[first] + 1) % regimes.VOCAB  # the whole first unit wrong
+    y[0, 0, first] = (target[first] + 1) % tabular.VOCAB  # the whole first unit wrong
     assert math.isclose(float(task.reward(y)), 1 - 1 / int(task.n_units[0]))
     # the codes of two symbols are far apart in FSQ digit L1 distance, so tokenval cuts between units
-    digits = [[(c >> (2 * k)) & 3 for k in range(8)] for c in regimes.CODES]
+    digits = [[(c >> (2 * k)) & 3 for k in range(8)] for c in tabular.CODES]
     assert min(sum(abs(a - b) for a, b in zip(x, z, strict=True)) for x, z in itertools.combinations(digits, 2)) >= 12
 
 
@@ -113,7 +116,7 @@ def _args(**kw):
 
 
 def test_the_mismatch_conditions_are_what_they_say():
-    grpo = regimes.discover_presets(["grpo"])[0]
+    grpo = discover_presets(["grpo"])[0]
 
     def spread(mismatch, updates=1):
         out = regimes.run_job(regimes.Job("text", 24, mismatch, updates, grpo), _args())
@@ -125,11 +128,11 @@ def test_the_mismatch_conditions_are_what_they_say():
     stale = spread("stale2")
     assert all(v > 0.05 for v in stale)  # two Adam updates of lr 0.2 behind
     with pytest.raises(SystemExit, match="allowed"):
-        regimes.parse_mismatch("stale0")
+        parse_mismatch("stale0")
 
 
 def test_a_preset_the_engine_cannot_feed_is_reported_with_its_reason():
-    bad = regimes.Preset(
+    bad = Preset(
         "broken",
         "no_such_loss",
         {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean"},
@@ -137,7 +140,7 @@ def test_a_preset_the_engine_cannot_feed_is_reported_with_its_reason():
     )
     reason = regimes.probe(bad, "speech")
     assert reason and "no_such_loss" in reason
-    assert regimes.probe(regimes.discover_presets(["maspo_steps"])[0], "text") is None
+    assert regimes.probe(discover_presets(["maspo_steps"])[0], "text") is None
 
 
 def test_the_command_writes_its_tables(tmp_path):

@@ -1,4 +1,4 @@
-"""The fair protocol of the regime grid (``maspo_verl.lab.regimes_tuned``): the same width scales for every preset's
+"""The fair protocol of the regime grid (``lab.studies.regimes_tuned``): the same width scales for every preset's
 band, the choice on tuning seeds and the judgement on held-out ones, the shuffled-runs control, the correlation per
 cell, and the command."""
 
@@ -9,19 +9,22 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-from maspo_verl.lab import regimes
-from maspo_verl.lab import regimes_tuned as rt
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.engine import tabular
+from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config, widen
+from maspo_verl.lab.engine.tuning import choose
+from maspo_verl.lab.studies import regimes
+from maspo_verl.lab.studies import regimes_tuned as rt
 
 
 def _loss_grad(preset, ratio: float, adv: float) -> float:
     """d loss / d log pi of a one-token response whose ratio to the old policy is ``ratio`` (advantage ``adv``)."""
-    fn, cfg = get_policy_loss_fn(preset.loss_mode), regimes.preset_config(preset)
+    fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
     lp = torch.full((1, 1), -1.0, requires_grad=True)
     old = lp.detach() - math.log(ratio)
-    ids = torch.full((1, 1), regimes.CODEC_OFFSET)
+    ids = torch.full((1, 1), tabular.CODEC_OFFSET)
     words = torch.zeros(1, 1, dtype=torch.long)
-    loss, _ = regimes.loss_call(fn, cfg, old, lp, torch.full((1, 1), adv), ids, words)
+    loss, _ = loss_call(fn, cfg, old, lp, torch.full((1, 1), adv), ids, words)
     loss.backward()
     return float(lp.grad.abs().sum())
 
@@ -37,16 +40,16 @@ def _upper_log_bound(p) -> float:
 def test_widths_scale_the_band_the_loss_reads_and_inf_removes_the_clip(name):
     """A ratio at twice the shipped upper bound (log space) is clipped as shipped (no gradient for a positive
     advantage), inside the band at width 4 and with no clip; at width 0.25 a ratio at half the bound is clipped."""
-    (p,) = regimes.discover_presets([name])
+    (p,) = discover_presets([name])
     b = _upper_log_bound(p)
     assert _loss_grad(p, math.exp(2 * b), 1.0) == 0.0
-    assert _loss_grad(rt.widen(p, "4"), math.exp(2 * b), 1.0) > 0.1
-    assert _loss_grad(rt.widen(p, "inf"), math.exp(2 * b), 1.0) > 0.1
+    assert _loss_grad(widen(p, "4"), math.exp(2 * b), 1.0) > 0.1
+    assert _loss_grad(widen(p, "inf"), math.exp(2 * b), 1.0) > 0.1
     assert _loss_grad(p, math.exp(0.5 * b), 1.0) > 0.1
-    assert _loss_grad(rt.widen(p, "0.25"), math.exp(0.5 * b), 1.0) == 0.0
-    assert rt.widen(p, "1").actor == p.actor and rt.widen(p, "1").policy_loss == p.policy_loss
+    assert _loss_grad(widen(p, "0.25"), math.exp(0.5 * b), 1.0) == 0.0
+    assert widen(p, "1").actor == p.actor and widen(p, "1").policy_loss == p.policy_loss
     # a dual clip that would stop a negative advantage at ratio 50 is off with no clip
-    assert _loss_grad(rt.widen(p, "inf"), 50.0, -1.0) > 0.1
+    assert _loss_grad(widen(p, "inf"), 50.0, -1.0) > 0.1
 
 
 def test_the_shuffled_control_keeps_each_rows_segment_lengths_but_not_their_places():
@@ -89,7 +92,7 @@ def _planted():
 
 def test_widths_are_chosen_on_tuning_seeds_and_judged_on_held_out_ones():
     runs = _planted()
-    choices = {c["loss"]: c for c in rt.choose(runs, tune=2)}
+    choices = {c["loss"]: c for c in choose(runs, tune=2)}
     assert choices["grpo"]["best_band"] == "1" and choices["maspo_fixed"]["best_band"] == "4"  # not x16: held out
     assert choices["maspo_fixed"]["kl_band"] == "0.25"
     rows = {r["comparison"]: r for r in rt.compare(runs, list(choices.values()), tune=2)}
@@ -105,12 +108,12 @@ def test_widths_are_chosen_on_tuning_seeds_and_judged_on_held_out_ones():
 
 def test_a_cell_needs_a_trust_region_where_clipped_grpo_beats_unclipped_grpo_held_out():
     runs = _planted()
-    choices = rt.choose(runs, tune=2)
+    choices = choose(runs, tune=2)
     (cell,) = rt.cells_table(runs, choices, tune=2)
     assert cell["clip_minus_noclip"] == pytest.approx(0.10) and cell["trust_region_needed"] is True
     assert abs(cell["null_vif15"] - 1.0) < 0.1  # the same measure of independent log-ratios in 96-token rows
     flat = [r | {"final_reward": 0.4 + 0.01 * r["seed"]} if r["loss"] == "grpo" else r for r in runs]
-    (cell,) = rt.cells_table(flat, rt.choose(flat, tune=2), tune=2)
+    (cell,) = rt.cells_table(flat, choose(flat, tune=2), tune=2)
     assert cell["trust_region_needed"] is False
 
 

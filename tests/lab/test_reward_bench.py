@@ -1,6 +1,6 @@
 """The reward benchmark's packing of clips into Whisper windows (the throughput numbers are the bench's)."""
 
-from maspo_verl.lab.reward import GAP_S, WINDOW_S, pack
+from maspo_verl.lab.studies.reward import GAP_S, WINDOW_S, pack
 
 
 def test_pack_fills_windows_first_fit_longest_first():

@@ -18,8 +18,8 @@ import yaml
 
 from maspo_verl.config import GranularLossConfig
 from maspo_verl.core.segments import compute_segment_ids
-from maspo_verl.lab import segments as lab
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.studies import segments as lab
 
 LEVELS = [4] * 8
 OFFSET = 128264  # the default codec_offset: the command adds it to the codes

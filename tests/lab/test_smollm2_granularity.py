@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from maspo_verl.lab import smollm2, stats
-from maspo_verl.lab import smollm2_granularity as g3
+from maspo_verl.lab.engine import stats
+from maspo_verl.lab.studies import smollm2
+from maspo_verl.lab.studies import smollm2_granularity as g3
 from tests.lab.conftest import plain_log_probs, tiny_llama
 
 EOS, PAD = 2, 0
@@ -365,7 +366,7 @@ def test_one_batch_on_the_tiny_model(tiny, monkeypatch):
 @pytest.mark.parametrize("part", ["PART2", "PART4"])
 def test_the_guide_counts_the_pieces_of_parts_2_and_4(tmp_path, part):
     from maspo_verl import choosing
-    from maspo_verl.lab.common import write_csv
+    from maspo_verl.lab.engine.common import write_csv
 
     folder = getattr(choosing, part)
     assert choosing.pieces_progress(tmp_path, folder) == "built, not run yet"

@@ -5,7 +5,7 @@ reaches the target clip fraction."""
 import pytest
 import torch
 
-from maspo_verl.lab import smollm2 as study
+from maspo_verl.lab.studies import smollm2 as study
 from tests.lab.conftest import plain_log_probs, tiny_llama
 
 MASKED = [0, 2]
@@ -52,7 +52,7 @@ def test_log_probs_and_mlp_gradient_equal_autograd(tiny):
 def test_calibrated_band_reaches_the_clip_fraction():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
 
     torch.manual_seed(1)
     old = torch.randn(8, 64) * 0.5 - 2
@@ -71,7 +71,7 @@ def test_calibrated_band_reaches_the_clip_fraction():
 def test_on_policy_loss_weights_are_the_advantages_token_mean():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.regimes import discover_presets
+    from maspo_verl.lab.engine.presets import discover_presets
 
     grpo = discover_presets(["grpo"])[0]
     lp = torch.randn(4, 10)

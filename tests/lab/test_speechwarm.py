@@ -117,7 +117,7 @@ def test_initial_reward_reads_groups_by_hand(tmp_path, monkeypatch):
 def test_lab_learn_selects_the_warm_model(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from maspo_verl.lab import learn
+    from maspo_verl.lab.studies import learn
 
     monkeypatch.setattr(sw, "ensure_model", lambda seed, length, cache_dir=None: f"/cache/warm-{seed}-{length}")
     data = learn.task_data(tmp_path, lt.WARM, 3, 96)

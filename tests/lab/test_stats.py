@@ -1,11 +1,11 @@
-"""The lab's statistics (``maspo_verl.lab.stats``) against closed forms, hand-derived values and exact enumeration."""
+"""The lab's statistics (``lab.engine.stats``) against closed forms, hand-derived values and exact enumeration."""
 
 import itertools
 import math
 
 import pytest
 
-from maspo_verl.lab import stats
+from maspo_verl.lab.engine import stats
 
 
 @pytest.mark.parametrize("t", [-7.0, -1.3, 0.0, 0.4, 2.5, 30.0])
@@ -112,3 +112,12 @@ def test_runs_of_two_warm_models_are_refused_naming_both():
         said = str(e.value)
         assert "t c a band x seed 11 (fingerprint 0123456789ab)" in said
         assert "t c b band x seed 11 (fingerprint 0123456789ac)" in said
+
+
+def test_contrast_pairs_the_seeds_every_term_has():
+    """(sign, value per seed) terms: seeds 0 and 1 are in both, so d = [1 - 0.5, 2 - 1] = [0.5, 1]; mean 0.75, se
+    0.25 with 1 degree of freedom (t quantile 12.706), exact sign-flip p = 2 of the 4 sign vectors = 0.5."""
+    n, mean, low, high, p = stats.contrast([(1, {0: 1.0, 1: 2.0, 2: 4.0}), (-1, {0: 0.5, 1: 1.0, 3: 9.0})])
+    assert (n, p) == (2, 0.5) and mean == pytest.approx(0.75)
+    assert (low, high) == pytest.approx((0.75 - 12.7062 * 0.25, 0.75 + 12.7062 * 0.25), abs=1e-3)
+    assert stats.contrast([])[0] == 0 and math.isnan(stats.contrast([])[4])

@@ -12,7 +12,7 @@ from pathlib import Path
 # ``lab learn`` with its trainer replaced by a process that writes its pid and sleeps
 DRIVER = """
 import runpy, sys
-from maspo_verl.lab import runs
+from maspo_verl.lab.engine import runs
 child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)"
 pid_file = sys.argv[1]
 runs.local_command = lambda overrides, run_dir, ray_dir=None: [sys.executable, "-c", child, pid_file]
@@ -65,7 +65,7 @@ def test_a_stop_as_the_trainer_starts_leaves_nothing_running(tmp_path, monkeypat
     start raises) still stops the trainer and removes its Ray temp dir."""
     import pytest
 
-    from maspo_verl.lab import runs
+    from maspo_verl.lab.engine import runs
 
     started, made, real_popen, real_mkdtemp = [], [], subprocess.Popen, runs.tempfile.mkdtemp
 

@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from maspo_verl.batch import WORD_IDS_KEY
-from maspo_verl.lab import learn, regimes, word_grid
+from maspo_verl.lab.engine import word_grid
+from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config
+from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
 from tests.helpers import compose_config
 from tests.lab.test_learn_axes import _args
@@ -44,15 +46,13 @@ def _loss(preset, words):
     lp = old + 0.1 * torch.randn(4, 96, generator=gen, dtype=torch.float64)
     adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 96)
     ids = torch.randint(0, 256, (4, 96), generator=gen)
-    return regimes.loss_call(
-        get_policy_loss_fn(preset.loss_mode), regimes.preset_config(preset), old, lp, adv, ids, words
-    )
+    return loss_call(get_policy_loss_fn(preset.loss_mode), preset_config(preset), old, lp, adv, ids, words)
 
 
 def test_offset_zero_is_the_window_of_a_word_and_twelve_is_not():
-    from maspo_verl.lab.regimes_tuned import variant
+    from maspo_verl.lab.studies.regimes_tuned import variant
 
-    words = regimes.discover_presets(["maspo_words"])[0]
+    words = discover_presets(["maspo_words"])[0]
     window = variant("maspo_fixed@segment_window=24")
     grid = {n: torch.tensor([word_grid.grid_word_ids(96, n)] * 4) for n in (0, 12)}
     aligned, fixed = _loss(words, grid[0]), _loss(window, torch.full((4, 96), -1))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from maspo_verl.lab.runs import parse_steps
+from maspo_verl.lab.engine.runs import parse_steps
 from maspo_verl.local import run_log
 from maspo_verl.local.run_log import KNOWN_NOISE, STEP_KEYS, closing_block, format_step
 from maspo_verl.util import read_step_metrics as read_metrics

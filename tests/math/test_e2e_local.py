@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from maspo_verl.lab.runs import run_local
+from maspo_verl.lab.engine.runs import run_local
 
 pytestmark = pytest.mark.e2e
 

@@ -1,8 +1,8 @@
 """Part 5's cost probe (PREREGISTRATION.md, part 5): one short trainer run of the registered command (python -m
 maspo_verl.main local=cpu model=smollm2 ..., verl's vLLM rollout and the actor in fp32 by maspo.local_dtype=auto on
-this CPU, bypass mode, natural lengths) through the lab's runner (``lab.runs.run_local``: the CPU-s of every process
-of the run), with verl's greedy validation on the 128 validation problems at the last step; prints per-step timings,
-the diagnostics and the cost. Run from the repository root:
+this CPU, bypass mode, natural lengths) through the lab's runner (``lab.engine.runs.run_local``: the CPU-s of every
+process of the run), with verl's greedy validation on the 128 validation problems at the last step; prints per-step
+timings, the diagnostics and the cost. Run from the repository root:
 ``python docs/results/granularity/real/prep/cost.py --steps 2 --mini-batches 4 --epochs 2 --lr 1e-5 --loss grpo``."""
 
 import argparse
@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from maspo_verl.lab.runs import run_local
+from maspo_verl.lab.engine.runs import run_local
 
 KEYS = (
     "timing_s/step",

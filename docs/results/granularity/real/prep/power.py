@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab import stats
+from maspo_verl.lab.engine import stats
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parents[1]  # docs/results/granularity
