@@ -17,6 +17,7 @@ from pathlib import Path
 
 DATA_SOURCE = "maspo_arith"
 VERSION = 1  # bump when the generated rows change
+VAL_OFFSET = 10_000  # the validation split's seed is the run's + this
 INSTRUCTION = "Give the final answer as a number in \\boxed{}."
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kim", "Leo")
 ITEMS = ("apples", "books", "coins", "pens", "stamps", "cards", "shells", "marbles")
@@ -73,17 +74,44 @@ def prompt(question: str) -> list[dict]:
     ]
 
 
-def rows(n: int, seed: int, split: str, steps: int = 1, max_operand: int = 20) -> list[dict]:
+def task_rows(data_source: str, prompted: list[tuple[list[dict], int]], split: str, **extra) -> list[dict]:
+    """verl's parquet rows of ``prompted`` ((chat prompt, answer) pairs), graded on the answer by the math reward."""
     return [
         {
-            "data_source": DATA_SOURCE,
-            "prompt": prompt(q),
+            "data_source": data_source,
+            "prompt": chat,
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(a)},
-            "extra_info": {"split": split, "index": i, "steps": steps, "max_operand": max_operand},
+            "extra_info": {"split": split, "index": i, **extra},
         }
-        for i, (q, a) in enumerate(problems(n, seed, steps, max_operand))
+        for i, (chat, a) in enumerate(prompted)
     ]
+
+
+def rows(n: int, seed: int, split: str, steps: int = 1, max_operand: int = 20) -> list[dict]:
+    prompted = [(prompt(q), a) for q, a in problems(n, seed, steps, max_operand)]
+    return task_rows(DATA_SOURCE, prompted, split, steps=steps, max_operand=max_operand)
+
+
+def write_splits(name: str, version: int, rows_of, seed: int, steps: int, max_operand: int, n_train, n_val, cache_dir):
+    """Train and val parquet files of ``rows_of(n, seed, split, steps, max_operand)`` in the cache, made once (a
+    folder per name, version, seed, difficulty and size); the val split from seed + ``VAL_OFFSET`` (no shared
+    problem)."""
+    import pandas as pd
+
+    from maspo_verl.util import default_cache_dir
+
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    key = hashlib.sha1(json.dumps([version, seed, steps, max_operand, n_train, n_val]).encode()).hexdigest()[:10]
+    folder = cache / f"{name}-v{version}-s{steps}-m{max_operand}-seed{seed}-{key}"
+    paths = {"train": folder / "train.parquet", "val": folder / "test.parquet"}
+    if not all(p.is_file() for p in paths.values()):
+        folder.mkdir(parents=True, exist_ok=True)
+        for (split, path), n, s in zip(paths.items(), (n_train, n_val), (seed, seed + VAL_OFFSET), strict=True):
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            pd.DataFrame(rows_of(n, s, split, steps, max_operand)).to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+    return {k: str(v) for k, v in paths.items()}
 
 
 def ensure_dataset(
@@ -95,21 +123,7 @@ def ensure_dataset(
     n_val: int = 64,
 ) -> dict[str, str]:
     """Train and val parquet files in the cache (the val split uses another seed: no shared problem)."""
-    import pandas as pd
-
-    from maspo_verl.util import default_cache_dir
-
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    key = hashlib.sha1(json.dumps([VERSION, seed, steps, max_operand, n_train, n_val]).encode()).hexdigest()[:10]
-    folder = cache / f"arith-v{VERSION}-s{steps}-m{max_operand}-seed{seed}-{key}"
-    paths = {"train": folder / "train.parquet", "val": folder / "test.parquet"}
-    if not all(p.is_file() for p in paths.values()):
-        folder.mkdir(parents=True, exist_ok=True)
-        for (split, path), n, s in zip(paths.items(), (n_train, n_val), (seed, seed + 10_000), strict=True):
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            pd.DataFrame(rows(n, s, split, steps, max_operand)).to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-    return {k: str(v) for k, v in paths.items()}
+    return write_splits("arith", VERSION, rows, seed, steps, max_operand, n_train, n_val, cache_dir)
 
 
 if __name__ == "__main__":  # python -m maspo_verl.pretrained.arith [STEPS MAX_OPERAND]: write the task, print its files

@@ -12,14 +12,12 @@ writes each digit as a token).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 from collections.abc import Mapping
-from pathlib import Path
 
-from maspo_verl.pretrained.arith import INSTRUCTION, ITEMS, NAMES
+from maspo_verl.pretrained.arith import INSTRUCTION, ITEMS, NAMES, task_rows, write_splits
 
 DATA_SOURCE = "maspo_arith_worked"
 VERSION = 1  # bump when the generated rows change
@@ -27,7 +25,6 @@ FORMS = ("short", "worked")  # maspo.arith.form: arith's one-line answers, or th
 STEPS = (2, 6)  # the allowed number of changes, inclusive
 N_TRAIN, N_VAL = 512, 128  # 128 validation problems: one problem is 0.78 % of the accuracy
 EXAMPLE_NAME, EXAMPLE_ITEM = "Sam", "pens"  # the worked example's, used by no problem (not in arith.NAMES)
-VAL_OFFSET = 10_000  # the validation split's seed is the run's + this (as arith's)
 
 
 def check(steps, max_operand) -> None:
@@ -116,16 +113,8 @@ def prompt(question: str, steps: int, max_operand: int) -> list[dict]:
 
 
 def rows(n: int, seed: int, split: str, steps: int = 3, max_operand: int = 20) -> list[dict]:
-    return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": prompt(q, steps, max_operand),
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a)},
-            "extra_info": {"split": split, "index": i, "steps": steps, "max_operand": max_operand, "seed": seed},
-        }
-        for i, (q, a) in enumerate(problems(n, seed, steps, max_operand))
-    ]
+    prompted = [(prompt(q, steps, max_operand), a) for q, a in problems(n, seed, steps, max_operand)]
+    return task_rows(DATA_SOURCE, prompted, split, steps=steps, max_operand=max_operand, seed=seed)
 
 
 def ensure_dataset(
@@ -136,23 +125,9 @@ def ensure_dataset(
     n_train: int = N_TRAIN,
     n_val: int = N_VAL,
 ) -> dict[str, str]:
-    """Train and val parquet files in the cache (val from seed + ``VAL_OFFSET``: no shared problem)."""
-    import pandas as pd
-
-    from maspo_verl.util import default_cache_dir
-
+    """Train and val parquet files in the cache (val from seed + ``arith.VAL_OFFSET``: no shared problem)."""
     check(steps, max_operand)
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    key = hashlib.sha1(json.dumps([VERSION, seed, steps, max_operand, n_train, n_val]).encode()).hexdigest()[:10]
-    folder = cache / f"arith-worked-v{VERSION}-s{steps}-m{max_operand}-seed{seed}-{key}"
-    paths = {"train": folder / "train.parquet", "val": folder / "test.parquet"}
-    if not all(p.is_file() for p in paths.values()):
-        folder.mkdir(parents=True, exist_ok=True)
-        for (split, path), n, s in zip(paths.items(), (n_train, n_val), (seed, seed + VAL_OFFSET), strict=True):
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            pd.DataFrame(rows(n, s, split, steps, max_operand)).to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-    return {k: str(v) for k, v in paths.items()}
+    return write_splits("arith-worked", VERSION, rows, seed, steps, max_operand, n_train, n_val, cache_dir)
 
 
 def ensure_task(task: Mapping, seed: int, cache_dir=None) -> tuple[dict[str, str], str]:

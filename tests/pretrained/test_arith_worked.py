@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from maspo_verl.pretrained import arith
 from maspo_verl.pretrained import arith_worked as w
 from maspo_verl.validation import FieldError
 
@@ -83,7 +84,7 @@ def test_dataset_files_train_and_val_disjoint(tmp_path):
     assert (len(train), len(val)) == (50, 20)
     questions = lambda df: {p[-1]["content"] for p in df["prompt"]}  # noqa: E731
     assert not questions(train) & questions(val)
-    assert set(val["extra_info"].map(lambda e: e["seed"])) == {7 + w.VAL_OFFSET}
+    assert set(val["extra_info"].map(lambda e: e["seed"])) == {7 + arith.VAL_OFFSET}
     assert set(train["data_source"]) == {w.DATA_SOURCE}
     assert w.ensure_dataset(seed=7, steps=3, max_operand=20, cache_dir=tmp_path, n_train=50, n_val=20) == paths
     assert w.N_VAL >= 101  # one validation problem is under 1 % of the accuracy
