@@ -61,6 +61,10 @@ KNOWN_NOISE = (
         "verl's optional engines are not installed (the local mode uses FSDP)",
         re.compile(r"engine is not available: ModuleNotFoundError"),
     ),
+    (
+        "verl 0.9.0's note that its Megatron router replay is absent (the local mode uses FSDP)",
+        re.compile(r"UserWarning: NPU not support router replay for now\.|import RouterReplay\s*$"),
+    ),
     ("the local mode sets VERL_PLATFORM=cpu itself", re.compile(r"Platform override from VERL_PLATFORM: cpu$")),
     ("no libnuma on this host (NUMA pinning is for accelerators)", re.compile(r"Failed to set NUMA affinity: libnuma")),
     ("Ray's advice on a blocking call inside verl", re.compile(r"^Using blocking ray\.get inside async actor")),

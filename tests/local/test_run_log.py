@@ -43,6 +43,10 @@ NOISE = [
     "cluster] (Ray deduplicates logs by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication, or see "
     "https://docs.ray.io/en/master/ray-observability/user-guides/configure-logging.html#log-deduplication)",
     *[f"(pid=5951) {line}" for line in ENGINE_WARNING],
+    # verl 0.9.0's mindspeed engine imports its Megatron router replay, which warns without Megatron
+    f"(TaskRunnerV1 pid=5951) {SITE}/verl/workers/engine/mindspeed/transformer_impl.py:24: UserWarning: NPU not "
+    "support router replay for now.",
+    "(TaskRunnerV1 pid=5951)   from verl.utils.megatron.router_replay_patch import RouterReplay",
     f"(TaskRunnerV1 pid=5951) {SITE}/torchdata/stateful_dataloader/stateful_dataloader.py:379: UserWarning: "
     "'set_vital' is deprecated, please do not call",
     '(TaskRunnerV1 pid=5951)   torch.set_vital("Dataloader", "enabled", "True")  # type: ignore[attr-defined]',
