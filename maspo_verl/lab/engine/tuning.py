@@ -10,6 +10,19 @@ from maspo_verl.lab.engine.common import as_float as _f
 from maspo_verl.lab.engine.presets import BASELINE
 
 
+def best(means: dict[str, float]) -> str:
+    """The setting (a width or learning rate, as text) with the best mean; ties: the smaller setting."""
+    return max(means, key=lambda s: (means[s], -float(s)))
+
+
+def nearest_kl(kls: dict[str, float], target: float) -> str:
+    """The setting whose KL per update is nearest ``target`` in log (positive finite KLs only); "" where none is."""
+    finite = {s: kl for s, kl in kls.items() if kl > 0 and math.isfinite(kl)}
+    if not finite or not target > 0:
+        return ""
+    return min(finite, key=lambda s: abs(math.log(finite[s] / target)))
+
+
 def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = "final_reward") -> list[dict]:
     """Per (task, cell, loss): the width with the best mean ``metric`` (final reward) on the tuning seeds (those
     below ``tune``; ties: the narrower), and the width whose mean KL per update is nearest ``baseline``'s at its
@@ -25,18 +38,13 @@ def choose(runs: list[dict], tune: int, baseline: str = BASELINE, metric: str = 
         groups.setdefault((task, cell, loss), []).append((band, float(np.mean(s["final"])), float(np.nanmean(s["kl"]))))
     out = []
     for (task, cell, loss), options in sorted(groups.items()):
-        best = max(options, key=lambda o: (o[1], -float(o[0])))
-        out.append(
-            {"task": task, "cell": cell, "loss": loss, "best_band": best[0], "tune_final": best[1], "tune_kl": best[2]}
-        )
+        band = best({o[0]: o[1] for o in options})
+        final, kl = next(o[1:] for o in options if o[0] == band)
+        out.append({"task": task, "cell": cell, "loss": loss, "best_band": band, "tune_final": final, "tune_kl": kl})
     base = {(c["task"], c["cell"]): c for c in out if c["loss"] == baseline}
     for c in out:
         target = base.get((c["task"], c["cell"]))
-        options = groups[(c["task"], c["cell"], c["loss"])]
-        finite = [o for o in options if o[2] > 0 and math.isfinite(o[2])]
-        if target is None or not finite or not target["tune_kl"] > 0:
-            c["kl_band"], c["kl_band_kl"] = "", float("nan")
-            continue
-        near = min(finite, key=lambda o: abs(math.log(o[2] / target["tune_kl"])))
-        c["kl_band"], c["kl_band_kl"] = near[0], near[2]
+        kls = {o[0]: o[2] for o in groups[(c["task"], c["cell"], c["loss"])]}
+        c["kl_band"] = nearest_kl(kls, target["tune_kl"]) if target else ""
+        c["kl_band_kl"] = kls[c["kl_band"]] if c["kl_band"] else float("nan")
     return out

@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine import journal, stats, tuning
 from maspo_verl.lab.engine.common import default_out, finite_mean, markdown_table, read_csv, write_csv
+from maspo_verl.lab.engine.presets import BASELINE
 
 FOLDER = "granularity/real"
 STEPS, BATCH, N = 16, 4, 4  # steps a run, problems a step, answers a problem
@@ -42,7 +43,6 @@ ARMS = {
     "W16": ("loss=maspo_fixed", "actor_rollout_ref.actor.policy_loss.segment_window=16"),
     "gspo": ("loss=gspo",),
 }
-BASELINE = "grpo"
 TUNE_SEEDS = (600, 601)
 MARGIN = 0.08  # TOST margin, greedy accuracy (10 of 128 problems)
 ACCURACY = "val-core/maspo_arith_worked/acc/mean@1"
@@ -206,7 +206,7 @@ def choose(rows: list[dict], regime: str, arm: str) -> tuple[dict | None, str | 
     if not set(grid) <= set(means):
         return None, None
     tried = sorted(means, key=float)
-    best = max(tried, key=lambda lr: (means[lr], -float(lr)))
+    best = tuning.best(means)
     extended = [lr for lr in tried if lr not in grid]
     if not extended and best in (grid[0], grid[-1]):
         return None, edge_lr(best, up=best == grid[-1])
@@ -237,8 +237,7 @@ def matched_kl(rows: list[dict], choices: list[dict]) -> list[dict]:
         if c["arm"] == BASELINE or not target > 0:
             continue
         rates = {lr: tuning_kl(rows, c["regime"], c["arm"], lr) for lr in c["rates_tried"].split()}
-        rates = {lr: kl for lr, kl in rates.items() if kl > 0}
-        lr = min(rates, key=lambda x: abs(math.log(rates[x] / target)), default="")
+        lr = tuning.nearest_kl(rates, target)
         out.append({"regime": c["regime"], "arm": c["arm"], "chosen_lr": c["lr"], "matched_lr": lr})
     return out
 
