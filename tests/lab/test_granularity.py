@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.engine import grid
 from maspo_verl.lab.engine.tuning import choose
 from maspo_verl.lab.studies import granularity as g
-from maspo_verl.lab.studies import regimes
 
 
 def _units(lengths):
@@ -24,20 +24,20 @@ def test_unit_segments_align_offset_by_half_a_unit_and_shuffle_the_lengths():
     units = _units([4, 6, 2, 8])  # starts 0, 4, 10, 12; midpoints 2, 7, 11, 16
     gen = torch.Generator().manual_seed(0)
     runs = torch.zeros_like(units)
-    assert torch.equal(regimes.unit_segments("units", runs, units, gen), units)
-    offset = regimes.unit_segments("units_offset", runs, units, gen)
+    assert torch.equal(grid.unit_segments("units", runs, units, gen), units)
+    offset = grid.unit_segments("units_offset", runs, units, gen)
     assert _lengths(offset) == [2, 5, 4, 5, 4]  # boundaries at the midpoints 2, 7, 11, 16
     for _ in range(5):
-        shuffled = regimes.unit_segments("units_shuffled", runs, units, gen)
+        shuffled = grid.unit_segments("units_shuffled", runs, units, gen)
         assert sorted(_lengths(shuffled)) == [2, 4, 6, 8]
-    assert torch.equal(regimes.unit_segments("", runs, units, gen), runs)
+    assert torch.equal(grid.unit_segments("", runs, units, gen), runs)
     with pytest.raises(ValueError, match="allowed"):
-        regimes.unit_segments("unit", runs, units, gen)
+        grid.unit_segments("unit", runs, units, gen)
 
 
 def test_the_unit_median_sets_the_speech_units_lengths():
-    short = regimes.make_task("speech", 96, list(range(40)))
-    long = regimes.make_task("speech", 96, list(range(40)), unit=24)
+    short = grid.make_task("speech", 96, list(range(40)))
+    long = grid.make_task("speech", 96, list(range(40)), unit=24)
     lengths = {24: [], 6: []}
     for task, m in ((short, 6), (long, 24)):
         for row in task.unit_id:

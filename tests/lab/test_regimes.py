@@ -1,4 +1,4 @@
-"""The regime grid's engine (``lab.studies.regimes``): exact log-probs and sampling (enumeration), the gradient it
+"""The regime grid's engine (``lab.engine.grid``): exact log-probs and sampling (enumeration), the gradient it
 follows (float64 autograd of verl's registered loss, seed by seed), every preset discovered, the mismatch conditions,
 and the command."""
 
@@ -14,11 +14,10 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.engine import tabular
+from maspo_verl.lab.engine import grid, tabular
 from maspo_verl.lab.engine.cells import parse_mismatch
 from maspo_verl.lab.engine.common import read_csv
 from maspo_verl.lab.engine.presets import Preset, discover_presets, loss_call, preset_config
-from maspo_verl.lab.studies import regimes
 from tests.helpers import REPO
 
 
@@ -45,27 +44,27 @@ def test_log_probs_are_exact_over_every_response():
     table = _table(T=3)
     V = tabular.VOCAB
     ys = torch.tensor(list(itertools.product(range(V), repeat=3)))[None]  # [1, 512, 3]: every response
-    lp = regimes.gather(table, ys)
+    lp = grid.gather(table, ys)
     assert math.isclose(float(lp.sum(-1).exp().sum()), 1.0, rel_tol=1e-12)
     for y in ([0, 0, 0], [3, 7, 1], [7, 2, 2]):  # by hand: the first token's row is the start context V
         prev, want = V, 0.0
         for t, v in enumerate(y):
             want += float(table[0, t, prev, v])
             prev = v
-        got = float(regimes.gather(table, torch.tensor([[y]]))[0, 0].sum())
+        got = float(grid.gather(table, torch.tensor([[y]]))[0, 0].sum())
         assert math.isclose(got, want, rel_tol=1e-12)
 
 
 def test_the_sampler_draws_from_the_table():
     table = _table(seed=3, S=2, T=2).float()
-    y, lp = regimes.sample(table, 20000, torch.Generator().manual_seed(0))
-    assert torch.allclose(lp, regimes.gather(table, y))
+    y, lp = grid.sample(table, 20000, torch.Generator().manual_seed(0))
+    assert torch.allclose(lp, grid.gather(table, y))
     V = tabular.VOCAB
     for s in range(2):
         codes = y[s, :, 0] * V + y[s, :, 1]
         freq = torch.bincount(codes, minlength=V * V).double() / codes.numel()
         every = torch.tensor(list(itertools.product(range(V), repeat=2)))[None]
-        exact = regimes.gather(table[s : s + 1].double(), every)[0].sum(-1).exp()
+        exact = grid.gather(table[s : s + 1].double(), every)[0].sum(-1).exp()
         assert float((freq - exact).abs().sum()) / 2 < 0.04  # total variation; a wrong context gives > 0.2
 
 
@@ -76,17 +75,17 @@ def test_the_engine_follows_each_seeds_gradient_of_verls_loss(name):
     (preset,) = discover_presets([name])
     fn, cfg = get_policy_loss_fn(preset.loss_mode), preset_config(preset)
     S, m, T = 3, 4, 20
-    task = regimes.make_task("speech", T, list(range(S)))
-    theta = regimes.init_tables(task, T, list(range(S)))
+    task = grid.make_task("speech", T, list(range(S)))
+    theta = grid.init_tables(task, T, list(range(S)))
     g = torch.Generator().manual_seed(1)
-    y, old = regimes.sample(regimes.log_prob_table(theta + 0.3 * torch.randn(theta.shape, generator=g)), m, g)
+    y, old = grid.sample(grid.log_prob_table(theta + 0.3 * torch.randn(theta.shape, generator=g)), m, g)
     adv = torch.randn(S, m, 1, generator=g).expand(S, m, T)
     ids, words = task.token_ids(y), task.word_ids(y)
     leaf = theta.clone().requires_grad_()
-    regimes.backward(leaf, fn, cfg, y, old, adv, ids, words)
+    grid.backward(leaf, fn, cfg, y, old, adv, ids, words)
     for s in range(S):
         ref = theta[s : s + 1].double().requires_grad_()
-        lp = regimes.gather(torch.log_softmax(ref, -1), y[s : s + 1])[0]
+        lp = grid.gather(torch.log_softmax(ref, -1), y[s : s + 1])[0]
         loss, _ = loss_call(fn, cfg, old[s].double(), lp, adv[s].double(), ids[s], words[s])
         (grad,) = torch.autograd.grad(loss, ref)
         assert float(grad.abs().max()) > 1e-4  # a gradient to compare
@@ -94,7 +93,7 @@ def test_the_engine_follows_each_seeds_gradient_of_verls_loss(name):
 
 
 def test_the_speech_reward_scores_units_not_tokens():
-    task = regimes.make_task("speech", 96, [0])
+    task = grid.make_task("speech", 96, [0])
     target = task.target[0]
     sizes = torch.bincount(task.unit_id[0])
     assert int(sizes.sum()) == 96 and bool(((sizes[:-1] >= 3) & (sizes[:-1] <= 15)).all())  # the last: cut at the end
@@ -119,7 +118,7 @@ def test_the_mismatch_conditions_are_what_they_say():
     grpo = discover_presets(["grpo"])[0]
 
     def spread(mismatch, updates=1):
-        out = regimes.run_job(regimes.Job("text", 24, mismatch, updates, grpo), _args())
+        out = grid.run_job(grid.Job("text", 24, mismatch, updates, grpo), _args())
         return [r["logratio_sd"] for r in out["records"]]
 
     assert spread("none") == [0.0, 0.0, 0.0]  # on-policy, one update: the ratio is exactly 1
@@ -138,9 +137,9 @@ def test_a_preset_the_engine_cannot_feed_is_reported_with_its_reason():
         {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean"},
         {"loss_mode": "maspo"},
     )
-    reason = regimes.probe(bad, "speech")
+    reason = grid.probe(bad, "speech")
     assert reason and "no_such_loss" in reason
-    assert regimes.probe(discover_presets(["maspo_steps"])[0], "text") is None
+    assert grid.probe(discover_presets(["maspo_steps"])[0], "text") is None
 
 
 def test_the_command_writes_its_tables(tmp_path):

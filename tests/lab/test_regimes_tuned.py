@@ -10,10 +10,9 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.engine import tabular
+from maspo_verl.lab.engine import grid, tabular
 from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config, widen
 from maspo_verl.lab.engine.tuning import choose
-from maspo_verl.lab.studies import regimes
 from maspo_verl.lab.studies import regimes_tuned as rt
 
 
@@ -53,9 +52,9 @@ def test_widths_scale_the_band_the_loss_reads_and_inf_removes_the_clip(name):
 
 
 def test_the_shuffled_control_keeps_each_rows_segment_lengths_but_not_their_places():
-    task = regimes.make_task("speech", 96, list(range(4)))
+    task = grid.make_task("speech", 96, list(range(4)))
     words = task.word_ids(task.target[:, None, :].expand(4, 8, 96).clone())
-    shuffled = regimes.shuffled_runs(words, torch.Generator().manual_seed(0))
+    shuffled = grid.shuffled_runs(words, torch.Generator().manual_seed(0))
     moved = 0
     for a, b in zip(words.reshape(-1, 96), shuffled.reshape(-1, 96), strict=True):
         lengths_a, lengths_b = torch.bincount(a), torch.bincount(b)
@@ -69,7 +68,7 @@ def _run(loss, band, seed, final, kl=0.01, first=0.1, cell="L96/none/U4"):
     return {
         "task": "speech", "cell": cell, "length": 96, "loss": loss, "band": band, "seed": seed,
         "final_reward": final, "first_reward": first, "ppo_kl": kl, "collapse": "False",
-        **{k: 1.0 for k in regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")},
+        **{k: 1.0 for k in grid.drift_metrics(None) | grid.drift_metrics(None, "seen_")},
     }  # fmt: skip
 
 
@@ -124,9 +123,9 @@ def test_drift_metrics_read_correlated_log_ratios_above_the_independent_referenc
     for t in range(1, 96):  # AR(1), rho 0.6
         ar[..., t] = 0.6 * ar[..., t - 1] + 0.8 * noise[..., t]
     units = torch.arange(96).div(8, rounding_mode="floor").expand(2, 256, 96)
-    white = regimes.drift_metrics(regimes.drift_sums(noise, units))
-    red = regimes.drift_metrics(regimes.drift_sums(ar, units))
-    null = regimes.null_correlation(96)
+    white = grid.drift_metrics(grid.drift_sums(noise, units))
+    red = grid.drift_metrics(grid.drift_sums(ar, units))
+    null = grid.null_correlation(96)
     assert abs(white["drift_lag1"]) < 0.03 and abs(white["drift_vif15"] - null["null_vif15"]) < 0.1
     assert red["drift_lag1"] == pytest.approx(0.6, abs=0.05) and red["drift_vif15"] > 2 * null["null_vif15"]
     assert red["drift_vif_units"] > 2.0

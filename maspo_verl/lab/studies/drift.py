@@ -5,7 +5,7 @@ delta_t = log pi_theta - log pi_old of neighbouring tokens are correlated. This 
 Qwen2-shaped causal LM (``--sizes``: ``tiny`` is the local mode's embedded shape, hidden 64 and 2 layers),
 warm-started by supervised steps on code sequences made here, deterministically and without a download:
 
-- ``runs``: the regime grid's speech-like units (``maspo_verl.lab.studies.regimes.make_task("speech")``: units of
+- ``runs``: the regime grid's speech-like units (``maspo_verl.lab.engine.grid.make_task("speech")``: units of
   3-15 frames, log-normal durations), unit k's symbol as byte id ``32 k``;
 - ``jitter``: the same units, each frame's code moved by one step in one of its 4 base-4 digits with
   probability 0.3 (codec frames of one sound are near, not equal);
@@ -104,7 +104,7 @@ GPU_ONLY = ("medium_espeak", "medium_runs", "smol_espeak", "smol_espeak_2000", "
 
 
 def _runs(n: int, length: int, seed: int, jitter: float = 0.0) -> torch.Tensor:
-    from maspo_verl.lab.studies.regimes import make_task
+    from maspo_verl.lab.engine.grid import make_task
 
     target = make_task("speech", length, list(range(seed * n, seed * n + n))).target * UNIT_ID
     if jitter:
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
 
 def write_report(out: Path, rows: list[dict], args) -> None:
     from maspo_verl.lab.engine import common
-    from maspo_verl.lab.studies.regimes import null_correlation
+    from maspo_verl.lab.engine.grid import null_correlation
 
     order = {n: i for i, n in enumerate(CONDITIONS)}
     rows = sorted(rows, key=lambda r: order.get(r["name"], len(order)))

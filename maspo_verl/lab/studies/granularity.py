@@ -1,6 +1,6 @@
 """Granularity at matched step size (issue 52): the pre-registered study of ``docs/results/granularity/``.
 
-A configuration of the regime grid's engine (``lab/regimes.py``: a tabular policy, verl's GRPO advantage, each
+A configuration of the regime grid's engine (``lab/engine/grid.py``: a tabular policy, verl's GRPO advantage, each
 loss from verl's registry) and its tuning protocol (``lab/regimes_tuned.py``: every arm's clip band scaled by the
 same widths, chosen on tuning seeds), judged on fresh held-out seeds with ``lab/stats.py`` (paired t-intervals,
 sign-flip tests, TOST, Holm within each family). ``PREREGISTRATION.md`` in the output folder is the protocol:
@@ -22,13 +22,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine import grid, journal, stats
 from maspo_verl.lab.engine.cells import parse_cell
 from maspo_verl.lab.engine.common import as_float, finite_mean, markdown_table, pyplot, read_csv, write_csv
 from maspo_verl.lab.engine.presets import UNCLIPPED, Preset, discover_presets, variant, widen
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.lab.engine.tuning import choose
-from maspo_verl.lab.studies import regimes
 
 STUDY = Study(
     "granularity",
@@ -110,9 +109,9 @@ def arms() -> list[Preset]:
     return fixed + units + adaptive
 
 
-def jobs_of(seeds: tuple[int, ...], cells=None, widths=None) -> list[regimes.Job]:
+def jobs_of(seeds: tuple[int, ...], cells=None, widths=None) -> list[grid.Job]:
     jobs = [
-        regimes.Job(task="speech", preset=widen(p, w), seeds=seeds, **parse_cell(c))
+        grid.Job(task="speech", preset=widen(p, w), seeds=seeds, **parse_cell(c))
         for c in cells or CELLS
         for p in arms()
         for w in widths or WIDTHS
@@ -137,13 +136,13 @@ def _jobs(runs: list[dict], seeds: tuple[int, ...], keys: set | None = None) -> 
     return len(done & keys if keys is not None else done)
 
 
-def tested_first(jobs: list[regimes.Job], choices: list[dict]) -> list[regimes.Job]:
+def tested_first(jobs: list[grid.Job], choices: list[dict]) -> list[grid.Job]:
     """``jobs`` with those a registered test reads first; the other widths' held-out runs feed no test."""
     needed = _read_by_tests(choices)
     return sorted(jobs, key=lambda j: _key(j) not in needed)
 
 
-def missing(jobs: list[regimes.Job], runs: list[dict]) -> list[regimes.Job]:
+def missing(jobs: list[grid.Job], runs: list[dict]) -> list[grid.Job]:
     """The jobs whose seeds are not all in ``runs`` (a resumed study runs only these)."""
     have: dict[tuple, set] = {}
     for r in runs:
@@ -290,7 +289,7 @@ def cells_table(runs: list[dict], choices: list[dict]) -> list[dict]:
         band = next(c["best_band"] for c in choices if (c["cell"], c["loss"]) == (cell, TOKEN))
         mine = [r for r in runs if _key(r) == (cell, TOKEN, band) and int(r["seed"]) in HELD_SEEDS]
         length = int(mine[0]["length"]) if mine else 1
-        metrics = regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")
+        metrics = grid.drift_metrics(None) | grid.drift_metrics(None, "seen_")
         out.append(
             {
                 "cell": cell,
@@ -298,7 +297,7 @@ def cells_table(runs: list[dict], choices: list[dict]) -> list[dict]:
                 "token_final": finite_mean(r["final_reward"] for r in mine),
                 "token_gain": finite_mean(as_float(r["final_reward"]) - as_float(r["first_reward"]) for r in mine),
                 **{k: as_float(mine[0][k]) if mine else math.nan for k in metrics},
-                **regimes.null_correlation(length),
+                **grid.null_correlation(length),
             }
         )
     return out
@@ -329,7 +328,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--pieces", type=int, default=0, help="--part 2 or 4: run at most this many pieces, then stop (0: all)"
     )
     p.add_argument("--report", action="store_true", help="only rebuild the tables and README from --out's runs")
-    regimes.engine_arguments(p, "Adam learning rate of cells without /lr<x>")
+    grid.engine_arguments(p, "Adam learning rate of cells without /lr<x>")
     p.set_defaults(sample_seed=SAMPLE_SEED)
 
 
@@ -349,14 +348,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         journal.start(out, argv)
     args.seeds = len(HELD_SEEDS)
     if args.phase in ("tune", "all"):
-        runs = regimes.run_jobs(missing(jobs_of(TUNE_SEEDS), runs), args, out, "runs.csv", kept=runs)
+        runs = grid.run_jobs(missing(jobs_of(TUNE_SEEDS), runs), args, out, "runs.csv", kept=runs)
         write_csv(out / "choice.csv", choose(runs, HELD_SEEDS[0], baseline=TOKEN))
     if args.phase in ("held", "all"):
         if not (out / "choice.csv").is_file():
             raise SystemExit(f"--phase held: {out / 'choice.csv'} is missing: run --phase tune first")
         choices = choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
         jobs = tested_first(missing(jobs_of(HELD_SEEDS), runs), choices)
-        runs = regimes.run_jobs(jobs, args, out, "runs.csv", kept=runs)
+        runs = grid.run_jobs(jobs, args, out, "runs.csv", kept=runs)
         report(out, args)
 
 

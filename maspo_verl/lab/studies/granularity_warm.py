@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab.engine import journal, learn_engine, stats
+from maspo_verl.lab.engine import grid, journal, learn_engine, stats
 from maspo_verl.lab.engine import tuning as tuned
 from maspo_verl.lab.engine.common import finite_mean, log, markdown_table, read_csv, write_csv, write_tables
 from maspo_verl.lab.engine.presets import UNCLIPPED
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.lab.studies import granularity as g
-from maspo_verl.lab.studies import learn, regimes
+from maspo_verl.lab.studies import learn
 
 STUDY = Study(
     None,
@@ -279,7 +279,7 @@ def written_choice(out: Path, rows: list[dict], part: Part) -> list[dict]:
 
 def _engine_defaults() -> dict:
     p = argparse.ArgumentParser()
-    regimes.engine_arguments(p)
+    grid.engine_arguments(p)
     p.set_defaults(sample_seed=g.SAMPLE_SEED)
     return vars(p.parse_args([]))
 

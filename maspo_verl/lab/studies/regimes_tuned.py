@@ -1,6 +1,6 @@
 """The regime grid with a fair protocol: every preset's clip band tuned with the same budget, judged on held-out seeds.
 
-The engine is the regime grid's (``maspo_verl.lab.studies.regimes``: a tabular policy, verl's GRPO advantage, each
+The engine is the regime grid's (``maspo_verl.lab.engine.grid``: a tabular policy, verl's GRPO advantage, each
 preset's loss from verl's registry as the trainer composes it). What this study adds:
 
 - **the same tuning budget for every preset**: its shipped clip band scaled by each of ``--widths`` (default
@@ -34,13 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine import grid, journal, stats
 from maspo_verl.lab.engine.cells import parse_cell
 from maspo_verl.lab.engine.common import as_float as _f
 from maspo_verl.lab.engine.presets import BASELINE, UNCLIPPED, Preset, discover_presets, variant, widen
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.lab.engine.tuning import choose
-from maspo_verl.lab.studies import regimes
 
 STUDY = Study(
     "regimes_tuned",
@@ -50,7 +49,7 @@ STUDY = Study(
 
 OUT = STUDY.folder
 WIDTHS = ("0.25", "1", "4", "16", "inf")
-CONTROL = regimes.CONTROL
+CONTROL = grid.CONTROL
 CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
 
 
@@ -65,7 +64,7 @@ def presets_of(names: list[str]) -> list[Preset]:
     return out
 
 
-def jobs_of(args) -> list[regimes.Job]:
+def jobs_of(args) -> list[grid.Job]:
     if args.groups * args.group_size % max(parse_cell(c)["updates"] for c in args.cells):
         raise SystemExit("--cells: each U must divide the batch (--groups x --group-size)")
     from maspo_verl.util import preset_names
@@ -76,7 +75,7 @@ def jobs_of(args) -> list[regimes.Job]:
         for task in args.tasks:
             for p in presets:
                 for w in args.widths:
-                    jobs.append(regimes.Job(task=task, preset=widen(p, w), **parse_cell(cell)))
+                    jobs.append(grid.Job(task=task, preset=widen(p, w), **parse_cell(cell)))
     return sorted(jobs, key=lambda j: -j.length)
 
 
@@ -177,9 +176,9 @@ def cells_table(runs: list[dict], choices: list[dict], tune: int) -> list[dict]:
                 "grpo_final": float(np.mean([_f(r["final_reward"]) for r in mine if int(r["seed"]) >= tune])),
                 **{
                     k: _f(mine[0][k]) if mine else float("nan")
-                    for k in regimes.drift_metrics(None) | regimes.drift_metrics(None, "seen_")
+                    for k in grid.drift_metrics(None) | grid.drift_metrics(None, "seen_")
                 },
-                **regimes.null_correlation(int(mine[0]["length"]) if mine else 1),
+                **grid.null_correlation(int(mine[0]["length"]) if mine else 1),
                 "clip_minus_noclip": trust.get("diff", float("nan")),
                 "clip_minus_noclip_low": trust.get("low", float("nan")),
                 "clip_minus_noclip_high": trust.get("high", float("nan")),
@@ -200,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "chosen per cell on --tune-seeds, judged on --held-seeds against grpo at its own chosen width; matched-KL "
         "and unclipped comparisons; a shuffled-runs control of maspo_words; the drift log-ratios' lag-1 and VIF."
     )
-    p.add_argument("--tasks", nargs="+", default=list(regimes.TASKS), choices=regimes.TASKS)
+    p.add_argument("--tasks", nargs="+", default=list(grid.TASKS), choices=grid.TASKS)
     p.add_argument("--cells", nargs="+", default=list(CELLS), help="L<tokens>/<mismatch>/U<updates>[/lr<lr>]")
     p.add_argument(
         "--presets", nargs="+", default=None, help=f"loss presets (and {CONTROL}; default: every preset and it)"
@@ -208,7 +207,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS), help="band scales (inf: no clip)")
     p.add_argument("--tune-seeds", type=int, default=20, help="seeds 0..N-1 choose the widths")
     p.add_argument("--held-seeds", type=int, default=20, help="the next N seeds judge them")
-    regimes.engine_arguments(p, "Adam learning rate (a cell's /lr<x> replaces it)")
+    grid.engine_arguments(p, "Adam learning rate (a cell's /lr<x> replaces it)")
     p.add_argument("--report", action="store_true", help="only rebuild the README and tables from --out's runs")
     p.add_argument(
         "--redo",
@@ -234,7 +233,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         journal.start(out, argv)
     jobs = [j for j in jobs_of(args) if not args.redo or j.preset.name in args.redo]
     args.seeds = args.tune_seeds + args.held_seeds
-    regimes.run_jobs(jobs, args, out, "tuned_runs.csv", kept=kept)
+    grid.run_jobs(jobs, args, out, "tuned_runs.csv", kept=kept)
     report(out, args)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from maspo_verl.lab.engine import journal
 from maspo_verl.lab.engine.common import markdown_table, pyplot, write_tables
-from maspo_verl.lab.studies.regimes import CONTROL
+from maspo_verl.lab.engine.grid import CONTROL
 
 COMPARISONS = (
     ("tuned", "each at its width chosen on the tuning seeds"),

@@ -291,7 +291,7 @@ def _loss(fn, cfg, old, lp, adv, resp):
 def gradient_rows(name, presets, old, lp, parts, adv_of, ref, args, prompt_of) -> list[dict]:
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.studies.regimes import LENGTH_METRICS
+    from maspo_verl.lab.engine.grid import LENGTH_METRICS
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     picks = []  # the same resamples for every preset
