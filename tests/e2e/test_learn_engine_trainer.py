@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from maspo_verl.lab.engine import learn_engine as le
+from maspo_verl.lab.engine.cells import Cell
 from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
@@ -28,7 +29,7 @@ def test_the_lab_engine_computes_the_trainers_run(tmp_path, local_run, monkeypat
     warm = sw.ensure_model(seed=0, length=LENGTH, cache_dir=tmp_path / "warm", train_settings=TINY)
     args = SimpleNamespace(batch=1, n=4, bypass=True, fp32_trainer=True, lr=1e-2, steps=STEPS, bands=[], no_adjust=True)
     data = lt.write_dataset(tmp_path / "data", lt.WARM, seed=0, length=LENGTH) | {"model": warm}
-    cell = learn.Cell(LENGTH, f"stale{STALE}", 1)
+    cell = Cell(LENGTH, f"stale{STALE}", 1)
     overrides = learn.overrides_for(args, lt.WARM, "maspo_fixed@segment_window=2", 0, data, cell)
     monkeypatch.setenv(WEIGHTS_DUMP_ENV, str(tmp_path / "syncs"))
     run = local_run(overrides)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from maspo_verl.lab.engine.cells import Cell, Mismatch, parse_mismatch
 from maspo_verl.lab.engine.stats import mean_interval
 from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
@@ -27,13 +28,20 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_mismatch_forms():
-    assert learn.parse_mismatch("none") == ("fp32", 0.0)
-    assert learn.parse_mismatch("bf16") == ("bf16", 0.0)
-    assert learn.parse_mismatch("0.2") == ("fp32", 0.2)
-    assert learn.parse_mismatch("bf16+0.05") == ("bf16", 0.05)
-    for bad in ("fp16", "-0.1", "nan", "bf16+x", "0.2+bf16"):
+    """One grammar for every study's mismatch (engine/cells.py): lab learn's bare sigma and the grid's noise<SIGMA>
+    read alike; the dtype comes first; lab learn's rollout is fp32 or bf16."""
+    assert parse_mismatch("none") == Mismatch("fp32", 0, 0.0)
+    assert parse_mismatch("bf16") == Mismatch("bf16", 0, 0.0)
+    assert parse_mismatch("0.2") == parse_mismatch("noise0.2") == Mismatch("fp32", 0, 0.2)
+    assert parse_mismatch("bf16+0.05") == Mismatch("bf16", 0, 0.05)
+    for bad in ("-0.1", "nan", "bf16+x", "0.2+bf16", "0.2+0.1", "none+0.2"):
         with pytest.raises(SystemExit, match="--mismatch"):
-            learn.parse_mismatch(bad)
+            parse_mismatch(bad)
+    with pytest.raises(SystemExit, match="--mismatch 'fp16': lab learn's rollout precision"):
+        learn.cells_of(_args("--cells", "96/fp16/1", "--bypass"))
+    with pytest.raises(SystemExit, match="set no learning rate"):
+        learn.cells_of(_args("--cells", "L96/none/U1/lr1", "--bypass"))
+    assert learn.cells_of(_args("--cells", "L96/0.2/U1", "--bypass")) == [Cell(96, "0.2", 1)]
 
 
 def test_stale_rollouts_are_a_mismatch_term_the_local_mode_reads():
@@ -41,16 +49,16 @@ def test_stale_rollouts_are_a_mismatch_term_the_local_mode_reads():
 
     from maspo_verl.local.mismatch import LogProbMismatch
 
-    assert learn.split_stale("stale2") == ("none", 2) and learn.parse_mismatch("stale2") == ("fp32", 0.0)
-    assert learn.split_stale("bf16+stale1+0.2") == ("bf16+0.2", 1)
-    assert learn.parse_mismatch("stale3+0.2") == ("fp32", 0.2) and learn.split_stale("0.2") == ("0.2", 0)
+    assert parse_mismatch("stale2") == Mismatch("fp32", 2, 0.0)
+    assert parse_mismatch("bf16+stale1+0.2") == Mismatch("bf16", 1, 0.2)
+    assert parse_mismatch("stale3+0.2") == Mismatch("fp32", 3, 0.2)
     for bad in ("stale0", "stale1+stale2", "stalex", "stale"):
         with pytest.raises(SystemExit, match="--mismatch"):
-            learn.split_stale(bad)
+            parse_mismatch(bad)
     args = _args("--bypass", "--batch", "8", "--n", "4")
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
     cell = learn.cells_of(_args("--cells", "96/stale2/4", "--bypass"))[0]
-    assert cell.stale == 2 and cell.label == "L96/stale2/U4"
+    assert cell.rollout.stale == 2 and cell.label == "L96/stale2/U4"
     ov = learn.overrides_for(args, "speech", "grpo", 3, data, cell)
     section = dict(o.removeprefix("maspo.local_mismatch.").split("=") for o in ov if "local_mismatch" in o)
     mismatch = LogProbMismatch.from_mapping({k: yaml.safe_load(v) for k, v in section.items()})  # Hydra's scalars
@@ -64,8 +72,8 @@ def test_cells_product_explicit_and_checked():
     cells = learn.cells_of(
         _args("--lengths", "12", "96", "--mismatch", "none", "0.2", "--updates", "1", "4", "--bypass")
     )
-    assert len(cells) == 8 and cells[0] == learn.Cell(12, "none", 1) and cells[-1].label == "L96/0.2/U4"
-    assert learn.cells_of(_args())[0] == learn.Cell(lt.RESPONSE_TOKENS, "none", 2)  # the old command's meaning
+    assert len(cells) == 8 and cells[0] == Cell(12, "none", 1) and cells[-1].label == "L96/0.2/U4"
+    assert learn.cells_of(_args())[0] == Cell(lt.RESPONSE_TOKENS, "none", 2)  # the old command's meaning
     explicit = learn.cells_of(_args("--cells", "96/none/1", "96/bf16/1", "--bypass"))
     assert [c.label for c in explicit] == ["L96/none/U1", "L96/bf16/U1"]
     assert explicit[1].reference() == explicit[0]
@@ -83,16 +91,16 @@ def test_cells_product_explicit_and_checked():
 def test_overrides_of_a_cell():
     args = _args("--bypass", "--batch", "8", "--n", "4")
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
-    ov = learn.overrides_for(args, "speech", "grpo", 3, data, learn.Cell(96, "bf16+0.2", 4))
+    ov = learn.overrides_for(args, "speech", "grpo", 3, data, Cell(96, "bf16+0.2", 4))
     assert "data.max_response_length=96" in ov and "data.max_prompt_length=64" in ov
     assert "actor_rollout_ref.actor.ppo_mini_batch_size=2" in ov  # 8 prompts / 4 updates
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8" in ov
     assert "algorithm.rollout_correction.bypass_mode=true" in ov
     assert "maspo.local_mismatch.logprob_dtype=bf16" in ov and "maspo.local_mismatch.noise_std=0.2" in ov
     assert not [o for o in ov if "mixed_precision" in o]  # verl's default: the actor computes in bf16
-    fp32 = learn.overrides_for(_args("--fp32-trainer"), "speech", "grpo", 3, data, learn.Cell(12, "none", 1))
+    fp32 = learn.overrides_for(_args("--fp32-trainer"), "speech", "grpo", 3, data, Cell(12, "none", 1))
     assert "++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32" in fp32
-    plain = learn.overrides_for(_args(), "speech", "grpo", 3, data, learn.Cell(12, "none", 1))
+    plain = learn.overrides_for(_args(), "speech", "grpo", 3, data, Cell(12, "none", 1))
     assert not [o for o in plain if "bypass" in o or "local_mismatch" in o]
     assert "actor_rollout_ref.actor.ppo_mini_batch_size=8" in plain
     long_text = " ".join(["ka"] * 96)
@@ -174,7 +182,7 @@ def test_mean_interval_is_the_t_interval():
 
 def test_paired_comparisons_by_hand():
     args = _args("--tasks", "speech", "--losses", "grpo", "gspo", "--seeds", "4", "--bypass")
-    cells = [learn.Cell(96, "none", 1), learn.Cell(96, "0.2", 1)]
+    cells = [Cell(96, "none", 1), Cell(96, "0.2", 1)]
     # grpo loses 0.1 with noise, gspo nothing; gspo is 0.05 below grpo without noise; seeds shift all alike
     final = {("L96/none/U1", "grpo"): 0.5, ("L96/none/U1", "gspo"): 0.45, ("L96/0.2/U1", "grpo"): 0.4}
     final[("L96/0.2/U1", "gspo")] = 0.45
@@ -244,7 +252,7 @@ def test_turns_tasks_select_the_local_multi_turn_task(tmp_path):
     assert lt.known("turns8") and lt.known("speech") and not lt.known("turns0")
     data = lt.write_dataset(tmp_path / "unused", "turns8", seed=3, length=12)
     assert not (tmp_path / "unused").exists()
-    ov = learn.overrides_for(_args("--bypass"), "turns8", "grpo", 3, data, learn.Cell(12, "0.2", 1))
+    ov = learn.overrides_for(_args("--bypass"), "turns8", "grpo", 3, data, Cell(12, "0.2", 1))
     assert {"task=turns", "maspo.turns=8", "maspo.turn_tokens=12", "maspo.local_seed=3"} <= set(ov)
     assert not [o for o in ov if o.startswith(("data.train_files", "data.max_", "reward.reward_manager"))]
     config = compose_config("local=cpu", f"maspo.local_cache_dir={tmp_path}", *ov)
@@ -337,7 +345,7 @@ def test_a_variant_runs_with_its_fields_and_band_in_hydras_grammar():
     learn.check_losses([loss])
     args = _args("--bands", f"{loss}=4", "--losses", loss)
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu"}
-    ov = learn.overrides_for(args, "speech", loss, 3, data, learn.Cell(96, "none", 4))
+    ov = learn.overrides_for(args, "speech", loss, 3, data, Cell(96, "none", 4))
     OverridesParser.create().parse_overrides(ov)
     policy_loss = compose_config(*learn.loss_overrides(loss, learn.parse_bands([f"{loss}=4"]))).actor_rollout_ref
     policy_loss = policy_loss.actor.policy_loss

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from maspo_verl.lab.engine.cells import Cell
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
 
@@ -43,7 +44,7 @@ def _overrides(tmp_path, warm, loss="maspo_fixed@segment_window=1", extra=(), le
         batch=4, n=2, bypass=True, fp32_trainer=True, lr=1e-3, steps=2, bands=[], no_adjust=True, **kw
     )
     data = lt.write_dataset(tmp_path, lt.WARM, seed=0, length=length) | {"model": warm}
-    cell = learn.Cell(length, "stale2", 2)
+    cell = Cell(length, "stale2", 2)
     return [*learn.overrides_for(args, lt.WARM, loss, 0, data, cell), *extra], data
 
 

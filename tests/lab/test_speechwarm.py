@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from maspo_verl.lab.engine.cells import Cell
 from maspo_verl.local import learn_tasks as lt
 from maspo_verl.local import speechwarm as sw
 
@@ -125,7 +126,7 @@ def test_lab_learn_selects_the_warm_model(tmp_path, monkeypatch):
     args = SimpleNamespace(
         batch=8, n=4, bypass=True, fp32_trainer=True, lr=1e-3, steps=2, bands=["grpo=4"], no_adjust=True
     )
-    over = learn.overrides_for(args, lt.WARM, "grpo", 3, data, learn.Cell(96, "stale2", 4))
+    over = learn.overrides_for(args, lt.WARM, "grpo", 3, data, Cell(96, "stale2", 4))
     assert "actor_rollout_ref.model.path=/cache/warm-3-96" in over
     assert "data.max_response_length=96" in over and "maspo.local_mismatch.stale_syncs=2" in over
     # grpo's clip band (0.2 as shipped) scaled by 4
@@ -133,7 +134,7 @@ def test_lab_learn_selects_the_warm_model(tmp_path, monkeypatch):
         "actor_rollout_ref.actor.clip_ratio_low=0.8" in over and "actor_rollout_ref.actor.clip_ratio_high=0.8" in over
     )
     speech = lt.write_dataset(tmp_path, "speech", length=96)
-    plain = learn.overrides_for(args, "speech", "grpo", 3, speech, learn.Cell(96, "none", 4))
+    plain = learn.overrides_for(args, "speech", "grpo", 3, speech, Cell(96, "none", 4))
     assert not any(o.startswith("actor_rollout_ref.model.path=") for o in plain)
 
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from maspo_verl.batch import WORD_IDS_KEY
 from maspo_verl.lab.engine import word_grid
+from maspo_verl.lab.engine.cells import Cell
 from maspo_verl.lab.engine.presets import discover_presets, loss_call, preset_config
 from maspo_verl.lab.studies import learn
 from maspo_verl.local import learn_tasks as lt
@@ -66,8 +67,8 @@ def test_offset_zero_is_the_window_of_a_word_and_twelve_is_not():
 def test_lab_learn_composes_the_arm():
     data = {"train": "t.parquet", "val": "v.parquet", "sentence": "ka lo mi nu", "model": "m"}
     args = _args("--bypass", "--fp32-trainer", "--no-adjust", "--bands", f"{ARM}=inf")
-    ov = learn.overrides_for(args, "speechwarm", ARM, 300, data, learn.Cell(96, "none", 1))
-    plain = learn.overrides_for(args, "speechwarm", "maspo_words", 300, data, learn.Cell(96, "none", 1))
+    ov = learn.overrides_for(args, "speechwarm", ARM, 300, data, Cell(96, "none", 1))
+    plain = learn.overrides_for(args, "speechwarm", "maspo_words", 300, data, Cell(96, "none", 1))
     assert "reward.reward_manager.name=LearnRewardManager" in plain and not [o for o in plain if "grid" in o]
     config = compose_config(
         "local=cpu", *(o for o in ov if not o.startswith(("data.", "actor_rollout_ref.model.path")))
@@ -80,7 +81,7 @@ def test_lab_learn_composes_the_arm():
     unclipped = learn.band_overrides("maspo_words", "inf")  # --bands names the arm: its band is opened
     assert unclipped and set(unclipped) <= set(ov)
     with pytest.raises(SystemExit, match="word grid"):
-        learn.overrides_for(args, "turns2", ARM, 300, {"overrides": ["task=turns"]}, learn.Cell(96, "none", 1))
+        learn.overrides_for(args, "turns2", ARM, 300, {"overrides": ["task=turns"]}, Cell(96, "none", 1))
 
 
 def _data(rows, sentence):

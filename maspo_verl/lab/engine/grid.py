@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from maspo_verl.lab.engine import journal, tabular
-from maspo_verl.lab.engine.cells import UNIT_MEDIAN, parse_mismatch
+from maspo_verl.lab.engine.cells import UNIT_MEDIAN, Cell, parse_mismatch
 from maspo_verl.lab.engine.presets import Preset, loss_call, preset_config
 from maspo_verl.lab.engine.tabular import CODEC_OFFSET, CODES, TEXT_END, VOCAB
 
@@ -210,11 +210,7 @@ class Job:
 
     @property
     def cell(self) -> str:
-        return (
-            f"L{self.length}/{self.mismatch}/U{self.updates}"
-            + (f"/lr{self.lr:g}" if self.lr is not None else "")
-            + (f"/u{self.unit}" if self.unit != UNIT_MEDIAN else "")
-        )
+        return Cell(self.length, self.mismatch, self.updates, self.lr, self.unit).label
 
 
 def shuffled_runs(words: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -317,7 +313,7 @@ def run_job(job: Job, args) -> dict:
     theta = init_tables(task, job.length, seeds).to(device).requires_grad_()
     opt = torch.optim.Adam([theta], lr=job.lr if job.lr is not None else args.lr)
     fn, cfg = get_policy_loss_fn(job.preset.loss_mode), preset_config(job.preset)
-    kind, value = parse_mismatch(job.mismatch)
+    mismatch = parse_mismatch(job.mismatch)
     gen = torch.Generator().manual_seed(args.sample_seed)
     # the units controls shuffle with a generator of their own, so every arm draws the same samples from ``gen``
     # (the committed ``shuffled`` runs drew from ``gen``)
@@ -329,13 +325,10 @@ def run_job(job: Job, args) -> dict:
     drift = seen = None  # correlation sums: after each batch's updates; in each loss call
     lengths = {name: [] for name in LENGTH_METRICS}  # segment lengths per loss call (nan: not reported)
     for _ in range(args.steps):
-        if kind == "stale":
-            rollout = history[max(0, len(history) - 1 - int(value))]
-        else:
-            rollout = theta.detach()
-        y, old = sample(log_prob_table(rollout, kind if kind in ("bf16", "fp16") else "fp32"), N, gen)
-        if kind == "noise":
-            old = old + value * torch.randn(old.shape, generator=gen).to(device)
+        rollout = history[max(0, len(history) - 1 - mismatch.stale)] if mismatch.stale else theta.detach()
+        y, old = sample(log_prob_table(rollout, mismatch.dtype), N, gen)
+        if mismatch.sigma:
+            old = old + mismatch.sigma * torch.randn(old.shape, generator=gen).to(device)
         r = task.reward(y)  # [S, N]
         rewards.append(r.mean(-1).cpu())
         adv = compute_grpo_outcome_advantage(r.reshape(-1, 1).cpu(), torch.ones(S * N, 1), index)[0]
@@ -355,7 +348,7 @@ def run_job(job: Job, args) -> dict:
             finite &= torch.isfinite(g) & bool(torch.isfinite(loss))
             step_grad.append(g)
             opt.step()
-            history = (history + [theta.detach().clone()])[-(int(value) + 1 if kind == "stale" else 1) :]
+            history = (history + [theta.detach().clone()])[-(mismatch.stale + 1) :]
             step_clip.append(float(metrics.get("actor/pg_clipfrac", float("nan"))))
             step_kl.append(float(metrics.get("actor/ppo_kl", float("nan"))))
             for name, key in LENGTH_METRICS.items():

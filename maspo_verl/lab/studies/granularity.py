@@ -111,7 +111,7 @@ def arms() -> list[Preset]:
 
 def jobs_of(seeds: tuple[int, ...], cells=None, widths=None) -> list[grid.Job]:
     jobs = [
-        grid.Job(task="speech", preset=widen(p, w), seeds=seeds, **parse_cell(c))
+        grid.Job(task="speech", preset=widen(p, w), seeds=seeds, **vars(parse_cell(c)))
         for c in cells or CELLS
         for p in arms()
         for w in widths or WIDTHS

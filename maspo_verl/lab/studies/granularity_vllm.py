@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 
 from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine.cells import NO_MISMATCH
 from maspo_verl.lab.engine.common import finite_mean, markdown_table, read_csv, write_tables
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.lab.studies import granularity as g
@@ -68,10 +69,10 @@ BATCH = int(_config("local", "cpu")["data"]["train_batch_size"])  # problems a s
 N = int(_config("local", "cpu")["actor_rollout_ref"]["rollout"]["n"])  # answers a problem
 UPDATES = BATCH // int(_config("local", "cpu")["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"])  # Adam steps
 STEPS = 20
-CELL = f"L{LENGTH}/{learn.NO_MISMATCH}/U{UPDATES}"  # lab learn's label of the cell below
+CELL = f"L{LENGTH}/{NO_MISMATCH}/U{UPDATES}"  # lab learn's label of the cell below
 # the registered lab learn command of every piece (the amendment of PREREGISTRATION.md, part 4)
 LEARN = (
-    "--tasks", TASK, "--cells", f"{LENGTH}/{learn.NO_MISMATCH}/{UPDATES}", "--batch", str(BATCH), "--n", str(N),
+    "--tasks", TASK, "--cells", f"{LENGTH}/{NO_MISMATCH}/{UPDATES}", "--batch", str(BATCH), "--n", str(N),
     "--steps", str(STEPS), "--bypass", "--no-adjust", "--timeout", "3600",
 )  # fmt: skip
 WHOLE = f"{g.FIXED}{LENGTH}"  # one ratio per response

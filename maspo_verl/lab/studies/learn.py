@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl.lab.engine import journal, learn_engine, stats, word_grid
+from maspo_verl.lab.engine.cells import NO_MISMATCH, UNIT_MEDIAN, Cell, parse_cell
 from maspo_verl.lab.engine.common import log, markdown_table, pyplot, write_csv
 from maspo_verl.lab.engine.learn_engine import ENGINES
 from maspo_verl.lab.engine.runs import run_local
@@ -92,7 +93,6 @@ IGNORE_EOS = "actor_rollout_ref.rollout.ignore_eos=true"  # the toy tasks' respo
 VALIDATION = "val-core/"  # verl's main validation metrics (val-core/<data source>/<metric>/...)
 # averaged over steps per run, reported per loss and cell: those and the loss's ratio metrics (the correlation too)
 REPORTED_PREFIXES = (*DIAGNOSTIC_PREFIXES, "actor/ratio/")
-NO_MISMATCH = "none"
 MISMATCH_DTYPE = "bf16"  # the knob's one non-default dtype (maspo_verl.local.mismatch validates it in the trainer)
 COLLAPSE_DROP = 0.1
 FP32 = "fp32"
@@ -165,83 +165,11 @@ def add_arguments(p) -> None:
 # -- cells --------------------------------------------------------------------------------------
 
 
-STALE = "stale"  # stale<K>: the rollout's weights K syncs behind (maspo.local_mismatch.stale_syncs)
-
-
-def split_stale(text: str) -> tuple[str, int]:
-    """``MISMATCH`` -> (the mismatch without its ``stale<K>`` term, K; 0 without one)."""
-    parts = text.split("+")
-    stale = [p for p in parts if p.startswith(STALE)]
-    if not stale:
-        return text, 0
-    k = stale[0].removeprefix(STALE)
-    if len(stale) > 1 or not k.isdigit() or int(k) < 1:
-        raise SystemExit(f"--mismatch {text!r}: one {STALE}<K> term, K >= 1 updates behind (e.g. {STALE}2)")
-    rest = "+".join(p for p in parts if not p.startswith(STALE))
-    return rest or NO_MISMATCH, int(k)
-
-
-def parse_mismatch(text: str) -> tuple[str, float]:
-    """``none`` | ``bf16`` | ``SIGMA`` | ``bf16+SIGMA`` (each optionally ``+stale<K>``, read by ``split_stale``)
-    -> (log-prob dtype, noise sigma)."""
-    allowed = (
-        f"{NO_MISMATCH}, {MISMATCH_DTYPE}, a sigma >= 0 (e.g. 0.2), {MISMATCH_DTYPE}+SIGMA, {STALE}<K>, or one of "
-        f"these +{STALE}<K>"
-    )
-    text = split_stale(text)[0]
-    if text == NO_MISMATCH:
-        return "fp32", 0.0
-    dtype, plus, rest = text.partition("+")
-    if dtype == MISMATCH_DTYPE:
-        text, base = (rest, dtype) if plus else ("0", dtype)
-    else:
-        base = "fp32"
-    try:
-        sigma = float(text)
-    except ValueError:
-        raise SystemExit(f"--mismatch {text!r}: allowed {allowed}") from None
-    if not (math.isfinite(sigma) and sigma >= 0):
-        raise SystemExit(f"--mismatch {text!r}: allowed {allowed}")
-    return base, sigma
-
-
-@dataclass(frozen=True)
-class Cell:
-    length: int
-    mismatch: str
-    updates: int
-
-    @property
-    def label(self) -> str:
-        return f"L{self.length}/{self.mismatch}/U{self.updates}"
-
-    @property
-    def sigma(self) -> float:
-        return parse_mismatch(self.mismatch)[1]
-
-    @property
-    def dtype(self) -> str:
-        return parse_mismatch(self.mismatch)[0]
-
-    @property
-    def stale(self) -> int:
-        return split_stale(self.mismatch)[1]
-
-    def reference(self) -> Cell:
-        """The same length and updates without mismatch."""
-        return Cell(self.length, NO_MISMATCH, self.updates)
-
-
 def cells_of(args) -> list[Cell]:
     if args.cells:
         if any(v is not None for v in (args.lengths, args.mismatch, args.updates)):
             raise SystemExit("--cells replaces --lengths/--mismatch/--updates: give one or the other")
-        cells = []
-        for text in args.cells:
-            parts = text.split("/")
-            if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
-                raise SystemExit(f"--cells {text!r}: expected LENGTH/MISMATCH/UPDATES, e.g. 96/0.2/1")
-            cells.append(Cell(int(parts[0]), parts[1], int(parts[2])))
+        cells = [parse_cell(text) for text in args.cells]
     else:
         cells = [
             Cell(length, mismatch, updates)
@@ -250,7 +178,10 @@ def cells_of(args) -> list[Cell]:
             for updates in args.updates or [2]
         ]
     for cell in cells:
-        parse_mismatch(cell.mismatch)
+        if cell.rollout.dtype not in ("fp32", MISMATCH_DTYPE):
+            raise SystemExit(f"--mismatch {cell.mismatch!r}: lab learn's rollout precision is fp32 or {MISMATCH_DTYPE}")
+        if (cell.lr, cell.unit) != (None, UNIT_MEDIAN):
+            raise SystemExit(f"cell {cell.label}: lab learn's cells set no learning rate or unit (--lr, the task)")
         if cell.mismatch != NO_MISMATCH and not args.bypass:
             raise SystemExit(
                 f"cell {cell.label}: a mismatch reaches the loss only in bypass mode (the rollout's log-probs as "
@@ -377,8 +308,9 @@ def overrides_for(args, task: str, loss: str, seed: int, data: dict, cell: Cell)
     if args.fp32_trainer:
         extra.append(f"++actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={FP32}")
     if cell.mismatch != NO_MISMATCH:
-        extra += [f"maspo.local_mismatch.logprob_dtype={cell.dtype}", f"maspo.local_mismatch.noise_std={cell.sigma}"]
-        extra.append(f"maspo.local_mismatch.stale_syncs={cell.stale}")
+        m = cell.rollout
+        extra += [f"maspo.local_mismatch.logprob_dtype={m.dtype}", f"maspo.local_mismatch.noise_std={m.sigma}"]
+        extra.append(f"maspo.local_mismatch.stale_syncs={m.stale}")
     offset = word_grid.split(loss.partition(CREDIT_SEP)[0])[1]
     if offset is not None and data.get("overrides"):
         raise SystemExit(f"--losses {loss!r}: the word grid needs a learn task's own reward, not task {task!r}")
@@ -895,7 +827,10 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
             color = None
             for dtype, marker, fill in (("fp32", "o", True), (MISMATCH_DTYPE, "s", False)):
                 pts = []
-                for cell in sorted((c for c in group if c.dtype == dtype and not c.stale), key=lambda c: c.sigma):
+                for cell in sorted(
+                    (c for c in group if c.rollout.dtype == dtype and not c.rollout.stale),
+                    key=lambda c: c.rollout.sigma,
+                ):
                     finals = [
                         r["final_reward"]
                         for r in runs
@@ -903,7 +838,7 @@ def plot_sigma(args, cells: list[Cell], runs: list[dict], path: Path) -> bool:
                     ]
                     mean, low, high = mean_interval(finals)
                     if mean == mean:
-                        pts.append((cell.sigma + shift, mean, mean - low, high - mean))
+                        pts.append((cell.rollout.sigma + shift, mean, mean - low, high - mean))
                 if not pts:
                     continue
                 xs, ys, lo, hi = zip(*pts, strict=True)

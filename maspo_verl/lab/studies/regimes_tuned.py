@@ -65,7 +65,7 @@ def presets_of(names: list[str]) -> list[Preset]:
 
 
 def jobs_of(args) -> list[grid.Job]:
-    if args.groups * args.group_size % max(parse_cell(c)["updates"] for c in args.cells):
+    if args.groups * args.group_size % max(parse_cell(c).updates for c in args.cells):
         raise SystemExit("--cells: each U must divide the batch (--groups x --group-size)")
     from maspo_verl.util import preset_names
 
@@ -75,7 +75,7 @@ def jobs_of(args) -> list[grid.Job]:
         for task in args.tasks:
             for p in presets:
                 for w in args.widths:
-                    jobs.append(grid.Job(task=task, preset=widen(p, w), **parse_cell(cell)))
+                    jobs.append(grid.Job(task=task, preset=widen(p, w), **vars(parse_cell(cell))))
     return sorted(jobs, key=lambda j: -j.length)
 
 
