@@ -173,3 +173,28 @@ def test_update_docs_writes_the_committed_folder(tmp_path, monkeypatch):
     command = (tmp_path / "docs" / "results" / "bench" / "COMMAND.txt").read_text().splitlines()[0]
     assert command == "python -m maspo_verl.lab bench --update-docs " + " ".join(TINY_BENCH)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_studies_declare_their_design_once():
+    """A study's registered cells and seeds are its STUDY's (engine/study.py checks each cell's grammar and that no
+    tuning seed is held out); the code reads them from there, and no two studies share a registered seed."""
+    from dataclasses import replace
+
+    from maspo_verl.lab.engine.study import Study, studies
+    from maspo_verl.lab.studies import granularity, granularity_vllm, granularity_warm
+
+    declared = {name: m.STUDY for name, m in studies().items() if m.STUDY.tune_seeds or m.STUDY.held_seeds}
+    assert {"granularity", "granularity_warm", "granularity_vllm"} <= set(declared)
+    seen: dict[int, str] = {}
+    for name, s in declared.items():
+        for seed in (*s.tune_seeds, *s.held_seeds):
+            assert seen.setdefault(seed, name) == name, f"seed {seed}: {seen[seed]} and {name}"
+    assert granularity.part1().cells == granularity.STUDY.cells and granularity.part1().held_seeds == tuple(
+        range(30000, 30064)
+    )
+    assert granularity_warm.CELL == "L96/stale2/U4" and granularity_warm.HELD_SEEDS == granularity_warm.STUDY.held_seeds
+    assert granularity_vllm.TUNE_SEEDS == (400, 401)
+    with pytest.raises(SystemExit, match="--cells"):
+        Study("x", "y", cells=("96/stale2",))
+    with pytest.raises(ValueError, match="overlap"):
+        replace(granularity.STUDY, tune_seeds=(30000,))

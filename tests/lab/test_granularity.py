@@ -2,12 +2,14 @@
 length, its decision rules, resuming, and the command end to end on a tiny configuration."""
 
 import csv
+from dataclasses import replace
 
 import pytest
 import torch
 
-from maspo_verl.lab.__main__ import main
+from maspo_verl.lab.__main__ import parse
 from maspo_verl.lab.engine import grid
+from maspo_verl.lab.engine.common import full_log
 from maspo_verl.lab.engine.tuning import choose
 from maspo_verl.lab.studies import granularity as g
 
@@ -75,20 +77,24 @@ def test_the_registered_seeds_are_fresh_and_disjoint():
     assert len(g.HELD_SEEDS) >= 64
 
 
-def test_the_command_tunes_then_judges_and_resumes(tmp_path, monkeypatch):
-    monkeypatch.setattr(g, "CELLS", ("L12/stale1/U2/lr0.5",))
-    monkeypatch.setattr(g, "WINDOWS", (1, 2, 12))
-    monkeypatch.setattr(g, "WIDTHS", ("1", "inf"))
-    monkeypatch.setattr(g, "TUNE_SEEDS", (7, 8))
-    monkeypatch.setattr(g, "HELD_SEEDS", (20, 21, 22))
+def test_the_command_tunes_then_judges_and_resumes(tmp_path):
+    small = replace(
+        g.part1(), cells=("L12/stale1/U2/lr0.5",), windows=(1, 2, 12), settings=("1", "inf"), tune_seeds=(7, 8),
+        held_seeds=(20, 21, 22),
+    )  # fmt: skip
+
+    def main(argv):  # the lab command, on the small design
+        with full_log(tmp_path / "lab.log"):
+            g.run(parse(argv), argv, small)
+
     base = ["granularity", "--out", str(tmp_path), "--steps", "3", "--workers", "1", "--groups", "2",
             "--group-size", "2"]  # fmt: skip
     main([*base, "--phase", "tune"])
     assert (tmp_path / "choice.csv").is_file() and not (tmp_path / "tests.csv").exists()
     with open(tmp_path / "runs.csv") as f:
-        choices = choose(list(csv.DictReader(f)), g.HELD_SEEDS[0], baseline=g.TOKEN)
-    order = [g._key(j) for j in g.tested_first(g.jobs_of(g.HELD_SEEDS), choices)]
-    read = {(c, *arm) for _, c, *arms in g.comparisons(choices) for arm in arms}  # by hand, not _read_by_tests
+        choices = choose(list(csv.DictReader(f)), 20, baseline=g.TOKEN)
+    order = [g._key(j) for j in g.tested_first(g.jobs_of(small, small.held_seeds), choices, small)]
+    read = {(c, *arm) for _, c, *arms in g.comparisons(choices, small) for arm in arms}  # by hand, not _read_by_tests
     assert set(order[: len(read)]) == read and not set(order[len(read) :]) & read  # what a test reads runs first
     main([*base, "--phase", "held", "--resume"])
     with open(tmp_path / "runs.csv") as f:

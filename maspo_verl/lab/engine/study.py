@@ -9,6 +9,8 @@ import pkgutil
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from maspo_verl.lab.engine.cells import parse_cell
+
 PACKAGE = "maspo_verl.lab.studies"
 
 
@@ -18,7 +20,9 @@ class Study:
     ``summary``: what it measures, one line; ``folder``: its results folder (docs/results/<folder>/, default the
     command); ``writes``: the files its report-only path writes (``--report``, or with ``reads_only`` the command
     as it was run: a report of other folders); ``modes``: a flag -> the module that runs it (or the flag's values ->
-    modules)."""
+    modules). A study with a registered design declares it here, and its code reads it from here: ``arms`` (loss
+    presets or variants), ``cells`` (``engine.cells``' grammar), ``tune_seeds`` (that choose each arm's setting)
+    and ``held_seeds`` (fresh seeds that judge it)."""
 
     command: str | None
     summary: str
@@ -26,10 +30,18 @@ class Study:
     writes: tuple[str, ...] = ()
     reads_only: bool = False
     modes: dict = field(default_factory=dict)
+    arms: tuple[str, ...] = ()
+    cells: tuple[str, ...] = ()
+    tune_seeds: tuple[int, ...] = ()
+    held_seeds: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.folder:
             object.__setattr__(self, "folder", self.command)
+        for cell in self.cells:
+            parse_cell(cell)
+        if set(self.tune_seeds) & set(self.held_seeds):
+            raise ValueError(f"study {self.folder}: its tuning seeds and held-out seeds overlap")
 
 
 def module(name: str) -> ModuleType:

@@ -34,18 +34,19 @@ STUDY = Study(
     "pre-registered: token vs windows vs aligned units vs adaptive, each arm's band tuned alike, fresh seeds",
     writes=("README.md", "tests.csv", "decisions.csv", "cells.csv", "design.csv", "tests.png"),
     modes={"part": {2: "granularity_warm", 4: "granularity_vllm"}},
+    cells=("L96/stale2/U4", "L96/stale2/U4/lr1", "L96/stale2/U4/lr1/u24"),
+    tune_seeds=tuple(range(20000, 20032)),
+    held_seeds=tuple(range(30000, 30064)),
 )
 
 OUT = STUDY.folder
-CELLS = ("L96/stale2/U4", "L96/stale2/U4/lr1", "L96/stale2/U4/lr1/u24")
+CELLS, TUNE_SEEDS, HELD_SEEDS = STUDY.cells, STUDY.tune_seeds, STUDY.held_seeds
 WINDOWS = (1, 2, 4, 8, 16, 32, 96)
 FIXED = "maspo_fixed@segment_window="
 TOKEN = f"{FIXED}1"  # H1's reference: token granularity in log space, the same code path as every window
 ALIGNED, OFFSET, SHUFFLED = "maspo_words~units", "maspo_words~units_offset", "maspo_words~units_shuffled"
 ADAPTIVE = ("maspo_adaptive", "maspo_adaptive@adaptive_criterion=correlation")
 WIDTHS = ("0.015625", "0.0625", "0.25", "1", "4", "16", "inf")
-TUNE_SEEDS = tuple(range(20000, 20032))
-HELD_SEEDS = tuple(range(30000, 30064))
 SAMPLE_SEED = 52
 MARGIN = 0.03  # TOST margin, final reward
 ALPHA = 0.05
@@ -93,28 +94,28 @@ NO_CLIP = f"/{UNCLIPPED}"  # a learning-rate setting with the clip off (the dual
 
 
 def part1() -> Design:
-    """Part 1's design (read when called: the tests shrink the module's constants)."""
+    """Part 1's registered design (a test passes a smaller one to ``run``)."""
     return Design(
         "speech", CELLS, WINDOWS, ALIGNED, (OFFSET, SHUFFLED), WIDTHS, "width", "narrowest width", TUNE_SEEDS,
         HELD_SEEDS, FAMILIES, clip_is_knob=True,
     )  # fmt: skip
 
 
-def arms() -> list[Preset]:
+def arms(d: Design) -> list[Preset]:
     """The 12 registered arms: H1's windows, H2's unit segments, H3's adaptive criteria."""
-    fixed = [variant(f"{FIXED}{w}") for w in WINDOWS]
+    fixed = [variant(f"{FIXED}{w}") for w in d.windows]
     (words,) = discover_presets(["maspo_words"])
     units = [replace(words, name=f"maspo_words~{c}", control=c) for c in ("units", "units_offset", "units_shuffled")]
-    adaptive = [variant(n) if "@" in n else discover_presets([n])[0] for n in ADAPTIVE]
+    adaptive = [variant(n) if "@" in n else discover_presets([n])[0] for n in d.adaptive]
     return fixed + units + adaptive
 
 
-def jobs_of(seeds: tuple[int, ...], cells=None, widths=None) -> list[grid.Job]:
+def jobs_of(d: Design, seeds: tuple[int, ...]) -> list[grid.Job]:
     jobs = [
-        grid.Job(task="speech", preset=widen(p, w), seeds=seeds, **vars(parse_cell(c)))
-        for c in cells or CELLS
-        for p in arms()
-        for w in widths or WIDTHS
+        grid.Job(task=d.task, preset=widen(p, w), seeds=seeds, **vars(parse_cell(c)))
+        for c in d.cells
+        for p in arms(d)
+        for w in d.settings
     ]
     return sorted(jobs, key=lambda j: -j.length)
 
@@ -125,9 +126,9 @@ def _key(job_or_row) -> tuple:
     return job_or_row.cell, job_or_row.preset.name, job_or_row.preset.band
 
 
-def _read_by_tests(choices: list[dict]) -> set[tuple]:
+def _read_by_tests(choices: list[dict], d: Design) -> set[tuple]:
     """(cell, arm, width) of every job a registered test reads: an arm at its chosen width, unclipped, matched KL."""
-    return {(c, a[0], a[1]) for _, c, *arms in comparisons(choices) for a in arms}
+    return {(c, a[0], a[1]) for _, c, *arms in comparisons(choices, d) for a in arms}
 
 
 def _jobs(runs: list[dict], seeds: tuple[int, ...], keys: set | None = None) -> int:
@@ -136,9 +137,9 @@ def _jobs(runs: list[dict], seeds: tuple[int, ...], keys: set | None = None) -> 
     return len(done & keys if keys is not None else done)
 
 
-def tested_first(jobs: list[grid.Job], choices: list[dict]) -> list[grid.Job]:
+def tested_first(jobs: list[grid.Job], choices: list[dict], d: Design) -> list[grid.Job]:
     """``jobs`` with those a registered test reads first; the other widths' held-out runs feed no test."""
-    needed = _read_by_tests(choices)
+    needed = _read_by_tests(choices, d)
     return sorted(jobs, key=lambda j: _key(j) not in needed)
 
 
@@ -281,13 +282,13 @@ def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def cells_table(runs: list[dict], choices: list[dict]) -> list[dict]:
+def cells_table(runs: list[dict], choices: list[dict], d: Design) -> list[dict]:
     """Per cell: W = 1's chosen width and held-out final reward, and its drift log-ratios' measured correlation
     (pooled over the held-out job's seeds and steps) beside independent log-ratios'."""
     out = []
     for cell in dict.fromkeys(c["cell"] for c in choices):
         band = next(c["best_band"] for c in choices if (c["cell"], c["loss"]) == (cell, TOKEN))
-        mine = [r for r in runs if _key(r) == (cell, TOKEN, band) and int(r["seed"]) in HELD_SEEDS]
+        mine = [r for r in runs if _key(r) == (cell, TOKEN, band) and int(r["seed"]) in d.held_seeds]
         length = int(mine[0]["length"]) if mine else 1
         metrics = grid.drift_metrics(None) | grid.drift_metrics(None, "seen_")
         out.append(
@@ -335,28 +336,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --part 2 and 4 run granularity_warm's driver and write their folders (the lab CLI swaps the module in)
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> None:
+def run(args: argparse.Namespace, argv: list[str], design: Design | None = None) -> None:
+    d = design or part1()
     if args.pieces:
         raise SystemExit("--pieces: parts 2 and 4 only (--part 2, --part 4); part 1 resumes job by job with --resume")
     out = Path(args.out)
     if args.report:
-        return report(out, args)
+        return report(out, args, d)
     runs = read_csv(out / "runs.csv") if args.resume else []
     if args.resume:
         journal.again(out, argv)
     else:
         journal.start(out, argv)
-    args.seeds = len(HELD_SEEDS)
+    args.seeds = len(d.held_seeds)
     if args.phase in ("tune", "all"):
-        runs = grid.run_jobs(missing(jobs_of(TUNE_SEEDS), runs), args, out, "runs.csv", kept=runs)
-        write_csv(out / "choice.csv", choose(runs, HELD_SEEDS[0], baseline=TOKEN))
+        runs = grid.run_jobs(missing(jobs_of(d, d.tune_seeds), runs), args, out, "runs.csv", kept=runs)
+        write_csv(out / "choice.csv", choose(runs, d.held_seeds[0], baseline=TOKEN))
     if args.phase in ("held", "all"):
         if not (out / "choice.csv").is_file():
             raise SystemExit(f"--phase held: {out / 'choice.csv'} is missing: run --phase tune first")
-        choices = choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
-        jobs = tested_first(missing(jobs_of(HELD_SEEDS), runs), choices)
+        choices = choose([r for r in runs if int(r["seed"]) in d.tune_seeds], d.held_seeds[0], baseline=TOKEN)
+        jobs = tested_first(missing(jobs_of(d, d.held_seeds), runs), choices, d)
         runs = grid.run_jobs(jobs, args, out, "runs.csv", kept=runs)
-        report(out, args)
+        report(out, args, d)
 
 
 def check_choice(path: Path, choices: list[dict]) -> None:
@@ -367,19 +369,20 @@ def check_choice(path: Path, choices: list[dict]) -> None:
         raise SystemExit(f"{path} differs from the choice its tuning runs make: re-run --phase tune")
 
 
-def report(out: Path, args) -> None:
+def report(out: Path, args, design: Design | None = None) -> None:
     from maspo_verl.lab.engine import common
 
+    d = design or part1()
     runs = read_csv(out / "runs.csv")
-    choices = choose([r for r in runs if int(r["seed"]) in TUNE_SEEDS], HELD_SEEDS[0], baseline=TOKEN)
+    choices = choose([r for r in runs if int(r["seed"]) in d.tune_seeds], d.held_seeds[0], baseline=TOKEN)
     check_choice(out / "choice.csv", choices)
-    rows = tests(runs, choices)
+    rows = tests(runs, choices, d)
     verdicts = decisions(rows)
-    cells = cells_table(runs, choices)
-    tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design_table(part1())}
+    cells = cells_table(runs, choices, d)
+    tables = {"tests.csv": rows, "decisions.csv": verdicts, "cells.csv": cells, "design.csv": design_table(d)}
     common.write_tables(out, tables)
-    plot(rows, out / "tests.png", FAMILIES)
-    text = readme(runs, choices, rows, verdicts, cells, journal.read(out), journal.deviations(out))
+    plot(rows, out / "tests.png", d.families)
+    text = readme(runs, choices, rows, verdicts, cells, journal.read(out), journal.deviations(out), d)
     (out / "README.md").write_text(text)
     common.report_written(out)
 
@@ -495,8 +498,8 @@ def bracket_note(choices: list[dict], d: Design) -> str:
     return " ".join(notes)
 
 
-def readme(runs, choices, rows, verdicts, cells, command, deviations) -> str:
-    d = part1()
+def readme(runs, choices, rows, verdicts, cells, command, deviations, d: Design) -> str:
+    tune, held, read = d.tune_seeds, d.held_seeds, _read_by_tests(choices, d)
     lines = [
         "# Granularity at matched step size: results of the pre-registered study",
         "",
@@ -504,11 +507,10 @@ def readme(runs, choices, rows, verdicts, cells, command, deviations) -> str:
         "registered test of the parts run so far is below, whatever its outcome. Made by "
         "`python -m maspo_verl.lab granularity` (engine `maspo_verl/lab/studies/regimes.py`, "
         "tuning `regimes_tuned.py`, "
-        f"tests `stats.py`): {len(runs)} runs ({_jobs(runs, TUNE_SEEDS)} tuning jobs x {len(TUNE_SEEDS)} seeds, "
-        f"{_jobs(runs, HELD_SEEDS)} of {len(jobs_of(HELD_SEEDS))} held-out jobs x {len(HELD_SEEDS)} seeds, among them "
-        f"{_jobs(runs, HELD_SEEDS, _read_by_tests(choices))} of the {len(_read_by_tests(choices))} that a registered "
-        f"test reads), tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
-        f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, sample seed {SAMPLE_SEED}.",
+        f"tests `stats.py`): {len(runs)} runs ({_jobs(runs, tune)} tuning jobs x {len(tune)} seeds, "
+        f"{_jobs(runs, held)} of {len(jobs_of(d, held))} held-out jobs x {len(held)} seeds, among them "
+        f"{_jobs(runs, held, read)} of the {len(read)} that a registered test reads), tuning seeds "
+        f"{tune[0]}-{tune[-1]}, held-out seeds {held[0]}-{held[-1]}, sample seed {SAMPLE_SEED}.",
         "",
         "```",
         command.strip(),

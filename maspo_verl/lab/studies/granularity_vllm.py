@@ -48,9 +48,12 @@ STUDY = Study(
         "design.csv",
         "tests.png",
     ),
+    tune_seeds=(400, 401),
+    held_seeds=tuple(range(500, 504)),
 )
 
 FOLDER = STUDY.folder
+TUNE_SEEDS, HELD_SEEDS = STUDY.tune_seeds, STUDY.held_seeds
 TASK = PRETRAINED  # lab learn --tasks smollm2: model=smollm2 on its arithmetic task, the data from the seed
 
 
@@ -78,8 +81,6 @@ LEARN = (
 WHOLE = f"{g.FIXED}{LENGTH}"  # one ratio per response
 ARMS = (learn.BASELINE, g.TOKEN, WHOLE)
 LRS = ("3e-6", "1e-5", "3e-5")  # the model config's 1e-5 in the middle
-TUNE_SEEDS = (400, 401)
-HELD_SEEDS = tuple(range(500, 504))
 METRIC = "mean_reward"  # lab learn's mean of critic/score/mean over the run's steps
 MARGIN = 0.05  # TOST margin, mean training reward
 ENGINE = "vllm"  # every run on verl's vLLM rollout: one the local mode moved to the transformers rollout has failed

@@ -43,6 +43,8 @@ from maspo_verl.lab.engine.study import Study
 from maspo_verl.lab.studies import granularity as g
 from maspo_verl.lab.studies import learn
 
+WINDOWS = (1, 2, 8, 24, 96)
+OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
 STUDY = Study(
     None,
     "part 2 of the pre-registered granularity study: the warm speech model (lab learn --engine lab, "
@@ -59,12 +61,16 @@ STUDY = Study(
         "design.csv",
         "tests.png",
     ),
+    arms=(*(f"{g.FIXED}{w}" for w in WINDOWS), *g.ADAPTIVE, OFFSET),
+    cells=("L96/stale2/U4",),  # lab learn's label of --cells 96/stale2/4
+    tune_seeds=tuple(range(200, 204)),
+    held_seeds=tuple(range(300, 312)),
 )
 
 FOLDER = STUDY.folder
+ARMS, (CELL,), TUNE_SEEDS, HELD_SEEDS = STUDY.arms, STUDY.cells, STUDY.tune_seeds, STUDY.held_seeds
 PIECES = "pieces"  # one folder per piece
 TASK = "speechwarm"
-CELL = "L96/stale2/U4"  # lab learn's label of --cells 96/stale2/4
 # the registered lab learn command of every piece (PREREGISTRATION.md, part 2); --last 5: part 1's final reward
 LEARN = (
     "--tasks", TASK, "--cells", "96/stale2/4", "--steps", "20", "--bypass", "--fp32-trainer", "--no-adjust",
@@ -88,13 +94,8 @@ CONFIRM_COLUMNS = (  # family C's table in the README
     "p_tost_holm",
     "outcome",
 )
-WINDOWS = (1, 2, 8, 24, 96)
 ALIGNED = f"{g.FIXED}24"  # the warm model's words last exactly 24 frames
-OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
-ARMS = (*(f"{g.FIXED}{w}" for w in WINDOWS), *g.ADAPTIVE, OFFSET)
 LRS = ("1e-4", "3e-4", "1e-3", "3e-3")
-TUNE_SEEDS = tuple(range(200, 204))
-HELD_SEEDS = tuple(range(300, 312))
 FAMILIES = {
     "F1a": "H1, each at its tuned learning rate: window W minus W = 1",
     "F1b": "H1, both unclipped at their tuned learning rates: window W minus W = 1",
@@ -350,16 +351,13 @@ def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], par
 
 
 def run_piece(out: Path, piece: Piece, part: Part) -> None:
-    """One piece: its ``lab learn`` command, parsed by the lab CLI (a renamed flag fails here) and run."""
-    from maspo_verl.lab import __main__ as lab
-
+    """One piece: its ``lab learn`` command, parsed by lab learn's parser (a renamed flag fails here) and run."""
     argv = piece.argv(out, part.flags)
     if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
         argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
     journal.note(out, f"\npiece {piece.name}: {journal.command_line(argv)}")
     start = time.monotonic()
-    args = lab.parse(argv)
-    args.module.run(args, argv)
+    learn.run(learn.parse(argv), argv)
     rows = [r for r in piece_rows(out, piece, part) if r["seed"] in piece.seeds]
     cpu = finite_mean(r.get("cpu_s") for r in rows)
     journal.note(

@@ -36,6 +36,7 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import re
@@ -160,6 +161,16 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--workers", type=int, default=1, help="--engine lab: runs at a time, each in its own process on one core"
     )
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments of one ``lab learn`` command, ``learn --out DIR [options]`` (a study that runs it in pieces)."""
+    p = argparse.ArgumentParser(prog="python -m maspo_verl.lab learn")
+    p.add_argument("--out", required=True)
+    add_arguments(p)
+    if argv[:1] != [STUDY.command]:
+        raise SystemExit(f"{journal.command_line(argv)}: not a lab {STUDY.command} command")
+    return p.parse_args(argv[1:])
 
 
 # -- cells --------------------------------------------------------------------------------------

@@ -45,12 +45,13 @@ STUDY = Study(
     "regimes_tuned",
     "the regime grid, fair: each preset's clip band tuned (same budget), judged on held-out seeds",
     writes=("README.md", "tuned_choice.csv", "tuned_compare.csv", "tuned_cells.csv", "tuned_vs_grpo.png"),
+    cells=("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4"),
 )
 
 OUT = STUDY.folder
 WIDTHS = ("0.25", "1", "4", "16", "inf")
 CONTROL = grid.CONTROL
-CELLS = ("L96/none/U4", "L96/stale2/U4", "L96/noise0.2/U1", "L96/none/U4/lr1", "L96/stale2/U4/lr1", "L384/stale2/U4")
+CELLS = STUDY.cells  # the default --cells
 
 
 def presets_of(names: list[str]) -> list[Preset]:
