@@ -229,7 +229,7 @@ def test_runs_round_trip_through_csv_for_resume(tmp_path):
         key | {"seed": 1} | learn.run_record(args, _steps([0.3, 0.3]), None),
     ]
     runs = [r | {"wall_s": 60.0} for r in runs]
-    write_csv(tmp_path / "runs.csv", learn._uniform(runs))
+    write_csv(tmp_path / "runs.csv", runs)
     back = learn.load_rows(tmp_path / "runs.csv")
     for row, original in zip(back, runs, strict=True):
         for k, v in original.items():

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from maspo_verl.lab.engine import journal, learn_engine, stats, word_grid
 from maspo_verl.lab.engine.cells import NO_MISMATCH, UNIT_MEDIAN, Cell, parse_cell
-from maspo_verl.lab.engine.common import log, markdown_table, pyplot, write_csv
+from maspo_verl.lab.engine.common import log, markdown_table, pyplot, read_csv, write_csv
 from maspo_verl.lab.engine.learn_engine import ENGINES
 from maspo_verl.lab.engine.runs import run_local
 from maspo_verl.lab.engine.stats import mean_interval
@@ -735,14 +735,14 @@ def _run_seeds(args, cells, bands, done, out: Path, logs: Path, failed: list[str
         )
         # every run on disk at once: a stopped benchmark resumes (--resume) where it stopped
         write_csv(out / "learn_steps.csv", step_rows)
-        write_csv(out / "learn_runs.csv", _uniform(runs))
+        write_csv(out / "learn_runs.csv", runs)  # the union of the runs' keys
     write_results(args, cells, out, step_rows, runs)
 
 
 def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], runs: list[dict]) -> None:
     summary = summarise(args, cells, runs)
     comparisons = compare(args, cells, runs)
-    write_csv(out / "learn_summary.csv", _uniform(summary))
+    write_csv(out / "learn_summary.csv", summary)
     if comparisons:
         write_csv(out / "learn_compare.csv", comparisons)
     else:  # e.g. grpo not among the losses: the header only
@@ -758,34 +758,21 @@ TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout
 
 
 def load_rows(path: Path) -> list[dict]:
-    """Rows of a learn CSV as the run wrote them (ints, bools, None for empty, floats)."""
-    import csv
-
-    if not path.exists():
-        return []
+    """Rows of a learn CSV as the run wrote them (ints, bools, None for empty, floats); [] where it is missing."""
     rows = []
-    with open(path, newline="") as f:
-        for raw in csv.DictReader(f):
-            row = {}
-            for key, value in raw.items():
-                if key in TEXT_COLUMNS:
-                    row[key] = value
-                elif value in ("True", "False"):
-                    row[key] = value == "True"
-                elif value == "":
-                    row[key] = None if key in INT_COLUMNS else float("nan")
-                else:
-                    row[key] = int(value) if key in INT_COLUMNS else float(value)
-            rows.append(row)
+    for raw in read_csv(path):
+        row = {}
+        for key, value in raw.items():
+            if key in TEXT_COLUMNS:
+                row[key] = value
+            elif value in ("True", "False"):
+                row[key] = value == "True"
+            elif value == "":
+                row[key] = None if key in INT_COLUMNS else float("nan")
+            else:
+                row[key] = int(value) if key in INT_COLUMNS else float(value)
+        rows.append(row)
     return rows
-
-
-def _uniform(rows: list[dict]) -> list[dict]:
-    """Rows with the union of keys (diagnostics appear only in some runs), missing ones empty."""
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    return [{k: r.get(k, "") for k in keys} for r in rows]
 
 
 # -- plots and README -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from maspo_verl.lab.engine import journal, stats
-from maspo_verl.lab.engine.common import markdown_table, pyplot, read_csv, write_tables
+from maspo_verl.lab.engine.common import as_float, markdown_table, pyplot, read_csv, write_tables
 from maspo_verl.lab.engine.stats import mean_interval
 
 BASELINE = "grpo"
@@ -34,13 +34,6 @@ COMPARE_COLUMNS = (
     "supported",
     "supported_holm",
 )
-
-
-def _num(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return float("nan")
 
 
 def _cells(runs: list[dict]) -> list[tuple]:
@@ -67,15 +60,15 @@ def summarise(runs: list[dict]) -> list[dict]:
                 continue
             row = {"task": task, "cell": cell, "loss": loss, "seeds": len(mine)}
             for key in ("final_reward", "auc", "steps_to_target_c"):
-                m, lo, hi = mean_interval([_num(r[key]) for r in mine])
+                m, lo, hi = mean_interval([as_float(r[key]) for r in mine])
                 row[key] = (
                     f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if key != "steps_to_target_c" else f"{m:.1f} [{lo:.1f}, {hi:.1f}]"
                 )
             row["reached"] = f"{sum(r['steps_to_target'] not in ('', None) for r in mine)}/{len(mine)}"
             row["collapses"] = sum(r["collapse"] == "True" for r in mine)
-            row["clipfrac"] = float(np.mean([_num(r["clipfrac"]) for r in mine]))
-            row["grad_norm"] = float(np.mean([_num(r["grad_norm"]) for r in mine]))
-            row["logratio_sd"] = float(np.mean([_num(r["logratio_sd"]) for r in mine]))
+            row["clipfrac"] = float(np.mean([as_float(r["clipfrac"]) for r in mine]))
+            row["grad_norm"] = float(np.mean([as_float(r["grad_norm"]) for r in mine]))
+            row["logratio_sd"] = float(np.mean([as_float(r["logratio_sd"]) for r in mine]))
             out.append(row)
     return out
 
@@ -98,7 +91,8 @@ def compare(runs: list[dict]) -> list[dict]:
             for metric in METRICS:
                 d = np.array(
                     [
-                        _num(by[(task, cell, loss, str(s))][metric]) - _num(by[(task, cell, BASELINE, str(s))][metric])
+                        as_float(by[(task, cell, loss, str(s))][metric])
+                        - as_float(by[(task, cell, BASELINE, str(s))][metric])
                         for s in seeds
                     ]
                 )
@@ -139,7 +133,7 @@ def mismatch_table(runs: list[dict]) -> list[dict]:
         if r["loss"] != BASELINE:
             continue
         key = (r["task"], r["mismatch"], int(r["length"]), int(r["updates"]))
-        out.setdefault(key, []).append(_num(r["logratio_sd"]))
+        out.setdefault(key, []).append(as_float(r["logratio_sd"]))
     rows = []
     for (task, mismatch, length, updates), v in sorted(
         out.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])
@@ -228,7 +222,7 @@ def plot_curves(curves: list[dict], path: Path) -> None:
     for ax, (task, cell) in zip(axes.flat, panels, strict=False):
         for loss in sorted({c["loss"] for c in curves}, key=lambda n: (n != BASELINE, n)):
             pts = sorted(
-                (int(c["step"]), _num(c["reward"]))
+                (int(c["step"]), as_float(c["reward"]))
                 for c in curves
                 if (c["task"], c["cell"], c["loss"]) == (task, cell, loss)
             )
