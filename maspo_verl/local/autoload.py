@@ -1,5 +1,5 @@
 """The ``maspo_verl_local`` ``verl.plugins`` entry point: in a process of a local-mode run
-(``MASPO_VERL_LOCAL`` set, for the driver and every Ray worker by ``maspo_verl.local.mode.prepare``),
+(``MASPO_VERL_LOCAL`` set, for the driver and every Ray worker by ``maspo_verl.local.mode.prepare_run``),
 ``import verl`` activates the local mode's platform and rollout; elsewhere it does nothing."""
 
 import logging

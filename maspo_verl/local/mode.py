@@ -69,10 +69,10 @@ class LocalMode:
             yield
 
     def run(self) -> None:
-        """The run filled in (``prepare``), then the start-up checks on the config that runs."""
+        """The run filled in (``prepare_run``), then the start-up checks on the config that runs."""
         from maspo_verl.plugin.checks import run_startup_checks
 
-        self.used = prepare(self.config)
+        self.used = prepare_run(self.config)
         run_startup_checks(self.config)
 
 
@@ -92,7 +92,7 @@ def check_settings(config) -> str:
     return mode
 
 
-def prepare(config) -> dict:
+def prepare_run(config) -> dict:
     """Fill in the local mode's paths, environment and overrides on the composed (mutable) config; activate verl's
     adaptations. Returns the run's model and data paths and what was filled in (``tasks.fill_model_and_data``)."""
     from omegaconf import open_dict

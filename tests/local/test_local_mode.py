@@ -164,7 +164,7 @@ def local_env(monkeypatch):
 
 def test_prepare_embedded_defaults(local_env, tmp_path):
     config = _compose(["local=cpu", "loss=maspo_tokenval", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
-    used = local_mode.prepare(config)
+    used = local_mode.prepare_run(config)
     assert used["model"] == used["train"] == used["val"] == "embedded"
     assert config.actor_rollout_ref.model.path.startswith(str(tmp_path))
     assert config.reward.custom_reward_function.path == reward.__file__
@@ -205,7 +205,7 @@ def test_prepare_picks_the_precision_of_the_cpu(local_env, tmp_path, native, mon
 
     monkeypatch.setattr(cpu_dtype, "native_bf16", lambda: (native, "mocked"))
     config = _compose(["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
-    local_mode.prepare(config)
+    local_mode.prepare_run(config)
     out = capsys.readouterr().out
     mixed = config.actor_rollout_ref.actor.fsdp_config.mixed_precision
     said = [line for line in out.splitlines() if "no native bf16" in line]
@@ -243,7 +243,7 @@ def test_prepare_keeps_user_paths(local_env, tmp_path, built):
             f"data.val_files={val}",
         ]
     )
-    used = local_mode.prepare(config)
+    used = local_mode.prepare_run(config)
     assert (used["model"], used["train"], used["val"]) == (model, train, val)
     assert config.reward.custom_reward_function.path is None  # the user's data: verl's own reward routing
     assert config.actor_rollout_ref.actor.policy_loss.codec_offset == 128264  # the user's model: untouched
@@ -261,7 +261,7 @@ def test_prepare_gives_a_private_cluster_a_gpu_per_worker(local_env, tmp_path, g
     config = _compose(
         ["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}", f"trainer.n_gpus_per_node={gpus}"]
     )
-    local_mode.prepare(config)
+    local_mode.prepare_run(config)
     ray_init = config.ray_kwargs.ray_init
     if joined:
         assert "num_gpus" not in ray_init

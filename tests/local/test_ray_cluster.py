@@ -45,7 +45,7 @@ def env(monkeypatch):
 
 def _prepare(overrides, tmp_path):
     config = _compose(["local=cpu", *USER_PATHS, *overrides])
-    local_mode.prepare(config)
+    local_mode.prepare_run(config)
     return config.ray_kwargs.ray_init
 
 
@@ -135,7 +135,7 @@ def test_local_mode_merges_with_the_jobs_runtime_env(env, tmp_path, job_sets):
     job["env_vars"].update(job_sets)
     _enter_job(env, job)
     config = _compose(["local=cpu", *USER_PATHS])
-    local_mode.prepare(config)
+    local_mode.prepare_run(config)
     driver = _driver_runtime_env(config)
     merged = _merge_runtime_env(job, driver)
     assert merged is not None, f"Ray refuses: job {job['env_vars']} vs driver {driver.get('env_vars')}"

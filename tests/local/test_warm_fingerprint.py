@@ -69,7 +69,7 @@ def test_a_speechwarm_run_says_its_fingerprint_and_hands_it_to_its_workers(warm,
     given += [f"task={task}", "data.max_response_length=8", f"actor_rollout_ref.model.path={warm['a']}"] if task else []
     config = compose_config(*given)
     tasks.prepare_task(config)
-    local_mode.prepare(config)
+    local_mode.prepare_run(config)
     env = config.ray_kwargs.ray_init.runtime_env.env_vars
     said = [line for line in capsys.readouterr().out.splitlines() if "the warm model's fingerprint" in line]
     if task:
