@@ -3,7 +3,7 @@
 Composes ``hydra_configs/maspo_trainer.yaml`` (verl's ``ppo_trainer.yaml`` + our loss presets),
 runs our start-up checks, then hands the config to verl's own ``main_ppo`` entry.
 
-- ``local=cpu`` switches on the local CPU mode (``maspo_verl.local``), imported only then: a short
+- ``local=cpu`` switches on the local CPU mode (``maspo_verl.local.mode.LocalMode``), imported only then: a short
   console log, the run's metrics and whole log in its run folder, a closing block at the end.
   ``task=turns`` adds its multi-turn toy environment (``maspo_verl.local.turns``).
 - ``maspo.dry_run=true`` stops after verl's own config validation and prints the resolved
@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from maspo_verl.batch_sizes import check_batch_sizes
-from maspo_verl.plugin.checks import run_startup_checks
+from maspo_verl.plugin.checks import check_policy_loss, run_startup_checks
 from maspo_verl.plugin.preflight import preflight, unrefused
 from maspo_verl.util import config_dir
 from maspo_verl.validation import FieldError, root_cause, unknown_message
@@ -108,49 +108,38 @@ def dry_run(config: DictConfig, unrefused: int = 0) -> dict:
 
 
 def run(config: DictConfig) -> None:
-    """Batch-size checks, the local mode's preparation, start-up checks, then verl's main_ppo body (or
-    the dry run). The local mode fills in its model and data before the start-up checks, so they see
-    the config that runs (e.g. the tokenizer that ``segment_rule=delimiters`` resolves its strings
-    against); a local run's console, run folder and Ray temp dirs are the session's."""
+    """A local run (``maspo.local``) asks its ``LocalMode`` in order: the task's data, the checks, the session, the
+    run's preparation and start-up checks; then verl's main_ppo body (or the dry run) starts. Elsewhere: the
+    batch-size checks, the start-up checks, the preflight, then the same start."""
     maspo = config.get("maspo", {}) or {}
-    if maspo.get("task"):
-        from maspo_verl import local
+    if maspo.get("local"):
+        from maspo_verl.local.mode import LocalMode
 
-        local.prepare_task(config)  # the task's lengths and data (task=turns), before the batch checks
+        mode = LocalMode(config)
+        mode.prepare()  # the task's lengths and data (task=turns), before the batch checks read them
+        mode.checks()  # the config's own errors first, then what it names on this machine
+        with mode.session():  # the console, run folder and closing block of a run; a dry run's console
+            mode.run()  # before verl's trainer module: it picks the platform on import
+            _start(config, mode.unrefused)
+        return
+    if maspo.get("task"):
+        from maspo_verl.local.tasks import prepare_task
+
+        prepare_task(config)  # refuses a toy task of the local mode without local=cpu
     check_batch_sizes(config)  # the config's own errors first, then what it names on this machine
     check_policy_loss(config)
-    if not maspo.get("local"):
-        run_startup_checks(config)
-        lines = preflight(config, local=False)  # paths and GPUs (in a dry run, GPUs missing are a note)
-        if maspo.get("dry_run"):
-            dry_run(config, unrefused(lines))
-        else:
-            _verl_main(config)
-        return
-    from maspo_verl import local
+    run_startup_checks(config)
+    lines = preflight(config, local=False)  # paths and GPUs (in a dry run, GPUs missing are a note)
+    _start(config, unrefused(lines))
 
-    lines = preflight(config, local=True)  # the paths given; those left unset are local.prepare's to fill
-    if maspo.get("dry_run"):
-        local.prepare(config)
-        run_startup_checks(config)
-        dry_run(config, unrefused(lines))
-        return
-    with local.session(config):
-        local.prepare(config)  # before verl's trainer module: it picks the platform on import
-        run_startup_checks(config)
+
+def _start(config: DictConfig, unrefused: int) -> None:
+    """verl's main_ppo body, or with ``maspo.dry_run`` the dry run (``unrefused``: the preflight's problems
+    ``maspo.preflight=warn`` printed instead of refusing)."""
+    if (config.get("maspo", {}) or {}).get("dry_run"):
+        dry_run(config, unrefused)
+    else:
         _verl_main(config)
-
-
-def check_policy_loss(config: DictConfig) -> None:
-    """Build our policy-loss config as verl will (its checks run), so a bad value is refused before anything
-    starts (no Ray, no run folder), not by verl's validation inside the run."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from maspo_verl.config import TARGET
-
-    section = config.actor_rollout_ref.actor.policy_loss
-    if section.get("_target_") == TARGET:
-        omega_conf_to_dataclass(section)
 
 
 def _verl_main(config: DictConfig) -> None:

@@ -138,7 +138,7 @@ def activate() -> None:
 
     register_update_metrics(fingerprint_metrics)  # task=speechwarm: the warm model's fingerprint, every step
     from maspo_verl.local import turns_agent  # noqa: F401 - registers the toy multi-turn agent loop
-    from maspo_verl.local.run_log import install_worker_hooks
+    from maspo_verl.local.console import install_worker_hooks
 
     install_worker_hooks()
     _activated = True

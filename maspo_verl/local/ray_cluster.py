@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from maspo_verl.local.mismatch import MISMATCH_ENV
@@ -181,3 +182,57 @@ def machine_line(ray_init, cpus: int | None = None, gpus: int | None = None) -> 
     n_gpus = ray_init.get("num_gpus")
     logical = f"{ray_init.get('num_cpus')} logical CPUs and {n_gpus} logical GPU{'s' * (n_gpus != 1)}"
     return f"{machine}; the private Ray cluster counts {logical} (for verl's resource checks; no GPU is used)"
+
+
+# temp dirs of private Ray clusters this process started (removed by the session)
+CREATED_TEMP_DIRS: list[str] = []
+
+
+def trainer_workers(config) -> int:
+    """The trainer's worker processes (its data-parallel ranks): ``trainer.nnodes * trainer.n_gpus_per_node``."""
+    return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+
+
+def configure(config, env: dict[str, str]) -> None:
+    """Ray: the given cluster (RAY_ADDRESS, set inside `ray job submit`), else a private one in its own temp dir (none
+    in a dry run); the local env (``env``) in every worker."""
+    new_temp_dir = None if config.maspo.get("dry_run") else _private_temp_dir
+    address = configure_ray_init(config.ray_kwargs.ray_init, env, new_temp_dir)
+    if address is None:
+        _fit_private_cluster(config)
+        if new_temp_dir is not None:  # a token in the cluster's temp dir, none in HOME
+            os.environ.update(private_token_env(config.ray_kwargs.ray_init._temp_dir))
+            _run_temp_folder(config.ray_kwargs.ray_init)
+
+
+def _fit_private_cluster(config) -> None:
+    """A private cluster gets at least one logical GPU per trainer worker (``trainer.nnodes *
+    n_gpus_per_node``; the ranks run FSDP on gloo), for verl's resource-pool checks."""
+    ray_init = config.ray_kwargs.ray_init
+    workers = trainer_workers(config)
+    if int(ray_init.get("num_gpus") or 0) < workers:
+        ray_init.num_gpus = workers
+
+
+def _private_temp_dir() -> str:
+    folder = tempfile.mkdtemp(prefix="maspo_ray_", dir="/tmp")  # short: Ray's socket paths are length-limited
+    CREATED_TEMP_DIRS.append(folder)
+    return folder
+
+
+RUN_TMP = "tmp"  # the run's temp folder, inside its private cluster's temp dir
+
+
+def _run_temp_folder(ray_init) -> None:
+    """A run on a private cluster keeps its temp files in its own folder, ``<cluster temp dir>/tmp``, removed with
+    the cluster's temp dir however the run ends: ``TMPDIR`` of the driver and of every Ray worker and the processes
+    they start (vLLM's ZMQ sockets, verl's checkpoint locks, multiprocessing's folders would otherwise stay in the
+    system's temp dir). Short: a unix socket's path holds at most 107 bytes. A ``TMPDIR`` in the user's
+    ``runtime_env`` wins in the workers."""
+    folder = os.path.join(str(ray_init._temp_dir), RUN_TMP)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # the driver's tempfile reads TMPDIR again
+    env_vars = ray_init.runtime_env.env_vars
+    if "TMPDIR" not in env_vars:
+        env_vars["TMPDIR"] = folder

@@ -127,7 +127,7 @@ def engine_death(server) -> str | None:
 def vllm_processes(temp_dirs) -> dict[int, str]:
     """pid -> process title of each vLLM process (``VLLM::EngineCore``, ``VLLM::Worker``, ...) of the private Ray
     clusters in ``temp_dirs`` (their processes name it in their command line or environment)."""
-    from maspo_verl.local.run_log import processes_naming
+    from maspo_verl.local.cleanup import processes_naming
 
     found = {}
     for folder in list(temp_dirs):

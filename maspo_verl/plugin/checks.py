@@ -176,3 +176,15 @@ def _bypass_checks(config) -> list[str]:
     )
     warn_once(message, logger=logger)
     return [message]
+
+
+def check_policy_loss(config) -> None:
+    """Build our policy-loss config as verl will (its checks run), so a bad value is refused before anything
+    starts (no Ray, no run folder), not by verl's validation inside the run."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from maspo_verl.config import TARGET
+
+    section = config.actor_rollout_ref.actor.policy_loss
+    if section.get("_target_") == TARGET:
+        omega_conf_to_dataclass(section)

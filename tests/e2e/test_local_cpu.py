@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from maspo_verl.lab.engine.runs import parse_steps
-from maspo_verl.local.run_log import STEP_KEYS
+from maspo_verl.local.console import STEP_KEYS
 from maspo_verl.plugin.engine_mismatch import PREFIX as ENGINE_MISMATCH
 from maspo_verl.util import read_step_metrics as read_metrics
 from tests.e2e.conftest import manager_overrides

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from maspo_verl.lab.engine.runs import RAY_TEMP_DIR
 from maspo_verl.local import cpu_dtype, speechwarm, vllm_cpu
-from maspo_verl.local.run_log import SHM_PREFIXES, held_shm, processes_naming, shm_names
+from maspo_verl.local.cleanup import SHM_PREFIXES, held_shm, processes_naming, shm_names
 from maspo_verl.util import read_step_metrics
 from tests.helpers import needs_smollm2
 

@@ -27,7 +27,7 @@ from maspo_verl.lab.studies import granularity as g
 from maspo_verl.lab.studies import granularity_vllm as gv
 from maspo_verl.lab.studies import granularity_warm as gw
 from maspo_verl.lab.studies import learn
-from maspo_verl.local import _engine_line, engine_of
+from maspo_verl.local.engine import engine_line, engine_of
 from tests.lab.conftest import fake_learn_runs
 
 GRPO, W1, WHOLE = gv.ARMS
@@ -57,7 +57,7 @@ def _console(engine: str) -> str:
     """The start-up line the local mode prints for ``engine`` (its own function)."""
     rollout = {"name": engine, "dtype": "bfloat16"}
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}, "algorithm": {}})
-    return f"[    3.0s] maspo_verl local: {_engine_line(config)}\n"
+    return f"[    3.0s] maspo_verl local: {engine_line(config)}\n"
 
 
 class FakeTrainer:

@@ -242,8 +242,8 @@ def test_runs_round_trip_through_csv_for_resume(tmp_path):
 def test_turns_tasks_select_the_local_multi_turn_task(tmp_path):
     """``turns<N>``: the cell's length is the tokens of each of N turns; the run gets the local mode's
     task (its data, lengths, agent loop and reward), none of the text/speech tasks' data or manager."""
-    from maspo_verl import local
     from maspo_verl.local import turns
+    from maspo_verl.local.tasks import prepare_task
     from tests.helpers import compose_config
 
     assert [lt.turns_of(t) for t in ("turns2", "turns24", "turns", "turns0", "turnsx", "text")] == [
@@ -256,7 +256,7 @@ def test_turns_tasks_select_the_local_multi_turn_task(tmp_path):
     assert {"task=turns", "maspo.turns=8", "maspo.turn_tokens=12", "maspo.local_seed=3"} <= set(ov)
     assert not [o for o in ov if o.startswith(("data.train_files", "data.max_", "reward.reward_manager"))]
     config = compose_config("local=cpu", f"maspo.local_cache_dir={tmp_path}", *ov)
-    local.prepare_task(config)
+    prepare_task(config)
     assert config.data.max_response_length == turns.response_length(8, 12) == 8 * 12 + 7 * 14
     assert "seed3-n8-t12" in config.data.train_files
     with pytest.raises(SystemExit, match=r"unknown \['turns0'\]"):

@@ -141,7 +141,7 @@ def test_lab_learn_selects_the_warm_model(tmp_path, monkeypatch):
 def test_local_mode_task_fills_the_warm_model_and_data(tmp_path, monkeypatch):
     import pandas as pd
 
-    from maspo_verl import local
+    from maspo_verl.local.tasks import prepare_task
     from maspo_verl.validation import FieldError
     from tests.helpers import compose_config
 
@@ -150,7 +150,7 @@ def test_local_mode_task_fills_the_warm_model_and_data(tmp_path, monkeypatch):
         sw, "ensure_model", lambda seed, length, cache_dir=None: built.append((seed, length)) or f"/w/{seed}-{length}"
     )
     config = compose_config("local=cpu", "task=speechwarm", "maspo.local_seed=2", f"maspo.local_cache_dir={tmp_path}")
-    local.prepare_task(config)
+    prepare_task(config)
     assert config.actor_rollout_ref.model.path == "/w/2-96" and (2, 96) in built
     rows = pd.read_parquet(config.data.train_files)
     target = lt.write_dataset(tmp_path / "ref", lt.WARM, seed=2, length=96)["sentence"]
@@ -160,10 +160,10 @@ def test_local_mode_task_fills_the_warm_model_and_data(tmp_path, monkeypatch):
     mine = compose_config(
         "local=cpu", "task=speechwarm", "actor_rollout_ref.model.path=/m", "data.train_files=a", "data.val_files=b"
     )
-    local.prepare_task(mine)
+    prepare_task(mine)
     assert (mine.actor_rollout_ref.model.path, mine.data.train_files) == ("/m", "a")  # the user's own
     with pytest.raises(FieldError, match=r"data.max_response_length=2: allowed >= 4"):
-        local.prepare_task(compose_config("local=cpu", "task=speechwarm", "data.max_response_length=2"))
+        prepare_task(compose_config("local=cpu", "task=speechwarm", "data.max_response_length=2"))
 
 
 @pytest.mark.slow

@@ -15,20 +15,22 @@ import tempfile
 
 import pytest
 
-from maspo_verl.local.run_log import SHM, processes_naming
+from maspo_verl.local.cleanup import SHM, processes_naming
 
 # the run itself replaced by one that is stopped by `signal` inside the local mode's session
 STOPPED_RUN = """
 import os, signal, subprocess, sys, time
-from maspo_verl import local, main
+from maspo_verl import main
+from maspo_verl.local.mode import LocalMode
+from maspo_verl.local.ray_cluster import CREATED_TEMP_DIRS
 
 sig, run_dir, temp, shm = signal.Signals[sys.argv[1]], sys.argv[2], sys.argv[3], sys.argv[4]
 
 def run(config):
-    with local.session(config):
+    with LocalMode(config).session():
         # what a run leaves while it runs: its private cluster's temp dir, a process of it, shared memory
         os.makedirs(temp)
-        local.CREATED_TEMP_DIRS.append(temp)
+        CREATED_TEMP_DIRS.append(temp)
         subprocess.Popen(["sleep", "600"], env={**os.environ, "TMPDIR": temp}, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         open(shm, "w").close()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from maspo_verl import local
-from maspo_verl.local import assets, reward
+from maspo_verl.local import adaptations, assets, environment, reward
+from maspo_verl.local import mode as local_mode
 from tests.helpers import compose_config
 
 
@@ -91,13 +92,13 @@ def test_reward_dense_and_exact():
 def test_feature_guard_names_what_is_missing(monkeypatch):
     from verl.workers.rollout import replica
 
-    assert local.missing_features() == []
-    local.check_verl_features()
+    assert adaptations.missing_features() == []
+    adaptations.check_verl_features()
     monkeypatch.delattr(replica, "RolloutReplicaRegistry")
-    missing = local.missing_features()
+    missing = adaptations.missing_features()
     assert any("verl.workers.rollout.replica.RolloutReplicaRegistry.register" in m for m in missing), missing
     with pytest.raises(RuntimeError, match="RolloutReplicaRegistry.register") as err:
-        local.check_verl_features()
+        adaptations.check_verl_features()
     assert "maspo_verl local mode cannot run on the installed verl" in str(err.value)
 
 
@@ -105,16 +106,16 @@ def test_feature_guard_checks_the_process_group_signature(monkeypatch):
     from verl.utils import distributed
 
     monkeypatch.setattr(distributed, "initialize_global_process_group_ray", lambda timeout=None: None)
-    assert local.missing_features() == [
+    assert adaptations.missing_features() == [
         "verl.utils.distributed.initialize_global_process_group_ray('timeout',), expected ('timeout_second', 'backend')"
     ]
 
 
 def test_dedup_backend():
-    assert local.dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
-    assert local.dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
-    assert local.dedup_backend("gloo") == "gloo"
-    assert local.dedup_backend(None) is None
+    assert adaptations.dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert adaptations.dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert adaptations.dedup_backend("gloo") == "gloo"
+    assert adaptations.dedup_backend(None) is None
 
 
 def test_activate_registers(monkeypatch):
@@ -154,16 +155,16 @@ def _compose(overrides):
 def local_env(monkeypatch):
     from verl.plugin.platform import platform_manager
 
-    for key in local.LOCAL_ENV:
+    for key in environment.LOCAL_ENV:
         monkeypatch.setenv(key, os.environ.get(key, ""))
-    for key in (*local.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):  # set by prepare, or would steer it
+    for key in (*environment.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):  # set by prepare, or would steer it
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
 
 
 def test_prepare_embedded_defaults(local_env, tmp_path):
     config = _compose(["local=cpu", "loss=maspo_tokenval", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
-    used = local.prepare(config)
+    used = local_mode.prepare_run(config)
     assert used["model"] == used["train"] == used["val"] == "embedded"
     assert config.actor_rollout_ref.model.path.startswith(str(tmp_path))
     assert config.reward.custom_reward_function.path == reward.__file__
@@ -204,7 +205,7 @@ def test_prepare_picks_the_precision_of_the_cpu(local_env, tmp_path, native, mon
 
     monkeypatch.setattr(cpu_dtype, "native_bf16", lambda: (native, "mocked"))
     config = _compose(["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"])
-    local.prepare(config)
+    local_mode.prepare_run(config)
     out = capsys.readouterr().out
     mixed = config.actor_rollout_ref.actor.fsdp_config.mixed_precision
     said = [line for line in out.splitlines() if "no native bf16" in line]
@@ -242,7 +243,7 @@ def test_prepare_keeps_user_paths(local_env, tmp_path, built):
             f"data.val_files={val}",
         ]
     )
-    used = local.prepare(config)
+    used = local_mode.prepare_run(config)
     assert (used["model"], used["train"], used["val"]) == (model, train, val)
     assert config.reward.custom_reward_function.path is None  # the user's data: verl's own reward routing
     assert config.actor_rollout_ref.actor.policy_loss.codec_offset == 128264  # the user's model: untouched
@@ -260,7 +261,7 @@ def test_prepare_gives_a_private_cluster_a_gpu_per_worker(local_env, tmp_path, g
     config = _compose(
         ["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}", f"trainer.n_gpus_per_node={gpus}"]
     )
-    local.prepare(config)
+    local_mode.prepare_run(config)
     ray_init = config.ray_kwargs.ray_init
     if joined:
         assert "num_gpus" not in ray_init
@@ -283,7 +284,7 @@ def test_log_settings_are_checked(key):
 
     config = _compose(["local=cpu", f"maspo.{key}=sometimes"])
     with pytest.raises(FieldError, match=f"maspo.{key}='sometimes' is invalid: allowed true or false"):
-        local.check_settings(config)
+        local_mode.check_settings(config)
 
 
 def _server(model_path, response_length=8, seed=0):
@@ -338,7 +339,7 @@ def test_worker_that_imports_the_rollout_first_activates_cleanly(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, **local.LOCAL_ENV}
+    env = {**os.environ, **environment.LOCAL_ENV}
     env.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     probe = "import maspo_verl.local.hf_rollout, maspo_verl.local.adaptations as A; print(A._activated)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from maspo_verl import local
-from maspo_verl.local import assets
+from maspo_verl.local import assets, environment
+from maspo_verl.local import mode as local_mode
 from maspo_verl.local.mismatch import MISMATCH_ENV, LogProbMismatch
 from maspo_verl.validation import FieldError
 from tests.helpers import compose_config
@@ -125,7 +125,7 @@ def test_settings_are_validated():
 def local_env(monkeypatch):
     from verl.plugin.platform import platform_manager
 
-    for key in (*local.LOCAL_ENV, MISMATCH_ENV):
+    for key in (*environment.LOCAL_ENV, MISMATCH_ENV):
         monkeypatch.setenv(key, os.environ.get(key, ""))
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
 
@@ -133,15 +133,15 @@ def local_env(monkeypatch):
 def test_prepare_validates_and_forwards_to_the_workers(local_env, tmp_path):
     base = ["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"]
     config = compose_config(*base)
-    local.prepare(config)
+    local_mode.prepare_run(config)
     assert LogProbMismatch.from_env(config.ray_kwargs.ray_init.runtime_env.env_vars) == LogProbMismatch()
     config = compose_config(*base, "maspo.local_mismatch.logprob_dtype=bf16", "maspo.local_mismatch.noise_std=0.2")
-    local.prepare(config)
+    local_mode.prepare_run(config)
     expected = LogProbMismatch(logprob_dtype="bf16", noise_std=0.2)
     assert LogProbMismatch.from_env(config.ray_kwargs.ray_init.runtime_env.env_vars) == expected
     assert json.loads(os.environ[MISMATCH_ENV]) == {"logprob_dtype": "bf16", "noise_std": 0.2, "stale_syncs": 0}
     with pytest.raises(FieldError, match="maspo.local_mismatch.noise_std=-1"):
-        local.prepare(compose_config(*base, "maspo.local_mismatch.noise_std=-1"))
+        local_mode.prepare_run(compose_config(*base, "maspo.local_mismatch.noise_std=-1"))
 
 
 def test_stale_syncs_apply_each_sync_late(model_path, monkeypatch):

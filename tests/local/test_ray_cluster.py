@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from ray.runtime_env.runtime_env import _merge_runtime_env
 from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-from maspo_verl import local
-from maspo_verl.local import ray_cluster
+from maspo_verl.local import environment, ray_cluster
+from maspo_verl.local import mode as local_mode
 from tests.helpers import compose_config, run_script
 
 USER_PATHS = [
@@ -37,7 +37,7 @@ def env(monkeypatch):
     """A clean process environment for prepare() (restored afterwards)."""
     from verl.plugin.platform import platform_manager
 
-    for key in (*local.LOCAL_ENV, *local.RUN_ENV, "RAY_ADDRESS", ray_cluster.JOB_CONFIG_ENV):
+    for key in (*environment.LOCAL_ENV, *environment.RUN_ENV, "RAY_ADDRESS", ray_cluster.JOB_CONFIG_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
     return monkeypatch
@@ -45,7 +45,7 @@ def env(monkeypatch):
 
 def _prepare(overrides, tmp_path):
     config = _compose(["local=cpu", *USER_PATHS, *overrides])
-    local.prepare(config)
+    local_mode.prepare_run(config)
     return config.ray_kwargs.ray_init
 
 
@@ -135,12 +135,12 @@ def test_local_mode_merges_with_the_jobs_runtime_env(env, tmp_path, job_sets):
     job["env_vars"].update(job_sets)
     _enter_job(env, job)
     config = _compose(["local=cpu", *USER_PATHS])
-    local.prepare(config)
+    local_mode.prepare_run(config)
     driver = _driver_runtime_env(config)
     merged = _merge_runtime_env(job, driver)
     assert merged is not None, f"Ray refuses: job {job['env_vars']} vs driver {driver.get('env_vars')}"
     workers = merged["env_vars"]
-    for key, value in local.LOCAL_ENV.items():
+    for key, value in environment.LOCAL_ENV.items():
         expected = job_sets.get(key, value)
         assert workers[key] == expected and os.environ[key] == expected, key
     assert workers["WANDB_MODE"] == "offline"

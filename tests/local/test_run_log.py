@@ -1,4 +1,5 @@
-"""The local mode's short console (``maspo_verl.local.run_log``): step lines, filter, closing block, session.
+"""The local mode's short console (``maspo_verl.local.console``): step lines, filter; and its run log
+(``maspo_verl.local.run_log``): closing block, session; what a run leaves (``maspo_verl.local.cleanup``).
 
 Lines below are verl's, Ray's and torch's, as a local run printed them (paths shortened).
 """
@@ -17,8 +18,19 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl.lab.engine.runs import parse_steps
-from maspo_verl.local import run_log
-from maspo_verl.local.run_log import KNOWN_NOISE, STEP_KEYS, closing_block, format_step
+from maspo_verl.local import cleanup, run_log
+from maspo_verl.local.console import (
+    ANSI,
+    KNOWN_NOISE,
+    RAY_PREFIX,
+    STEP_KEYS,
+    Console,
+    LineStream,
+    _compact_console,
+    _config_dump_on_request,
+    format_step,
+)
+from maspo_verl.local.run_log import closing_block
 from maspo_verl.util import read_step_metrics as read_metrics
 
 SITE = "/venv/lib/python3.11/site-packages"
@@ -119,10 +131,10 @@ def test_step_line_is_verl_format_with_the_chosen_metrics():
     assert format_step({"actor/entropy": 1.0}, 1) is None  # nothing to show: no line
 
 
-def _feed(lines: list[str], tmp_path: Path, noise=KNOWN_NOISE) -> tuple[str, str, run_log._Console]:
-    console = run_log._Console(tmp_path / "run.log", noise)
+def _feed(lines: list[str], tmp_path: Path, noise=KNOWN_NOISE) -> tuple[str, str, Console]:
+    console = Console(tmp_path / "run.log", noise)
     target = io.StringIO()
-    stream = run_log._LineStream(target, console)
+    stream = LineStream(target, console)
     for line in lines:  # in pieces, as print and Ray write them
         half = len(line) // 2
         stream.write(line[:half])
@@ -158,7 +170,7 @@ def test_verls_start_up_warnings_as_it_prints_them_are_the_ones_left_out(tmp_pat
     verl changes the message, or warns something new there, a line reaches the console and this fails."""
     import subprocess
 
-    from maspo_verl.local import LOCAL_ENV
+    from maspo_verl.local.environment import LOCAL_ENV
 
     # the Python warnings of the local mode's first import of verl's engines (Python's default filters), each as
     # Python prints it
@@ -181,7 +193,7 @@ def test_verls_start_up_warnings_as_it_prints_them_are_the_ones_left_out(tmp_pat
 
 def test_a_muted_console_sends_every_line_to_the_log_only_and_counts_them(tmp_path):
     """Once a run stops (its rollout engine dead), what its dying processes print goes to run.log only."""
-    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    console = Console(tmp_path / "run.log", KNOWN_NOISE)
     target = io.StringIO()
     console.line(
         "maspo_verl local: the vLLM engine of the rollout server vllm_server_0_0 died (x); the run stops", target
@@ -200,8 +212,8 @@ def test_a_muted_console_sends_every_line_to_the_log_only_and_counts_them(tmp_pa
 
 def _plain(line: str) -> str:
     """A line as a file shows it: no colours, a progress bar's last redraw after Ray's prefix."""
-    line = run_log.ANSI.sub("", line)
-    head = run_log.RAY_PREFIX.match(line)
+    line = ANSI.sub("", line)
+    head = RAY_PREFIX.match(line)
     head = head.group(0) if head else ""
     return head + line[len(head) :].split("\r")[-1]
 
@@ -215,7 +227,7 @@ class _Terminal(io.StringIO):
 def test_colours_on_a_terminal_only_and_a_progress_bar_as_its_last_redraw(terminal, tmp_path):
     coloured = "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:1 - x:1"
     bar = "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m \rTraining Progress:   0%|  | 0/2\rTraining Progress:  50%|# | 1/2"
-    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    console = Console(tmp_path / "run.log", KNOWN_NOISE)
     target = _Terminal() if terminal else io.StringIO()
     for line in (coloured, bar):
         console.line(line, target)
@@ -240,6 +252,55 @@ def test_not_quiet_shows_everything(tmp_path):
     assert console.hidden == {}
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_dry_runs_console_leaves_the_harmless_lines_out_and_counts_them(quiet, capsys):
+    """A local dry run has no run folder: its known-harmless lines (verl's engine warnings, TransferQueue's
+    statistics, ...) are left out of the console and counted in one line; ``maspo.quiet=false`` shows them."""
+    from maspo_verl.local.console import dry_run_console
+
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger("maspo_verl.test_dry_run").addHandler(handler)
+    original = sys.stdout, sys.stderr
+    try:
+        with dry_run_console(OmegaConf.create({"maspo": {"quiet": quiet}})):
+            for line in NOISE + KEPT:
+                print(line)
+            logging.getLogger("maspo_verl.test_dry_run").warning(ENGINE_WARNING[0])  # a Hydra/Ray-style handler
+    finally:
+        logging.getLogger("maspo_verl.test_dry_run").removeHandler(handler)
+    captured = capsys.readouterr()
+    assert (sys.stdout, sys.stderr) == original and handler.stream is sys.stderr
+    if quiet:
+        assert captured.out.splitlines() == [_plain(line) for line in KEPT] + [
+            f"maspo_verl local: {len(NOISE) + 1} known-harmless start-up lines left out (maspo.quiet=false shows them)"
+        ]
+        assert captured.err == ""
+    else:
+        assert captured.out.splitlines() == [_plain(line) for line in NOISE + KEPT]
+        assert captured.err.splitlines() == [ENGINE_WARNING[0]]
+
+
+def test_the_readmes_first_command_as_a_dry_run_prints_no_python_warning(tmp_path):
+    """The README's first command as a dry run, in a fresh interpreter (the first import of verl's engines warns):
+    no Python warning reaches the console, verl's five engine warnings among them; they are counted, and no run
+    folder is left."""
+    import re
+    import subprocess
+
+    from maspo_verl.local.console import PYTHON_WARNING
+
+    command = [sys.executable, "-m", "maspo_verl.main", "local=cpu", "loss=maspo_fixed", "maspo.dry_run=true"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    console = out.stdout + out.stderr
+    assert out.returncode == 0, console[-3000:]
+    said = [line for line in console.splitlines() if PYTHON_WARNING.match(line) or "Warning: " in line]
+    assert said == [], said
+    assert "engine is not available" not in console and "[Performance]" not in console
+    hidden = re.search(r"^maspo_verl local: (\d+) known-harmless start-up lines left out", out.stdout, re.M)
+    assert hidden and int(hidden.group(1)) >= 1, out.stdout[-3000:]
+    assert "maspo_verl dry run: config valid" in out.stdout and list(tmp_path.iterdir()) == []
+
+
 def _tracking_class(quiet_wrapper=True):
     from verl.utils.tracking import Tracking
 
@@ -251,7 +312,7 @@ def _tracking_class(quiet_wrapper=True):
     class Wrapped(Tracking):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            run_log._compact_console(self, kwargs.get("config"))
+            _compact_console(self, kwargs.get("config"))
 
     return Wrapped
 
@@ -274,7 +335,7 @@ def test_tracking_console_is_compact_and_the_file_logger_keeps_everything(quiet,
 
 
 def test_config_dump_only_on_request(capsys):
-    quiet_pprint = run_log._config_dump_on_request(pprint.pprint)
+    quiet_pprint = _config_dump_on_request(pprint.pprint)
     config = {"actor_rollout_ref": {}, "trainer": {}, "data": {}, "maspo": {"print_config": False}}
     quiet_pprint(config)
     quiet_pprint("Final validation metrics: None")  # anything else is printed
@@ -438,7 +499,7 @@ def test_a_step_line_ray_did_not_forward_is_printed_from_the_metrics_file(tmp_pa
     rows = [(1, {"actor/pg_loss": 0.5}), (2, {"actor/pg_loss": 0.25, "actor/grad_norm": 1.0})]
     metrics.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
     config = OmegaConf.create({"trainer": {"logger": ["console", "file"]}})
-    console = run_log._Console(tmp_path / "run.log", KNOWN_NOISE)
+    console = Console(tmp_path / "run.log", KNOWN_NOISE)
     target = io.StringIO()
     console.line("(TaskRunner pid=1) step:1 - pg_loss:0.5", target)
     run_log._late_step_lines(config, console, target)
@@ -449,7 +510,7 @@ def test_a_step_line_ray_did_not_forward_is_printed_from_the_metrics_file(tmp_pa
     assert (tmp_path / "run.log").read_text().splitlines() == expected
     config.trainer.logger = ["file"]  # no console backend: no step lines
     target = io.StringIO()
-    run_log._late_step_lines(config, run_log._Console(tmp_path / "run2.log", KNOWN_NOISE), target)
+    run_log._late_step_lines(config, Console(tmp_path / "run2.log", KNOWN_NOISE), target)
     assert target.getvalue() == ""
 
 
@@ -475,19 +536,19 @@ def test_the_reward_curve_is_drawn_beside_the_metrics_and_said_in_the_block(tmp_
     assert run_log.reward_curve(metrics) is None  # one step: no curve
 
 
-@pytest.mark.skipif(not run_log.SHM.is_dir(), reason="no /dev/shm")
+@pytest.mark.skipif(not cleanup.SHM.is_dir(), reason="no /dev/shm")
 def test_a_live_runs_semaphores_are_held_and_kept():
     """Another run's clean-up must not remove the semaphores of a run still going: a multiprocessing semaphore is
     mapped under glibc's since-deleted temporary name, not the ``sem.mp-*`` name a spawned child opens it by (vLLM's
     engine failed to start with FileNotFoundError when a concurrent run removed it); one nobody holds is removed."""
     import multiprocessing
 
-    before = run_log.shm_names()
+    before = cleanup.shm_names()
     live = multiprocessing.get_context("spawn").Lock()  # noqa: F841 - held while the check runs
-    new = {n for n in run_log.shm_names() - before if n.startswith("sem.mp-")}
+    new = {n for n in cleanup.shm_names() - before if n.startswith("sem.mp-")}
     assert len(new) == 1
-    assert new <= run_log.held_shm()
-    assert run_log.remove_shm_leftovers(before) == [] and new <= run_log.shm_names()
-    orphan = run_log.SHM / "sem.mp-maspo-test-orphan"
+    assert new <= cleanup.held_shm()
+    assert cleanup.remove_shm_leftovers(before) == [] and new <= cleanup.shm_names()
+    orphan = cleanup.SHM / "sem.mp-maspo-test-orphan"
     orphan.write_bytes(b"\0" * 32)
-    assert run_log.remove_shm_leftovers(before) == [orphan.name] and not orphan.exists()
+    assert cleanup.remove_shm_leftovers(before) == [orphan.name] and not orphan.exists()

@@ -43,11 +43,11 @@ def test_missing_package_stops_the_run_with_the_pip_command(tmp_path):
 def local_env(monkeypatch):
     from verl.plugin.platform import platform_manager
 
-    from maspo_verl import local
+    from maspo_verl.local import environment
 
-    for key in local.LOCAL_ENV:
+    for key in environment.LOCAL_ENV:
         monkeypatch.setenv(key, os.environ.get(key, ""))
-    for key in (*local.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):
+    for key in (*environment.RUN_ENV, "VERL_FILE_LOGGER_ROOT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
 
@@ -55,7 +55,7 @@ def local_env(monkeypatch):
 def test_prepare_fills_the_task_and_keeps_a_given_model(local_env, tmp_path):
     import pandas as pd
 
-    from maspo_verl import local
+    from maspo_verl.local import mode as local_mode
     from maspo_verl.reference import compose_config
 
     config = compose_config(
@@ -66,7 +66,7 @@ def test_prepare_fills_the_task_and_keeps_a_given_model(local_env, tmp_path):
         f"maspo.local_cache_dir={tmp_path}",
         "actor_rollout_ref.model.path=/my/model",
     )
-    used = local.prepare(config)
+    used = local_mode.prepare_run(config)
     assert config.actor_rollout_ref.model.path == "/my/model" and used["model"] == "/my/model"
     assert used["train"] == used["val"] == "arith (steps=1, max_operand=7)"
     train = pd.read_parquet(config.data.train_files)
@@ -77,19 +77,19 @@ def test_prepare_fills_the_task_and_keeps_a_given_model(local_env, tmp_path):
 
 
 def test_unknown_model_names_the_setting(local_env, tmp_path):
-    from maspo_verl import local
+    from maspo_verl.local import mode as local_mode
     from maspo_verl.reference import compose_config
     from maspo_verl.validation import FieldError
 
     config = compose_config("local=cpu", "model=smollm2", "maspo.model=smollm3", f"maspo.local_cache_dir={tmp_path}")
     with pytest.raises(FieldError, match=r"maspo.model='smollm3' is invalid: allowed \['smollm2'\]"):
-        local.prepare(config)
+        local_mode.prepare_run(config)
 
 
 def test_prepare_fills_the_worked_task_and_names_a_bad_form(local_env, tmp_path):
     import pandas as pd
 
-    from maspo_verl import local
+    from maspo_verl.local import mode as local_mode
     from maspo_verl.pretrained import arith_worked
     from maspo_verl.reference import compose_config
     from maspo_verl.validation import FieldError
@@ -97,10 +97,10 @@ def test_prepare_fills_the_worked_task_and_names_a_bad_form(local_env, tmp_path)
     args = ("local=cpu", "model=smollm2", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}")
     args += ("actor_rollout_ref.model.path=/my/model", "maspo.arith.steps=2", "maspo.arith.max_operand=10")
     config = compose_config(*args, "maspo.arith.form=worked")
-    used = local.prepare(config)
+    used = local_mode.prepare_run(config)
     assert used["train"] == used["val"] == "arith worked (steps=2, max_operand=10)"
     train, val = pd.read_parquet(config.data.train_files), pd.read_parquet(config.data.val_files)
     assert set(train["data_source"]) == {arith_worked.DATA_SOURCE} and (len(train), len(val)) == (512, 128)
     assert "arith-worked-v1-s2-m10-seed0" in config.data.train_files
     with pytest.raises(FieldError, match=r"maspo.arith.form='long' is invalid: allowed \['short', 'worked'\]"):
-        local.prepare(compose_config(*args, "maspo.arith.form=long"))
+        local_mode.prepare_run(compose_config(*args, "maspo.arith.form=long"))

