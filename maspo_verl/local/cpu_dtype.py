@@ -141,7 +141,8 @@ def fit(config, overrides=None, native=None) -> str | None:
     if why is None or setting != "fp32" or not changed:
         return None
     parts = [p for p, keys in (("the actor", (ACTOR, REF)), ("the engine", (ENGINE,))) if set(keys) & set(changed)]
+    verb = "computes" if len(parts) == 1 else "compute"
     return (
-        f"maspo_verl local: this CPU has no native bf16 ({why}): {' and '.join(parts)} compute in fp32, several times "
+        f"maspo_verl local: this CPU has no native bf16 ({why}): {' and '.join(parts)} {verb} in fp32, several times "
         f"faster here ({SETTING}=bf16 computes in bf16)"
     )

@@ -99,11 +99,11 @@ def test_the_command_lines_own_precision_wins():
     config = _config(*given)
     line = cpu_dtype.fit(config, given, native=WITHOUT)
     assert _dtypes(config) == ("bf16", "fp32", "bfloat16")  # the reference policy follows auto
-    assert "the actor compute in fp32" in line and "engine" not in line.split("):")[1]
+    assert "the actor computes in fp32" in line and "engine" not in line.split("):")[1]
     engine_only = [f"{ENGINE}=bfloat16"]
     config = _config(*engine_only)
     line = cpu_dtype.fit(config, engine_only, native=WITHOUT)
-    assert _dtypes(config) == ("fp32", "fp32", "bfloat16") and ": the actor compute" in line
+    assert _dtypes(config) == ("fp32", "fp32", "bfloat16") and ": the actor computes in fp32" in line
     both = [f"++{ACTOR}=bf16", f"++{REF}=bf16", f"{ENGINE}=bfloat16"]
     config = _config(*both)
     assert cpu_dtype.fit(config, both, native=WITHOUT) is None  # nothing left to say
