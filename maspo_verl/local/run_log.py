@@ -310,6 +310,11 @@ def _terminate_as_interrupt(stopped_by: list[str]):
     def init_keeping_the_handler(*args, **kwargs):
         try:
             return init(*args, **kwargs)
+        except SystemExit as exc:  # SIGTERM while ray.init ran: Ray's handler is sys.exit(signum)
+            if previous is None or exc.code != signal.SIGTERM:
+                raise
+            stopped_by.append(signal.SIGTERM.name)
+            raise KeyboardInterrupt(stopped_by[-1]) from None
         finally:
             if previous is not None:
                 install()

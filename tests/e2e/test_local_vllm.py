@@ -79,14 +79,20 @@ def _run(tmp_path, overrides, cache, stop_at: str | None = None, sig=signal.SIGT
         )  # fmt: skip
         start = time.monotonic()
         sent = False
-        while proc.poll() is None and time.monotonic() - start < timeout:
-            if stop_at is not None and not sent and stop_at in log.read_text(errors="replace"):
-                time.sleep(3.0)
-                act(log.read_text(errors="replace")) if act else proc.send_signal(sig)
-                sent = True
-            time.sleep(0.5)
-        if proc.poll() is None:
-            proc.kill()
+        try:
+            while proc.poll() is None and time.monotonic() - start < timeout:
+                if stop_at is not None and not sent and stop_at in log.read_text(errors="replace"):
+                    time.sleep(3.0)
+                    act(log.read_text(errors="replace")) if act else proc.send_signal(sig)
+                    sent = True
+                time.sleep(0.5)
+        finally:  # past the timeout, or the test interrupted: the run stops as on SIGTERM (its clean-up), else killed
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         code = proc.wait()
     console = log.read_text(errors="replace")
     named = RAY_TEMP_DIR.search(console)

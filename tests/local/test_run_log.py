@@ -552,3 +552,29 @@ def test_a_live_runs_semaphores_are_held_and_kept():
     orphan = cleanup.SHM / "sem.mp-maspo-test-orphan"
     orphan.write_bytes(b"\0" * 32)
     assert cleanup.remove_shm_leftovers(before) == [orphan.name] and not orphan.exists()
+
+
+def test_sigterm_while_ray_starts_stops_the_run_as_sigterm(monkeypatch):
+    """``ray.init`` installs its own SIGTERM handler (``sys.exit(signum)``) before the session's is put back: a SIGTERM
+    in that window stops the run as any SIGTERM does (named, then 143), not on a bare ``SystemExit: 15``."""
+    import signal
+
+    import ray
+
+    def init_as_ray_does(*args, **kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "never"
+
+    monkeypatch.setattr(ray, "init", init_as_ray_does)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped_by: list[str] = []
+    restore = run_log._terminate_as_interrupt(stopped_by)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            ray.init()
+        assert stopped_by == ["SIGTERM"]
+        assert signal.getsignal(signal.SIGTERM) not in (before, signal.SIG_DFL)  # the session's handler is back
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is before and ray.init is init_as_ray_does
