@@ -132,6 +132,11 @@ def maspo_setting(config, key: str, default):
     return default if value is None else value
 
 
+def quiet(config) -> bool:
+    """``maspo.quiet``: the short console (the default) or verl's as it is."""
+    return bool(maspo_setting(config, "quiet", True))
+
+
 def format_step(data: dict, step: int) -> str | None:
     """verl's console format (``step:N - key:value - ...``) for the keys of ``STEP_KEYS`` and validation."""
     items = [(k, data[k]) for k in STEP_KEYS if k in data]
@@ -167,7 +172,7 @@ class StepLine:
 def _compact_console(tracking, config) -> None:
     """A ``Tracking`` extension (``maspo_verl.plugin.hooks``): the compact console backend with ``maspo.quiet``."""
     loggers = getattr(tracking, "logger", None)
-    if isinstance(loggers, dict) and "console" in loggers and maspo_setting(config, "quiet", True):
+    if isinstance(loggers, dict) and "console" in loggers and quiet(config):
         loggers["console"] = StepLine()
         if hasattr(tracking, "console_logger"):
             tracking.console_logger = loggers["console"]
@@ -210,6 +215,11 @@ class Console:
         self._echo_of: tuple[str, str] | None = None  # (prefix, reason) of a hidden Python warning
         self.muted: str | None = None  # why every further line goes to the log only (``mute``)
         self.after_mute = 0  # lines left out since
+
+    @classmethod
+    def of(cls, config, log_path: Path) -> Console:
+        """The console of a run of ``config``: the ``KNOWN_NOISE`` lines left out with ``maspo.quiet`` (the default)."""
+        return cls(log_path, KNOWN_NOISE if quiet(config) else ())
 
     def mute(self, why: str) -> None:
         """From now on every line goes to the log only, counted (a run that is stopping: what its dying processes
@@ -322,8 +332,7 @@ class Captured:
 def dry_run_console(config):
     """A local dry run's console: the ``KNOWN_NOISE`` lines left out (with ``maspo.quiet``) and counted in one line at
     the end; no run folder, so no log (``python -m maspo_verl.main ... maspo.quiet=false`` shows them)."""
-    quiet = bool(maspo_setting(config, "quiet", True))
-    console = Console(Path(os.devnull), KNOWN_NOISE if quiet else ())
+    console = Console.of(config, Path(os.devnull))
     captured = Captured(console)
     try:
         yield console

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from maspo_verl.local.cleanup import remove_shm_leftovers, shm_names, stop_ray
-from maspo_verl.local.console import KNOWN_NOISE, STEP_KEYS, Captured, Console, format_step, maspo_setting, shown_number
+from maspo_verl.local.console import STEP_KEYS, Captured, Console, format_step, shown_number
 from maspo_verl.util import read_step_metrics
 from maspo_verl.validation import FieldError, root_cause
 
@@ -241,8 +241,7 @@ def session(config, created_temp_dirs: list[str]):
     out = run_dir()
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "run.log"
-    quiet = bool(maspo_setting(config, "quiet", True))
-    console = Console(log_path, KNOWN_NOISE if quiet else ())
+    console = Console.of(config, log_path)
     captured = Captured(console)
     start = time.monotonic()
     error = None
