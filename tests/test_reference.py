@@ -77,3 +77,22 @@ def test_a_preset_that_sets_no_loss_is_refused_by_the_generator(tmp_path, monkey
     monkeypatch.setattr("maspo_verl.util.config_dir", lambda: configs)
     with pytest.raises(ValueError, match=r"flat.yaml sets no actor_rollout_ref.actor.policy_loss.loss_mode"):
         reference.generated(tmp_path)
+
+
+def test_a_composed_config_is_a_fresh_copy_and_an_edited_file_is_composed_again(tmp_path, monkeypatch):
+    import shutil
+
+    configs = tmp_path / "hydra_configs"
+    shutil.copytree(config_dir(), configs)
+    monkeypatch.setattr(reference, "config_dir", lambda: configs)
+    first = compose_config("loss=maspo_fixed")
+    assert first.actor_rollout_ref.actor.policy_loss.segment_window == 15
+    first.actor_rollout_ref.actor.policy_loss.segment_window = 99  # the caller's copy, not the one kept
+    again = compose_config("loss=maspo_fixed")
+    assert again.actor_rollout_ref.actor.policy_loss.segment_window == 15
+    assert OmegaConf.to_yaml(again) == OmegaConf.to_yaml(
+        reference._composed.__wrapped__("maspo_trainer", ("loss=maspo_fixed",), ())
+    )
+    preset = configs / "loss" / "maspo_fixed.yaml"
+    preset.write_text(preset.read_text().replace("segment_window: 15", "segment_window: 7"))
+    assert compose_config("loss=maspo_fixed").actor_rollout_ref.actor.policy_loss.segment_window == 7

@@ -78,6 +78,7 @@ def wheel_venv(built_wheel, tmp_path_factory) -> Path:
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
         check=True,
         capture_output=True,
+        env=_clean_env(),  # a checkout on PYTHONPATH would be an installed maspo-verl to pip: nothing installed
     )
     probe = (
         "import json, maspo_verl, maspo_verl.util as u, importlib.metadata as md\n"

@@ -46,7 +46,7 @@ from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS
 from maspo_verl.lab.engine import common, journal, presets
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.util import config_dir, preset_names
+from maspo_verl.util import preset_names
 
 STUDY = Study("bench", "forward+backward time, peak memory and host syncs of each loss")
 
@@ -69,15 +69,13 @@ class Entry:
 
 def preset_entries(names=PRESETS) -> list[Entry]:
     """Each preset's resolved loss section, composed from the trainer config like ``maspo_verl.main``."""
-    from hydra import compose, initialize_config_dir
-
     from maspo_verl.main import loss_section
+    from maspo_verl.reference import compose_config
 
     entries = []
-    with initialize_config_dir(str(config_dir()), version_base=None):
-        for name in names:
-            actor, policy_loss = presets.split(loss_section(compose("maspo_trainer", overrides=[f"loss={name}"])))
-            entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
+    for name in names:
+        actor, policy_loss = presets.split(loss_section(compose_config(f"loss={name}")))
+        entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
     return entries
 
 
