@@ -33,6 +33,23 @@ NATIVE_SLOWDOWN = 2.0
 CPUINFO = "/proc/cpuinfo"
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name (x86 ``model name``, else Arm's ``CPU part``/``Hardware``), else the machine type."""
+    if cpuinfo is None:
+        try:
+            with open(CPUINFO) as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("model name", "hardware") and value.strip():
+            return value.strip()
+    import platform
+
+    return platform.machine() or "unknown CPU"
+
+
 def cpu_flags(cpuinfo: str) -> set[str] | None:
     """The flags of the first processor in ``cpuinfo`` (x86 ``flags``, Arm ``Features``); None where it lists none."""
     for line in cpuinfo.splitlines():
