@@ -119,6 +119,16 @@ def test_the_lab_engine_imports_no_study():
         assert not studies, f"{module} imports {sorted(studies)}"
 
 
+def test_no_study_imports_another_study():
+    """A study (a module of maspo_verl/lab/studies/) stands on the engine alone: what two studies share lives in
+    maspo_verl/lab/engine/, once, so no study imports another study's module."""
+    studies = {m for m in MODULES if m.startswith("maspo_verl.lab.studies.")}
+    assert {"maspo_verl.lab.studies.granularity", "maspo_verl.lab.studies.learn"} <= studies
+    for module in studies:
+        others = {m for m in imports(MODULES[module]) if m.startswith("maspo_verl.lab.studies.") and m != module}
+        assert not others, f"{module} imports {sorted(others)}: move what they share into maspo_verl/lab/engine/"
+
+
 def test_core_and_plugin_know_no_recipe_class():
     for module, path in MODULES.items():
         if part_of(module) in ("core", "plugin"):

@@ -34,40 +34,10 @@ def _require_environment() -> None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """The lab CLI's arguments of ``argv`` (``<command> [options]``): the command's module (a mode's, where one is
-    on), its folder and ``out`` resolved. A study that runs another command in pieces parses each piece here."""
-    from maspo_verl.lab.engine import common, study
+    """The lab CLI's arguments of ``argv`` (``engine.study.parse``, this module's text as ``--help``'s)."""
+    from maspo_verl.lab.engine import study
 
-    parser = argparse.ArgumentParser(
-        prog="python -m maspo_verl.lab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in study.commands().items():
-        folder = module.STUDY.folder
-        p = sub.add_parser(name, help=module.STUDY.summary)
-        where = p.add_mutually_exclusive_group()
-        where.add_argument("--out", default=None, help=f"output folder (default {common.default_out(folder)})")
-        where.add_argument(
-            "--update-docs",
-            action="store_true",
-            help=f"write the committed {common.default_out(folder, update_docs=True)} (run from the repository root)",
-        )
-        module.add_arguments(p)
-        p.set_defaults(module=module, folder=folder)
-    args = parser.parse_args(argv)
-    # a mode in a module of its own (its run and folder): the study's modes map a flag (or its values) to the module
-    for flag, mode in args.module.STUDY.modes.items():
-        value = getattr(args, flag)
-        name = mode.get(value) if isinstance(mode, dict) else mode if value else None
-        if name:
-            args.module = study.module(name)
-            args.folder = args.module.STUDY.folder
-    if hasattr(args.module, "folder_of"):  # a mode with a folder of its own (bench --mode update)
-        args.folder = args.module.folder_of(args)
-    if args.update_docs and not common.default_out(args.folder, update_docs=True).parent.is_dir():
-        parser.error(f"--update-docs writes docs/results/{args.folder}/ of a checkout: run it from the repository root")
-    args.out = str(args.out or common.default_out(args.folder, update_docs=args.update_docs))
-    return args
+    return study.parse(argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> None:

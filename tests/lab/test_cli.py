@@ -106,7 +106,7 @@ def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
     from verl.utils.tracking import FileLogger
 
     from maspo_verl.lab.engine import runs
-    from maspo_verl.lab.studies import bench, steptime
+    from maspo_verl.lab.studies import steptime
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / runs.METRICS_FILE))
     logger = FileLogger("p", "e")
@@ -119,7 +119,7 @@ def test_steptime_reads_verl_metrics_file(tmp_path, monkeypatch):
     assert steptime.step_times(runs.read_metrics(tmp_path / "none", "step:1 - timing_s/step:99.0")) == {1: 99.0}
     rows = [{"preset": "grpo", "step": s, "timing_s_step": t} for s, t in times.items()]
     rows += [{"preset": "ctpo", "step": s, "timing_s_step": 2 * t} for s, t in times.items()]
-    table = {r["preset"]: r for r in bench.summarise_steps(rows, "grpo")}
+    table = {r["preset"]: r for r in steptime.summarise_steps(rows, "grpo")}
     assert table["grpo"]["median_s"] == 3.0 and table["grpo"]["steps"] == 2  # step 1 left out
     assert table["ctpo"]["x_grpo_median"] == 2.0 and table["ctpo"]["x_grpo_min"] == 2.0
 
@@ -180,6 +180,7 @@ def test_studies_declare_their_design_once():
     tuning seed is held out); the code reads them from there, and no two studies share a registered seed."""
     from dataclasses import replace
 
+    from maspo_verl.lab.engine import protocol
     from maspo_verl.lab.engine.study import Study, studies
     from maspo_verl.lab.studies import granularity, granularity_vllm, granularity_warm
 
@@ -189,6 +190,7 @@ def test_studies_declare_their_design_once():
     for name, s in declared.items():
         for seed in (*s.tune_seeds, *s.held_seeds):
             assert seen.setdefault(seed, name) == name, f"seed {seed}: {seen[seed]} and {name}"
+    assert granularity.STUDY.folder == protocol.PART1_FOLDER  # where parts 2 and 4 and margins read part 1
     assert granularity.part1().cells == granularity.STUDY.cells and granularity.part1().held_seeds == tuple(
         range(30000, 30064)
     )

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from maspo_verl.lab.__main__ import main
-from maspo_verl.lab.studies import credit, race
+from maspo_verl.lab.engine import race
+from maspo_verl.lab.studies import credit
 
 
 @pytest.mark.parametrize("name", ["speech", "text"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maspo_verl.lab.__main__ import parse
-from maspo_verl.lab.engine import grid
+from maspo_verl.lab.engine import grid, protocol
 from maspo_verl.lab.engine.common import full_log
 from maspo_verl.lab.engine.tuning import choose
 from maspo_verl.lab.studies import granularity as g
@@ -56,30 +56,34 @@ def _t(diff, different, equivalent):
 
 def test_the_decision_rules_are_the_registered_ones():
     up, down, same, none = _t(0.05, True, False), _t(-0.05, True, False), _t(0.0, False, True), _t(0.01, False, False)
-    assert g.verdict("F1a", [none, up, down]) == "supported"
-    assert g.verdict("F1a", [same, down]) == "falsified"
-    assert g.verdict("F1a", [same, none]) == "inconclusive"
-    assert g.verdict("F1a", [_t(0.01, True, True), same]) == f"supported (every gain within ±{g.MARGIN})"
-    assert g.verdict("F2", [up, up]) == "supported"
-    assert g.verdict("F2", [up, none]) == "inconclusive"
-    assert g.verdict("F2", [up, down]) == "falsified"
-    assert g.verdict("F2", [same, same]) == "falsified"
+    assert protocol.verdict("F1a", [none, up, down]) == "supported"
+    assert protocol.verdict("F1a", [same, down]) == "falsified"
+    assert protocol.verdict("F1a", [same, none]) == "inconclusive"
+    assert protocol.verdict("F1a", [_t(0.01, True, True), same]) == f"supported (every gain within ±{protocol.MARGIN})"
+    assert protocol.verdict("F2", [up, up]) == "supported"
+    assert protocol.verdict("F2", [up, none]) == "inconclusive"
+    assert protocol.verdict("F2", [up, down]) == "falsified"
+    assert protocol.verdict("F2", [same, same]) == "falsified"
     rows = [r | {"family": "F3", "cell": "c", "arm": a, "outcome": "x"} for r, a in ((same, "a"), (down, "b"))]
     rows.append(_t(-0.01, True, True) | {"family": "F3", "cell": "c", "arm": "d", "outcome": "x"})
-    assert [v["verdict"] for v in g.decisions(rows)] == ["holds", "falsified", f"falsified (below, within ±{g.MARGIN})"]
+    assert [v["verdict"] for v in protocol.decisions(rows)] == [
+        "holds",
+        "falsified",
+        f"falsified (below, within ±{protocol.MARGIN})",
+    ]
 
 
 def test_the_registered_seeds_are_fresh_and_disjoint():
     used = set(range(32))  # every committed grid study: seeds 0-31 (tables s, targets 1000 + s)
     generators = lambda seeds: set(seeds) | {1000 + s for s in seeds}  # noqa: E731
-    assert not generators(g.TUNE_SEEDS) & generators(g.HELD_SEEDS)
-    assert not (generators(g.TUNE_SEEDS) | generators(g.HELD_SEEDS)) & generators(used)
-    assert len(g.HELD_SEEDS) >= 64
+    assert not generators(protocol.TUNE_SEEDS) & generators(protocol.HELD_SEEDS)
+    assert not (generators(protocol.TUNE_SEEDS) | generators(protocol.HELD_SEEDS)) & generators(used)
+    assert len(protocol.HELD_SEEDS) >= 64
 
 
 def test_the_command_tunes_then_judges_and_resumes(tmp_path):
     small = replace(
-        g.part1(), cells=("L12/stale1/U2/lr0.5",), windows=(1, 2, 12), settings=("1", "inf"), tune_seeds=(7, 8),
+        protocol.part1(), cells=("L12/stale1/U2/lr0.5",), windows=(1, 2, 12), settings=("1", "inf"), tune_seeds=(7, 8),
         held_seeds=(20, 21, 22),
     )  # fmt: skip
 
@@ -92,9 +96,11 @@ def test_the_command_tunes_then_judges_and_resumes(tmp_path):
     main([*base, "--phase", "tune"])
     assert (tmp_path / "choice.csv").is_file() and not (tmp_path / "tests.csv").exists()
     with open(tmp_path / "runs.csv") as f:
-        choices = choose(list(csv.DictReader(f)), 20, baseline=g.TOKEN)
+        choices = choose(list(csv.DictReader(f)), 20, baseline=protocol.TOKEN)
     order = [g._key(j) for j in g.tested_first(g.jobs_of(small, small.held_seeds), choices, small)]
-    read = {(c, *arm) for _, c, *arms in g.comparisons(choices, small) for arm in arms}  # by hand, not _read_by_tests
+    read = {
+        (c, *arm) for _, c, *arms in protocol.comparisons(choices, small) for arm in arms
+    }  # by hand, not _read_by_tests
     assert set(order[: len(read)]) == read and not set(order[len(read) :]) & read  # what a test reads runs first
     main([*base, "--phase", "held", "--resume"])
     with open(tmp_path / "runs.csv") as f:

@@ -20,10 +20,11 @@ from omegaconf import OmegaConf
 
 from maspo_verl import choosing
 from maspo_verl.lab.__main__ import main, parse
+from maspo_verl.lab.engine import protocol as g
 from maspo_verl.lab.engine import runs
 from maspo_verl.lab.engine.common import write_csv
+from maspo_verl.lab.engine.pieces import PIECES
 from maspo_verl.lab.engine.runs import LocalRun
-from maspo_verl.lab.studies import granularity as g
 from maspo_verl.lab.studies import granularity_vllm as gv
 from maspo_verl.lab.studies import granularity_warm as gw
 from maspo_verl.lab.studies import learn
@@ -156,7 +157,7 @@ def test_each_piece_is_a_lab_learn_command_of_the_registered_design():
     config = compose_config("local=cpu", f"model={gv.TASK}")
     for piece in tune + held:
         args = parse(piece.argv(Path("out"), part.flags))
-        assert args.module is learn and args.out == str(Path("out") / gw.PIECES / piece.name)
+        assert args.module is learn and args.out == str(Path("out") / PIECES / piece.name)
         assert (args.tasks, args.steps, args.lr, args.losses) == ([gv.TASK], 20, float(piece.lr), [piece.arm])
         assert args.bypass and args.no_adjust and not args.fp32_trainer and not args.bands
         assert list(range(args.first_seed, args.first_seed + args.seeds)) == list(piece.seeds)
@@ -251,7 +252,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
 
     # a stopped piece resumes where it stopped; a finished study runs nothing again
     piece = gv.held_pieces(list(choice.values()))[1]
-    path = out / gw.PIECES / piece.name / "learn_runs.csv"
+    path = out / PIECES / piece.name / "learn_runs.csv"
     write_csv(path, [r for r in _csv(path) if r["seed"] != "502"])
     main([*base, "--phase", "all", "--resume"])
     assert fake.calls[30:] == [(W1, 1e-5, 502)]
@@ -266,7 +267,7 @@ def test_a_run_off_the_vllm_rollout_counts_as_failed(tmp_path, fake):
     fake.engine = lambda arm, lr, seed: "hf" if (arm, seed) == (GRPO, 401) else "vllm"
     out = tmp_path / "vllm"
     main(["granularity", "--part", "4", "--out", str(out), "--phase", "tune", "--pieces", "3"])
-    runs = learn.load_rows(out / gw.PIECES / gw.tuning_pieces(gv.part())[0].name / "learn_runs.csv")
+    runs = learn.load_rows(out / PIECES / gw.tuning_pieces(gv.part())[0].name / "learn_runs.csv")
     assert [(r["seed"], r["ok"], r["rollout"]) for r in runs] == [(400, True, "vllm"), (401, True, "hf")]
     assert [p["failed"] for p in _csv(out / "pieces.csv")[:3]] == ["1", "1", "1"]
     tuning = [r for r in _csv(out / "tuning.csv") if r["arm"] == GRPO]

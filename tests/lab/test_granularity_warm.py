@@ -15,10 +15,11 @@ import pytest
 
 from maspo_verl import choosing
 from maspo_verl.lab.__main__ import main, parse
+from maspo_verl.lab.engine import protocol as g
 from maspo_verl.lab.engine.learn_engine import EngineRun
+from maspo_verl.lab.engine.pieces import PIECES, piece_rows
 from maspo_verl.lab.engine.presets import LOG_UNCLIPPED, RATIO_UNCLIPPED, UNCLIPPED
 from maspo_verl.lab.engine.runs import LocalRun
-from maspo_verl.lab.studies import granularity as g
 from maspo_verl.lab.studies import granularity_warm as gw
 from maspo_verl.lab.studies import learn
 from maspo_verl.local import ENGINE_LINE, ENGINE_WORDS
@@ -140,7 +141,7 @@ def test_each_piece_is_a_lab_learn_command_its_parser_takes(tmp_path):
     choice = _choice({W[1]: "1e-3"}, {W[8]: "3e-3"})
     for piece in gw.tuning_pieces(gw.part2()) + gw.held_pieces(choice):
         args = parse(piece.argv(tmp_path, gw.LEARN))
-        assert args.module is learn and args.out == str(tmp_path / gw.PIECES / piece.name)
+        assert args.module is learn and args.out == str(tmp_path / PIECES / piece.name)
         assert (args.tasks, args.steps, args.last, args.lr) == (["speechwarm"], 20, 5, float(piece.lr))
         assert args.bypass and args.fp32_trainer and args.no_adjust and args.losses == [piece.arm]
         assert (args.engine, args.workers) == (("trainer", 1) if piece.trainer else ("lab", 2))
@@ -276,7 +277,7 @@ def test_the_study_tunes_writes_its_choice_then_judges_and_resumes(tmp_path, fak
 
     # a stopped piece resumes where it stopped; a finished study runs nothing again
     piece = gw.Piece("held", W[8], "3e-4", gw.HELD_SEEDS)
-    path = out / gw.PIECES / piece.name / "learn_runs.csv"
+    path = out / PIECES / piece.name / "learn_runs.csv"
     kept = [r for r in _csv(path) if r["seed"] != "305"]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(kept[0]))
@@ -378,7 +379,7 @@ def test_one_real_piece_through_the_lab_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(gw, "TUNE_SEEDS", (200,))
     out = tmp_path / "warm"
     main(["granularity", "--part", "2", "--out", str(out), "--phase", "tune"])
-    (run,) = gw.piece_rows(out, gw.tuning_pieces(gw.part2())[0], gw.part2())
+    (run,) = piece_rows(out, gw.tuning_pieces(gw.part2())[0], gw.part2())
     assert run["ok"] and run["steps"] == 2 and math.isfinite(run["final_reward"]) and run["mean_ppo_kl"] >= 0
     assert 0 < run["cpu_s"] and run["wall_s"] > 0
     assert [(c["loss"], c["best_band"]) for c in _csv(out / "choice.csv")] == [(W[1], "1e-3")]

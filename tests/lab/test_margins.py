@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maspo_verl.lab.studies import granularity as g
+from maspo_verl.lab.engine import protocol as g
 from maspo_verl.lab.studies import margins
 
 PART1 = Path(__file__).resolve().parents[2] / "docs" / "results" / "granularity"

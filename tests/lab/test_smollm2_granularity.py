@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from maspo_verl.lab.engine import stats
-from maspo_verl.lab.studies import smollm2
+from maspo_verl.lab.engine import smollm2, stats
 from maspo_verl.lab.studies import smollm2_granularity as g3
 from tests.lab.conftest import plain_log_probs, tiny_llama
 

@@ -51,7 +51,7 @@ def _loss(preset, words):
 
 
 def test_offset_zero_is_the_window_of_a_word_and_twelve_is_not():
-    from maspo_verl.lab.studies.regimes_tuned import variant
+    from maspo_verl.lab.engine.presets import variant
 
     words = discover_presets(["maspo_words"])[0]
     window = variant("maspo_fixed@segment_window=24")

@@ -65,8 +65,6 @@ from maspo_verl.lab.engine.tabular import CODEC_OFFSET, CODES, TEXT_END, VOCAB
 
 COLLAPSE_DROP = 0.1
 TASKS = ("speech", "text")
-# the alignment control of the words rule (``shuffled_runs``): maspo_words fed its runs in a random order
-CONTROL = "maspo_words~shuffled"
 # what a preset's ``control`` feeds the words rule instead of the response's runs: its runs shuffled, or the
 # target's units (the reward's units) aligned, with each boundary moved to its unit's midpoint, or shuffled
 CONTROLS = ("shuffled", "units", "units_offset", "units_shuffled")

@@ -32,6 +32,7 @@ def loss_and_config(actor: dict, policy_loss: dict):
 
 
 BASELINE = "grpo"
+SHIPPED = "shipped"  # a preset's clip band as shipped (a run's band column where it was not scaled)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Preset:
     loss_mode: str
     actor: dict  # clip_ratio_low/high/c, loss_agg_mode
     policy_loss: dict  # the composed policy_loss section without _target_
-    band: str = "shipped"  # the clip band: as shipped, or scaled (``widen``)
+    band: str = SHIPPED  # the clip band: as shipped, or scaled (``widen``)
     control: str = ""  # what the words rule is fed instead of the response's runs (``CONTROLS``)
 
 
@@ -61,6 +62,21 @@ def discover_presets(names: list[str] | None = None) -> list[Preset]:
     for name in names:
         actor, policy_loss = split(loss_section(compose_config(f"loss={name}")))
         out.append(Preset(name, policy_loss["loss_mode"], actor, policy_loss))
+    return out
+
+
+# the alignment control of the words rule (``grid.shuffled_runs``): maspo_words fed its runs in a random order
+CONTROL = "maspo_words~shuffled"
+
+
+def presets_of(names: list[str]) -> list[Preset]:
+    """The presets as shipped (grpo first), the variants named ``<preset>@<field>=<value>`` (``variant``), and the
+    shuffled-runs control where maspo_words is in."""
+    shipped = discover_presets([n for n in names if n != CONTROL and "@" not in n])
+    out = list(shipped) + [variant(n) for n in names if "@" in n]
+    if CONTROL in names:
+        words = next((p for p in discover_presets(["maspo_words"])), None)
+        out.append(replace(words, name=CONTROL, control="shuffled"))
     return out
 
 

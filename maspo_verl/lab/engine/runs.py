@@ -29,10 +29,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maspo_verl.lab.engine import stats
+from maspo_verl.lab.engine.common import read_csv
 from maspo_verl.util import read_step_metrics
 
 METRICS_FILE = "metrics.jsonl"  # verl's ``file`` logger in the run folder (the local mode's default)
 CONSOLE_LOG = "console.log"
+VALIDATION = "val-core/"  # verl's main validation metrics (val-core/<data source>/<metric>/...)
 STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
@@ -299,3 +302,31 @@ def stop_run(proc: subprocess.Popen, ray_dir: str | None) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(1)
+
+
+def slug(text: str) -> str:
+    """``text`` as a Hydra override value and a folder name: a variant's ``@``, ``=`` and ``,``, and the cell's
+    ``/``, become ``_``."""
+    return re.sub(r"[^\w.+-]", "_", text)
+
+
+INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
+TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout", stats.FINGERPRINT)
+
+
+def load_rows(path: Path) -> list[dict]:
+    """Rows of a learn CSV as the run wrote them (ints, bools, None for empty, floats); [] where it is missing."""
+    rows = []
+    for raw in read_csv(path):
+        row = {}
+        for key, value in raw.items():
+            if key in TEXT_COLUMNS:
+                row[key] = value
+            elif value in ("True", "False"):
+                row[key] = value == "True"
+            elif value == "":
+                row[key] = None if key in INT_COLUMNS else float("nan")
+            else:
+                row[key] = int(value) if key in INT_COLUMNS else float(value)
+        rows.append(row)
+    return rows

@@ -71,7 +71,8 @@ def label(loss: str) -> str:
 def grid_rows(runs: list[dict], tune: int) -> list[dict]:
     """Per (task, cell) and adaptive variant: the best fixed window (tuning seeds), the variant's held-out
     difference to it and to grpo, and the lengths it chose (mean over its runs at its chosen band)."""
-    from maspo_verl.lab.studies.regimes_tuned import BASELINE, choose
+    from maspo_verl.lab.engine.presets import BASELINE
+    from maspo_verl.lab.engine.tuning import choose
 
     choices = choose(runs, tune)
     pick = {(c["task"], c["cell"], c["loss"]): c for c in choices}
@@ -139,7 +140,7 @@ def warm_rows(runs: list[dict], tuning: list[dict]) -> list[dict]:
     """Per adaptive variant in ``runs``: its final reward minus the best window's (chosen on ``tuning``) and minus
     grpo's, paired by seed (95 % t-interval, exact sign-flip p), and its mean chosen length."""
     from maspo_verl.lab.engine import stats
-    from maspo_verl.lab.studies.regimes_tuned import BASELINE
+    from maspo_verl.lab.engine.presets import BASELINE
 
     best = best_window(tuning)
     out = []

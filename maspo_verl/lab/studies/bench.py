@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -44,7 +42,7 @@ from maspo_verl.batch import NO_WORD, WORD_IDS_KEY, micro_batch_scope
 from maspo_verl.core.surrogates import DEFAULT as DEFAULT_SURROGATE
 from maspo_verl.core.surrogates import SURROGATES, switch_fields
 from maspo_verl.core.token_sets import TOKEN_SETS
-from maspo_verl.lab.engine import common, journal, presets
+from maspo_verl.lab.engine import common, journal, presets, study
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.util import preset_names
 
@@ -370,70 +368,7 @@ def write_report(out, rows, args, seconds, profiled) -> None:
                 "",
             ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
-    render_readme(out)
-
-
-STEPTIME_HEADER = "## End-to-end overhead"
-
-
-def summarise_steps(rows: list[dict], baseline: str) -> list[dict]:
-    """Step times (``python -m maspo_verl.lab steptime``): median and minimum of steps >= 2 per preset, and
-    their ratios to the baseline's."""
-    by = {}
-    for r in rows:
-        if r["step"] >= 2:
-            by.setdefault(r["preset"], []).append(float(r["timing_s_step"]))
-    if baseline not in by:
-        return []
-    base_med, base_min = statistics.median(by[baseline]), min(by[baseline])
-    return [
-        {
-            "preset": p,
-            "steps": len(v),
-            "median_s": statistics.median(v),
-            "x_grpo_median": statistics.median(v) / base_med,
-            "min_s": min(v),
-            "x_grpo_min": min(v) / base_min,
-        }
-        for p, v in by.items()
-    ]
-
-
-STEPTIME_COMMAND = "STEPTIME_COMMAND.txt"  # steptime's journal, beside bench's COMMAND.txt
-
-
-def steptime_section(out) -> str:
-    """The end-to-end table from ``steptime.csv`` (``python -m maspo_verl.lab steptime``), if present."""
-    path = Path(out) / "steptime.csv"
-    if not path.exists():
-        return ""
-    with open(path) as f:
-        rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
-    table = summarise_steps(rows, BASELINE)
-    command_file = Path(out) / STEPTIME_COMMAND
-    command = command_file.read_text().partition("\n")[0] if command_file.exists() else ""
-    return "\n".join(
-        [
-            STEPTIME_HEADER,
-            "",
-            f"`{command}`: verl's real trainer in local CPU mode, one run per preset, one after the other "
-            "(same seed, same toy data and tiny model, same steps), on the same shared 2-core machine. "
-            "Each step's `timing_s/step` is verl's own metric; step 1 (trainer warm-up) is left out. "
-            "`x_grpo_*`: the preset's median / minimum step time over `grpo`'s in the same invocation "
-            "(target <= 1.02). Per-step rows: `steptime.csv`.",
-            "",
-            common.markdown_table(table, ["preset", "steps", "median_s", "x_grpo_median", "min_s", "x_grpo_min"]),
-        ]
-    )
-
-
-def render_readme(out) -> None:
-    """Replace the README's end-to-end section with the one from ``steptime.csv``."""
-    path = Path(out) / "README.md"
-    text = path.read_text() if path.exists() else "# Loss benchmark\n"
-    text = text.split(STEPTIME_HEADER)[0].rstrip() + "\n"
-    section = steptime_section(out)
-    path.write_text(text + ("\n" + section if section else ""))
+    study.add_sections(out, STUDY.folder)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,10 +23,9 @@ import time
 import numpy as np
 import torch
 
-from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine import common, journal, race
+from maspo_verl.lab.engine.race import VOCAB, Contender, RaceTask
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.lab.studies import race
-from maspo_verl.lab.studies.race import VOCAB, Contender, RaceTask
 
 STUDY = Study("credit", "span credit vs GRPO advantages: gradient variance and a race on per-span-error tasks")
 
@@ -232,7 +231,7 @@ def findings(grad_summary: list[dict], summary: list[dict]) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    race.add_arguments(p)
+    race.race_arguments(p)
     p.add_argument("--batches", type=int, default=100, help="batches per policy for the gradient statistics")
     p.add_argument("--warm-steps", type=int, default=8, help="GRPO steps before the second gradient study")
     p.add_argument("--race-lams", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0])

@@ -20,17 +20,16 @@ are part 2's engine (``granularity_warm``) read through this part's ``Part``; th
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
-from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine import journal, runs, stats
+from maspo_verl.lab.engine import pieces as piecewise
+from maspo_verl.lab.engine import protocol as reg
 from maspo_verl.lab.engine.cells import NO_MISMATCH
 from maspo_verl.lab.engine.common import finite_mean, markdown_table, read_csv, write_tables
+from maspo_verl.lab.engine.presets import BASELINE
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.lab.studies import granularity as g
-from maspo_verl.lab.studies import granularity_warm as gw
-from maspo_verl.lab.studies import learn
 from maspo_verl.local.learn_tasks import PRETRAINED
 from maspo_verl.pretrained import arith
 
@@ -78,44 +77,44 @@ LEARN = (
     "--tasks", TASK, "--cells", f"{LENGTH}/{NO_MISMATCH}/{UPDATES}", "--batch", str(BATCH), "--n", str(N),
     "--steps", str(STEPS), "--bypass", "--no-adjust", "--timeout", "3600",
 )  # fmt: skip
-WHOLE = f"{g.FIXED}{LENGTH}"  # one ratio per response
-ARMS = (learn.BASELINE, g.TOKEN, WHOLE)
+WHOLE = f"{reg.FIXED}{LENGTH}"  # one ratio per response
+ARMS = (BASELINE, reg.TOKEN, WHOLE)
 LRS = ("3e-6", "1e-5", "3e-5")  # the model config's 1e-5 in the middle
 METRIC = "mean_reward"  # lab learn's mean of critic/score/mean over the run's steps
 MARGIN = 0.05  # TOST margin, mean training reward
 ENGINE = "vllm"  # every run on verl's vLLM rollout: one the local mode moved to the transformers rollout has failed
 # verl's greedy validation accuracy on the task's val split at the last step (the secondary metric)
-VALIDATION = f"{learn.VALIDATION}{arith.DATA_SOURCE}/acc/mean@1"
+VALIDATION = f"{runs.VALIDATION}{arith.DATA_SOURCE}/acc/mean@1"
 FAMILY = "P4"
-PAIRS = ((FAMILY, WHOLE, g.TOKEN), (FAMILY, g.TOKEN, learn.BASELINE))
+PAIRS = ((FAMILY, WHOLE, reg.TOKEN), (FAMILY, reg.TOKEN, BASELINE))
 FAMILIES = {
     FAMILY: "exploratory (under-powered): W = whole minus W = 1, and W = 1 minus grpo, each at its tuned learning "
     "rate; mean training reward over steps 1-20"
 }
 # part 1's H1 winner, as the amendment registers it: the whole response (part 1's longest window)
-REGISTERED_WINNER = max(g.WINDOWS)
+REGISTERED_WINNER = max(reg.WINDOWS)
 
 
-def design() -> g.Design:
+def design() -> reg.Design:
     """Part 2's learning-rate design with this part's cell, arms, seeds, metric, margin and its own pairs."""
-    return replace(
-        gw.design(), task=TASK, cells=(CELL,), windows=(1, LENGTH), aligned="", controls=(), settings=LRS,
-        tune_seeds=TUNE_SEEDS, held_seeds=HELD_SEEDS, families=FAMILIES, adaptive=(), metric=METRIC, margin=MARGIN,
-        pairs=PAIRS, largest="highest learning rate",
+    return reg.Design(
+        task=TASK, cells=(CELL,), windows=(1, LENGTH), aligned="", controls=(), settings=LRS, knob="lr",
+        smallest="lowest learning rate", tune_seeds=TUNE_SEEDS, held_seeds=HELD_SEEDS, families=FAMILIES,
+        clip_is_knob=False, adaptive=(), metric=METRIC, margin=MARGIN, pairs=PAIRS, largest="highest learning rate",
     )  # fmt: skip
 
 
-def part() -> gw.Part:
+def part() -> piecewise.Part:
     """This part as the piece engine reads it."""
-    return gw.Part(
+    return piecewise.Part(
         4, TASK, CELL, LEARN, ARMS, LRS, TUNE_SEEDS, HELD_SEEDS, METRIC, held_pieces, report, check, engine=ENGINE
     )
 
 
-def held_pieces(choices: list[dict]) -> list[gw.Piece]:
+def held_pieces(choices: list[dict]) -> list[piecewise.Piece]:
     """Every arm at its chosen lr on the held-out seeds (an arm whose every tuning run failed has none)."""
     pick = {c["loss"]: c for c in choices}
-    return [gw.Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in ARMS if a in pick]
+    return [piecewise.Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in ARMS if a in pick]
 
 
 # ------------------------------------------------------------------ part 1's winner
@@ -127,8 +126,8 @@ def part1_winner(tests: list[dict]) -> int:
     diffs: dict[int, dict[str, float]] = {}
     for t in tests:
         if t["family"] == "F1a" and t.get("seeds"):
-            diffs.setdefault(int(t["arm"].removeprefix(g.FIXED)), {})[t["cell"]] = float(t["diff"])
-    missing = [w for w in g.WINDOWS[1:] if set(diffs.get(w, {})) != set(g.CELLS)]
+            diffs.setdefault(int(t["arm"].removeprefix(reg.FIXED)), {})[t["cell"]] = float(t["diff"])
+    missing = [w for w in reg.WINDOWS[1:] if set(diffs.get(w, {})) != set(reg.CELLS)]
     if missing:
         raise SystemExit(f"part 1's tests.csv: F1a is not run in every cell for W = {missing}: part 1 is not done")
     means = {w: statistics.fmean(d.values()) for w, d in diffs.items()}
@@ -138,7 +137,7 @@ def part1_winner(tests: list[dict]) -> int:
 def part1_tests() -> Path:
     from maspo_verl.lab.engine.common import default_out
 
-    return default_out(g.OUT, update_docs=True) / "tests.csv"
+    return default_out(reg.PART1_FOLDER, update_docs=True) / "tests.csv"
 
 
 def check() -> None:
@@ -186,7 +185,7 @@ def secondary(rows: list[dict], choices: list[dict]) -> list[dict]:
     """P4's pairs on the secondary metric (greedy validation accuracy at the last step): described, not tested."""
     held = stats.held([r for r in rows if r["ok"] and VALIDATION in r], HELD_SEEDS[0])
     out = []
-    for _, cell, a, b in g.comparisons(choices, design()):
+    for _, cell, a, b in reg.comparisons(choices, design()):
         row = stats.paired(held, TASK, cell, a, b, metric=VALIDATION) if a[1] and b[1] else {}
         summary = {k: row[k] for k in ("seeds", "diff", "low", "high") if k in row}
         out.append({"arm": a[0], "lr": a[1], "vs": b[0], "vs_lr": b[1], **summary})
@@ -198,20 +197,20 @@ def report(out: Path) -> None:
 
     out = Path(out)
     p, d = part(), design()
-    rows, choices, held = gw.on_disk(out, p)
-    tests = g.tests([r for r in rows if r["ok"]], choices, d)
+    rows, choices, held = piecewise.on_disk(out, p)
+    tests = reg.tests([r for r in rows if r["ok"]], choices, d)
     tables = {
         "tests.csv": tests,
         "secondary.csv": secondary(rows, choices),
         "arms.csv": arms_table(rows, choices),
-        "pieces.csv": gw.pieces_table(out, gw.tuning_pieces(p) + held, p),
-        "tuning.csv": gw.tuning_table(rows, choices, p),
-        "design.csv": g.design_table(d),
+        "pieces.csv": piecewise.pieces_table(out, piecewise.tuning_pieces(p) + held, p),
+        "tuning.csv": piecewise.tuning_table(rows, choices, p),
+        "design.csv": reg.design_table(d),
     }
     write_tables(out, tables)
     plotted = any(t.get("seeds") for t in tests)
     if plotted:
-        g.plot(tests, out / "tests.png", FAMILIES, MARGIN, "mean training reward")
+        reg.plot(tests, out / "tests.png", FAMILIES, MARGIN, "mean training reward")
     (out / "README.md").write_text(readme(rows, choices, tables, plotted, journal.read(out)))
     common.report_written(out)
 
@@ -274,15 +273,15 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
         f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{MARGIN} mean training reward. **Every number here is "
         "exploratory (under-powered).**",
         "",
-        gw.status_line(pieces, choices, rows, 4),
+        piecewise.status_line(pieces, choices, rows, 4),
         "",
         "## Readings of the registration (written before any run)",
         "",
         *(f"- {x}" for x in READINGS),
         "",
-        *g.family_sections(tables["tests.csv"], d),
-        f"*Different*: Holm-adjusted sign-flip p < {g.ALPHA} (with 4 seeds never); *equivalent*: Holm-adjusted TOST "
-        f"p < {g.ALPHA} with margin ±{MARGIN}; `—`: neither. Exploratory (under-powered).",
+        *reg.family_sections(tables["tests.csv"], d),
+        f"*Different*: Holm-adjusted sign-flip p < {reg.ALPHA} (with 4 seeds never); *equivalent*: Holm-adjusted TOST "
+        f"p < {reg.ALPHA} with margin ±{MARGIN}; `—`: neither. Exploratory (under-powered).",
         "",
         "## Each arm at its chosen learning rate, held-out seeds",
         "",
@@ -296,15 +295,15 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
         markdown_table(tables["secondary.csv"]),
         "## The learning rates chosen on the tuning seeds",
         "",
-        gw.lr_choice_table(choices)
+        piecewise.lr_choice_table(choices)
         if choices
-        else f"Not chosen yet: {sum(p['done'] for p in pieces)} of {len(gw.tuning_pieces(part()))} tuning pieces "
-        "done; `choice.csv` is written when all are, before any held-out piece runs.\n",
-        *([g.bracket_note(choices, d), ""] if choices else []),
+        else f"Not chosen yet: {sum(p['done'] for p in pieces)} of {len(piecewise.tuning_pieces(part()))} tuning "
+        "pieces done; `choice.csv` is written when all are, before any held-out piece runs.\n",
+        *([reg.bracket_note(choices, d), ""] if choices else []),
         f"Tuning means per arm and learning rate (`tuning.csv`; `{METRIC}`: the primary metric):",
         "",
         markdown_table(tables["tuning.csv"]),
-        *gw.ending(
+        *piecewise.ending(
             pieces, plotted, "`tests.csv` (family P4), `secondary.csv`, `arms.csv`, `pieces.csv`, `tuning.csv`", command
         ),
     ]
@@ -312,4 +311,4 @@ def readme(rows, choices, tables, plotted: bool, command: str) -> str:
 
 
 def run(args, argv: list[str]) -> None:
-    gw.run(args, argv, part())
+    piecewise.run(args, argv, part())

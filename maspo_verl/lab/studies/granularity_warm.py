@@ -29,19 +29,27 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from maspo_verl import choosing
-from maspo_verl.lab.engine import grid, journal, learn_engine, stats
-from maspo_verl.lab.engine import tuning as tuned
-from maspo_verl.lab.engine.common import finite_mean, log, markdown_table, read_csv, write_csv, write_tables
-from maspo_verl.lab.engine.presets import UNCLIPPED
+from maspo_verl.lab.engine import journal, learn_engine, stats
+from maspo_verl.lab.engine import protocol as reg
+from maspo_verl.lab.engine.common import finite_mean, markdown_table, read_csv, write_tables
+from maspo_verl.lab.engine.pieces import (
+    ON_TRAINER,
+    Part,
+    Piece,
+    builds,
+    ending,
+    lr_choice_table,
+    on_disk,
+    pieces_table,
+    status_line,
+    tuning_pieces,
+    tuning_table,
+)
+from maspo_verl.lab.engine.pieces import run as run_pieces
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.lab.studies import granularity as g
-from maspo_verl.lab.studies import learn
 
 WINDOWS = (1, 2, 8, 24, 96)
 OFFSET = "maspo_words~offset12"  # the same window with its boundaries moved by half a word (lab/word_grid.py)
@@ -61,7 +69,7 @@ STUDY = Study(
         "design.csv",
         "tests.png",
     ),
-    arms=(*(f"{g.FIXED}{w}" for w in WINDOWS), *g.ADAPTIVE, OFFSET),
+    arms=(*(f"{reg.FIXED}{w}" for w in WINDOWS), *reg.ADAPTIVE, OFFSET),
     cells=("L96/stale2/U4",),  # lab learn's label of --cells 96/stale2/4
     tune_seeds=tuple(range(200, 204)),
     held_seeds=tuple(range(300, 312)),
@@ -69,7 +77,6 @@ STUDY = Study(
 
 FOLDER = STUDY.folder
 ARMS, (CELL,), TUNE_SEEDS, HELD_SEEDS = STUDY.arms, STUDY.cells, STUDY.tune_seeds, STUDY.held_seeds
-PIECES = "pieces"  # one folder per piece
 TASK = "speechwarm"
 # the registered lab learn command of every piece (PREREGISTRATION.md, part 2); --last 5: part 1's final reward
 LEARN = (
@@ -79,9 +86,8 @@ LEARN = (
 # the amendment of 2026-11-28 (2): the lab engine runs every piece; the trainer (the same command with --engine
 # trainer) runs W = 1 and W = whole at their chosen learning rates on the held-out seeds, with the rollout the
 # engine reproduces; the rollout each one's runs name (lab learn's ``rollout`` column)
-ENGINE, TRAINER_ROLLOUT = learn_engine.LAB, learn_engine.REQUIRED["actor_rollout_ref.rollout.name"]
-CONFIRM_ARMS = (g.TOKEN, f"{g.FIXED}96")
-ON_TRAINER = "/trainer"  # the setting of a confirmation run: its lr, then this
+ENGINE = learn_engine.LAB
+CONFIRM_ARMS = (reg.TOKEN, f"{reg.FIXED}96")
 CONFIRM_COLUMNS = (  # family C's table in the README
     "test",
     "arm",
@@ -94,7 +100,7 @@ CONFIRM_COLUMNS = (  # family C's table in the README
     "p_tost_holm",
     "outcome",
 )
-ALIGNED = f"{g.FIXED}24"  # the warm model's words last exactly 24 frames
+ALIGNED = f"{reg.FIXED}24"  # the warm model's words last exactly 24 frames
 LRS = ("1e-4", "3e-4", "1e-3", "3e-3")
 FAMILIES = {
     "F1a": "H1, each at its tuned learning rate: window W minus W = 1",
@@ -114,8 +120,8 @@ def start_of(run: dict) -> str:
     return f"{run['first_reward']:.6f}"
 
 
-def design() -> g.Design:
-    return g.Design(
+def design() -> reg.Design:
+    return reg.Design(
         task=TASK,
         cells=(CELL,),
         windows=WINDOWS,
@@ -131,64 +137,8 @@ def design() -> g.Design:
     )
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One ``lab learn`` command: ``arm`` at ``lr`` (unclipped: its band and dual clip opened) on ``seeds``."""
-
-    phase: str  # "tune" or "held"
-    arm: str
-    lr: str
-    seeds: tuple[int, ...]
-    unclipped: bool = False
-    trainer: bool = False  # run by verl's trainer (``--engine trainer``), not the part's engine
-    again: bool = False  # a registered piece's command run again (a deviation: the folder's DEVIATIONS.md)
-
-    @property
-    def setting(self) -> str:
-        """The runs' setting as the analysis keys them: the lr, ``/inf`` where unclipped, ``/trainer`` where the
-        trainer runs it."""
-        return self.lr + (g.NO_CLIP if self.unclipped else "") + (ON_TRAINER if self.trainer else "")
-
-    @property
-    def name(self) -> str:
-        suffix = (
-            ("_noclip" if self.unclipped else "")
-            + ("_trainer" if self.trainer else "")
-            + ("_again" if self.again else "")
-        )
-        return learn.slug(f"{self.phase}_{g.short(self.arm)}_lr{self.lr}{suffix}")
-
-    def argv(self, out: Path, flags: tuple[str, ...]) -> list[str]:
-        """The lab CLI's arguments of this piece (``flags``: its part's registered lab learn flags)."""
-        assert self.seeds == tuple(range(self.seeds[0], self.seeds[0] + len(self.seeds))), self.seeds
-        return [
-            "learn", "--out", str(Path(out) / PIECES / self.name), *flags, "--losses", self.arm,
-            "--lr", self.lr,
-            "--first-seed", str(self.seeds[0]), "--seeds", str(len(self.seeds)),
-            *(["--bands", f"{self.arm}={UNCLIPPED}"] if self.unclipped else []),
-            *(["--engine", learn_engine.TRAINER, "--workers", "1"] if self.trainer else []),
-        ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Part:
-    """What the piece engine reads of one part run as pieces of ``lab learn``: part 2 (``part2``) here, part 4 in
-    ``granularity_vllm``."""
-
-    number: int
-    task: str  # the runs' task column
-    cell: str  # lab learn's label of the part's one cell
-    flags: tuple[str, ...]  # the registered lab learn flags of every piece
-    arms: tuple[str, ...]
-    lrs: tuple[str, ...]  # the learning rates tuned, the smallest first
-    tune_seeds: tuple[int, ...]
-    held_seeds: tuple[int, ...]
-    metric: str  # the runs' column the choice reads (its best tuning mean; ties: the smaller lr)
-    held_pieces: Callable[[list[dict]], list[Piece]]  # the held-out pieces of a choice, those a test reads first
-    report: Callable[[Path], None]
-    check: Callable[[], None] = lambda: None  # refuses to start where the registration's premise fails
-    # the rollout engine a run must name (lab learn's ``rollout`` column); a run on another counts as failed
-    engine: str = ""
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    run_pieces(args, argv, part2())
 
 
 def part2() -> Part:
@@ -198,19 +148,17 @@ def part2() -> Part:
     )
 
 
-def tuning_pieces(part: Part) -> list[Piece]:
-    return [Piece("tune", arm, lr, part.tune_seeds) for arm in part.arms for lr in part.lrs]
-
-
 def held_pieces(choices: list[dict]) -> list[Piece]:
     """The held-out pieces the choice implies, those a registered test reads first (an arm whose every tuning run
     failed has no choice and no held-out piece: its tests stay not run)."""
     pick = {c["loss"]: c for c in choices}
     arms = [a for a in ARMS if a in pick]
-    windows = [f"{g.FIXED}{w}" for w in WINDOWS if f"{g.FIXED}{w}" in pick]
+    windows = [f"{reg.FIXED}{w}" for w in WINDOWS if f"{reg.FIXED}{w}" in pick]
     pieces = [Piece("held", a, pick[a]["best_band"], HELD_SEEDS) for a in arms]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in windows]
-    pieces += [Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != g.TOKEN and pick[a]["kl_band"]]
+    pieces += [
+        Piece("held", a, pick[a]["kl_band"], HELD_SEEDS) for a in windows if a != reg.TOKEN and pick[a]["kl_band"]
+    ]
     pieces += [Piece("held", a, pick[a]["best_band"], HELD_SEEDS, unclipped=True) for a in arms if a not in windows]
     # the trainer's confirmation, after every piece of the engine; then the engine's runs of its arms again, on the
     # warm models the trainer's runs started from (DEVIATIONS.md)
@@ -222,232 +170,22 @@ def held_pieces(choices: list[dict]) -> list[Piece]:
 # ------------------------------------------------------------------ what is on disk
 
 
-def piece_rows(out: Path, piece: Piece, part: Part) -> list[dict]:
-    """The piece's runs (``lab learn``'s rows), keyed for the analysis: ``band`` is the piece's setting,
-    ``ppo_kl`` the run's mean KL per update, ``ok`` false too where the run's rollout engine is not the part's; a
-    row that is not this piece's stops with the folder named."""
-    folder = Path(out) / PIECES / piece.name
-    rows = learn.load_rows(folder / "learn_runs.csv")
-    band = UNCLIPPED if piece.unclipped else learn.SHIPPED
-    for r in rows:
-        mine = (r["task"], r["cell"], r["loss"], r["band"]) == (part.task, part.cell, piece.arm, band)
-        if not mine or r["seed"] not in piece.seeds or ("lr" in r and not math.isclose(r["lr"], float(piece.lr))):
-            raise SystemExit(
-                f"{folder}: a run of {r['loss']} (seed {r['seed']}, band {r['band']}, lr {r.get('lr')}) is not this "
-                f"piece's ({piece.arm}, lr {piece.lr}, {band}, seeds {piece.seeds[0]}-{piece.seeds[-1]}): remove it"
-            )
-    keyed = {"band": piece.setting, "piece": piece.name, "again": piece.again}
-    engine = TRAINER_ROLLOUT if piece.trainer else part.engine
-    return [
-        r | keyed | {"ppo_kl": r["mean_ppo_kl"], "ok": r["ok"] and (not engine or r.get("rollout") == engine)}
-        for r in rows
-    ]
-
-
-def covers(piece: Piece, rows: list[dict]) -> bool:
-    """Whether ``rows`` (the piece's) hold a run of every seed of the piece."""
-    return set(piece.seeds) <= {r["seed"] for r in rows}
-
-
-def done(out: Path, piece: Piece, part: Part) -> bool:
-    return covers(piece, piece_rows(out, piece, part))
-
-
-def tuning_rows(out: Path, part: Part) -> list[dict]:
-    """The runs of every tuning piece on disk."""
-    return [r for p in tuning_pieces(part) for r in piece_rows(out, p, part)]
-
-
-def choose(rows: list[dict], part: Part) -> list[dict]:
-    """Each arm's chosen lr and matched-KL lr from the finished tuning runs (``tuning.choose`` on the
-    part's metric)."""
-    tuning = [r for r in rows if r["seed"] in part.tune_seeds and r["ok"]]
-    return tuned.choose(tuning, part.held_seeds[0], baseline=g.TOKEN, metric=part.metric)
-
-
-def written_choice(out: Path, rows: list[dict], part: Part) -> list[dict]:
-    """The choice, once ``choice.csv`` is written (checked against the tuning runs on disk); [] before."""
-    path = Path(out) / "choice.csv"
-    if not path.is_file():
-        return []
-    choices = choose(rows, part)
-    g.check_choice(path, choices)
-    return choices
-
-
 # ------------------------------------------------------------------ the command
-
-
-def _engine_defaults() -> dict:
-    p = argparse.ArgumentParser()
-    grid.engine_arguments(p)
-    p.set_defaults(sample_seed=g.SAMPLE_SEED)
-    return vars(p.parse_args([]))
-
-
-def run(args: argparse.Namespace, argv: list[str], part: Part | None = None) -> None:
-    p = part or part2()
-    changed = [k for k, v in _engine_defaults().items() if getattr(args, k) != v]
-    if changed:
-        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        raise SystemExit(
-            f"--part {p.number}: {flags} set part 1's engine; part {p.number}'s design is fixed (its lab learn flags)"
-        )
-    if args.pieces < 0:
-        raise SystemExit(f"--pieces {args.pieces}: allowed 0 (all) or a number of pieces > 0")
-    out = Path(args.out)
-    p.check()
-    if args.report:
-        return p.report(out)
-    drive(out, args.phase, args.resume, args.pieces, argv, p)
-
-
-def drive(out: Path, phase: str, resume: bool, budget: int, argv: list[str], part: Part) -> None:
-    """Run the missing pieces of ``phase`` (at most ``budget``, 0: all), the report rebuilt after each."""
-    choice = out / "choice.csv"
-    tuning = tuning_pieces(part)
-    tuned = sum(done(out, p, part) for p in tuning)
-    if phase == "held" and not choice.is_file():
-        raise SystemExit(
-            f"--phase held: {choice} is missing: the held-out seeds wait for the tuning choice; run --phase tune "
-            f"(--resume) until its {len(tuning)} pieces are done ({tuned} are)"
-        )
-    on_disk = sorted(p.name for p in (out / PIECES).iterdir()) if (out / PIECES).is_dir() else []
-    if on_disk and not resume:
-        raise SystemExit(
-            f"{out}: {len(on_disk)} pieces on disk: add --resume to keep them and run the missing ones (or remove "
-            "the folder to start again)"
-        )
-    if resume:
-        journal.again(out, argv)
-    else:
-        journal.start(out, argv)
-    ran = 0
-
-    def run_missing(pieces: list[Piece]) -> bool:
-        """Run the pieces not done yet, within the budget; whether every one is done."""
-        nonlocal ran
-        for piece in pieces:
-            if done(out, piece, part):
-                continue
-            if budget and ran >= budget:
-                break
-            run_piece(out, piece, part)
-            ran += 1
-            part.report(out)
-        return all(done(out, p, part) for p in pieces)
-
-    if phase in ("tune", "all"):
-        if run_missing(tuning) and not choice.is_file():
-            write_csv(choice, choose(tuning_rows(out, part), part))
-            journal.note(out, "tuning done: choice.csv written (before any held-out piece)")
-    if phase in ("held", "all"):
-        if choice.is_file():
-            run_missing(part.held_pieces(written_choice(out, tuning_rows(out, part), part)))
-        else:
-            tuned = sum(done(out, p, part) for p in tuning)
-            log(f"granularity part {part.number}: {tuned} of {len(tuning)} tuning pieces done; held-out pieces wait")
-    part.report(out)
-
-
-def run_piece(out: Path, piece: Piece, part: Part) -> None:
-    """One piece: its ``lab learn`` command, parsed by lab learn's parser (a renamed flag fails here) and run."""
-    argv = piece.argv(out, part.flags)
-    if (Path(out) / PIECES / piece.name / "learn_runs.csv").is_file():
-        argv.append("--resume")  # a stopped piece: lab learn runs only its missing seeds
-    journal.note(out, f"\npiece {piece.name}: {journal.command_line(argv)}")
-    start = time.monotonic()
-    learn.run(learn.parse(argv), argv)
-    rows = [r for r in piece_rows(out, piece, part) if r["seed"] in piece.seeds]
-    cpu = finite_mean(r.get("cpu_s") for r in rows)
-    journal.note(
-        out,
-        f"  {len(rows)} runs on disk, {time.monotonic() - start:.0f} s wall, {cpu:.0f} CPU-s per run (learn_runs.csv "
-        f"cpu_s); machine load at the end: {journal.load()}",
-    )
-    if rows and not any(r["ok"] for r in rows):
-        codes = sorted({str(r["exit_code"]) for r in rows})
-        engines = sorted({r.get("rollout") or "?" for r in rows})
-        raise SystemExit(
-            f"piece {piece.name}: every run failed (exit codes {', '.join(codes)}; rollout engines "
-            f"{', '.join(engines)}; each run folder is named in the log above): fix the cause, remove "
-            f"{Path(out) / PIECES / piece.name} and run again with --resume"
-        )
 
 
 # ------------------------------------------------------------------ the report
 
 
-def builds(rows: list[dict]) -> dict[str, str]:
-    """Per piece: the builds of the seeds' warm models its runs started from (``start`` keyed), each seed's builds
-    numbered 1, 2, ... in the order of ``rows``."""
-    number: dict[tuple[int, str], int] = {}
-    of: dict[str, set[int]] = {}
-    for r in rows:
-        if r["ok"]:
-            key = (r["seed"], r["start"])
-            number.setdefault(key, 1 + sum(s == r["seed"] for s, _ in number))
-            of.setdefault(r["piece"], set()).add(number[key])
-    return {piece: ", ".join(map(str, sorted(b))) for piece, b in of.items()}
-
-
-def pieces_table(out: Path, pieces: list[Piece], part: Part, build: dict[str, str] | None = None) -> list[dict]:
-    """Per piece: its runs on disk, failures, whether done, time per run; with ``build`` (``builds``) also the
-    builds of the warm models its runs started from."""
-    rows = []
-    for p in pieces:
-        mine = piece_rows(out, p, part)
-        rows.append(
-            {
-                "piece": p.name,
-                "phase": p.phase,
-                "arm": p.arm,
-                "lr": p.lr,
-                "clip": "off" if p.unclipped else "shipped",
-                "seeds": f"{p.seeds[0]}-{p.seeds[-1]}",
-                "runs": f"{len(mine)}/{len(p.seeds)}",
-                "failed": sum(not r["ok"] for r in mine),
-                "done": covers(p, mine),
-                "wall_s_per_run": finite_mean(r["wall_s"] for r in mine),
-                "cpu_s_per_run": finite_mean(r.get("cpu_s") for r in mine),
-            }
-            | ({"build": build.get(p.name, "")} if build is not None else {})
-        )
-    return rows
-
-
-def tuning_table(rows: list[dict], choices: list[dict], part: Part) -> list[dict]:
-    """Per arm and lr: the tuning mean of the part's metric and KL per update (what the choice reads)."""
-    pick = {c["loss"]: c for c in choices}
-    out = []
-    for arm in part.arms:
-        for lr in part.lrs:
-            mine = [r for r in rows if (r["loss"], r["band"]) == (arm, lr) and r["seed"] in part.tune_seeds and r["ok"]]
-            chosen = pick.get(arm, {})
-            out.append(
-                {
-                    "arm": arm,
-                    "lr": lr,
-                    "seeds": len(mine),
-                    part.metric: finite_mean(r[part.metric] for r in mine),
-                    "ppo_kl": finite_mean(r["ppo_kl"] for r in mine),
-                    "chosen": chosen.get("best_band") == lr,
-                    "matched_kl": chosen.get("kl_band") == lr,
-                }
-            )
-    return out
-
-
 def cells_table(rows: list[dict], choices: list[dict]) -> list[dict]:
     """W = 1 at its chosen lr on the held-out seeds: final reward, gain, and the loss's measured correlation of its
     log-ratios (lab learn's ``actor/ratio/*``, mean over steps and seeds; 1 = independent)."""
-    token = next((c for c in choices if c["loss"] == g.TOKEN), None)
+    token = next((c for c in choices if c["loss"] == reg.TOKEN), None)
     if token is None:
         return []
     mine = [
         r
         for r in rows
-        if (r["loss"], r["band"]) == (g.TOKEN, token["best_band"])
+        if (r["loss"], r["band"]) == (reg.TOKEN, token["best_band"])
         and r["seed"] in HELD_SEEDS
         and r["ok"]
         and not r["again"]
@@ -483,11 +221,11 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
     token, whole = (pairs(a) for a in CONFIRM_ARMS)
     comparisons = [
         *(
-            (f"{g.short(a)}, trainer", f"{g.short(a)}, lab engine", p)
+            (f"{reg.short(a)}, trainer", f"{reg.short(a)}, lab engine", p)
             for a, p in zip(CONFIRM_ARMS, (token, whole), strict=True)
         ),
         (
-            f"{g.short(CONFIRM_ARMS[1])} minus {g.short(CONFIRM_ARMS[0])}, trainer",
+            f"{reg.short(CONFIRM_ARMS[1])} minus {reg.short(CONFIRM_ARMS[0])}, trainer",
             "the same, lab engine",
             {s: (whole[s][0] - token[s][0], whole[s][1] - token[s][1]) for s in token.keys() & whole.keys()},
         ),
@@ -497,36 +235,26 @@ def confirmation(rows: list[dict], choices: list[dict]) -> tuple[list[dict], str
         seeds = sorted(p)
         row = {"family": "C", "arm": arm, "vs": vs}
         if len(seeds) > 1:
-            row |= stats.paired_summary([p[s][0] - p[s][1] for s in seeds], g.MARGIN)
+            row |= stats.paired_summary([p[s][0] - p[s][1] for s in seeds], reg.MARGIN)
             row |= {"trainer": finite_mean(p[s][0] for s in seeds), "engine": finite_mean(p[s][1] for s in seeds)}
         out.append(row)
-    g.judge(out, g.MARGIN, run=lambda r: r.get("seeds", 0) == len(HELD_SEEDS))
+    reg.judge(out, reg.MARGIN, run=lambda r: r.get("seeds", 0) == len(HELD_SEEDS))
     return out, choosing.confirmation_verdict(out)
 
 
 def prediction(verdicts: list[dict], part1: list[dict]) -> list[dict]:
     """The registered prediction: part 1's verdicts on its longer-unit cell beside this part's; *confirmed* where
     both are reached and read the same."""
-    cell = g.CELLS[-1]
+    cell = reg.CELLS[-1]
     theirs = {(v["family"], v["arm"]): v["verdict"] for v in part1 if v["cell"] == cell}
     ours = {(v["family"], v["arm"]): v["verdict"] for v in verdicts}
     out = []
     for family, arm in theirs or ours:
-        before, now = theirs.get((family, arm), ""), ours.get((family, arm), ours.get((family, ""), g.NOT_RUN))
-        reached = before and g.NOT_RUN not in (before, now)
+        before, now = theirs.get((family, arm), ""), ours.get((family, arm), ours.get((family, ""), reg.NOT_RUN))
+        reached = before and reg.NOT_RUN not in (before, now)
         row = {"family": family, "arm": arm, f"part 1, {cell}": before, "part 2": now}
         out.append(row | {"confirmed": now == before if reached else ""})
     return out
-
-
-def on_disk(out: Path, part: Part) -> tuple[list[dict], list[dict], list[Piece]]:
-    """What a part's report reads (its folder made first): the runs of its pieces on disk (the held-out ones once
-    the choice is written), the written choice, and the held-out pieces it implies."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    rows = tuning_rows(out, part)
-    choices = written_choice(out, rows, part)
-    held = part.held_pieces(choices) if choices else []
-    return rows + [r for piece in held for r in piece_rows(out, piece, part)], choices, held
 
 
 def report(out: Path) -> None:
@@ -537,8 +265,8 @@ def report(out: Path) -> None:
     rows, choices, held = on_disk(out, p)
     # a paired test pairs runs of one seed that started from the same warm model (DEVIATIONS.md)
     started = [r | {"start": start_of(r)} for r in rows if r["ok"]]
-    tests = g.tests(started, choices, d)
-    verdicts = g.decisions(tests)
+    tests = reg.tests(started, choices, d)
+    verdicts = reg.decisions(tests)
     confirm, confirmed = confirmation(rows, choices)
     pieces = pieces_table(out, tuning_pieces(p) + held, p, builds(started))
     tables = {
@@ -548,12 +276,12 @@ def report(out: Path) -> None:
         "tuning.csv": tuning_table(rows, choices, p),
         "cells.csv": cells_table(rows, choices),
         "confirmation.csv": confirm,
-        "design.csv": g.design_table(d),
+        "design.csv": reg.design_table(d),
     }
     write_tables(out, tables)
     plotted = any(t.get("seeds") for t in tests)
     if plotted:
-        g.plot(tests, out / "tests.png", FAMILIES)
+        reg.plot(tests, out / "tests.png", FAMILIES)
     predicted = prediction(verdicts, read_csv(out.parent / "decisions.csv"))
     text = readme(rows, choices, tables, predicted, confirmed, plotted, journal.read(out), journal.deviations(out))
     (out / "README.md").write_text(text)
@@ -599,48 +327,6 @@ READINGS = (
 )
 
 
-def status(pieces: list[dict], choices: list[dict]) -> str:
-    """A part's pieces done and left (``pieces_table``'s rows), in a sentence."""
-    left = [p for p in pieces if not p["done"]]
-    runs = sum(int(p["runs"].split("/")[0]) for p in pieces)
-    return (
-        f"{len(pieces) - len(left)} of {len(pieces)} pieces done ({runs} runs on disk, "
-        f"{sum(p['failed'] for p in pieces)} failed); "
-        + (
-            "the held-out pieces are listed once the tuning choice is written."
-            if not choices
-            else f"tuning choice written; {len(left)} pieces left."
-        )
-    )
-
-
-def lr_choice_table(choices: list[dict]) -> str:
-    """``choice.csv`` as a README shows it: its ``*band*`` columns hold learning rates here, named so."""
-    names = {"best_band": "lr", "kl_band": "matched_kl_lr", "kl_band_kl": "matched_kl_lr_kl"}
-    return markdown_table([{names.get(k, k): v for k, v in c.items()} for c in choices])
-
-
-def status_line(pieces: list[dict], choices: list[dict], rows: list[dict], number: int) -> str:
-    """A part's README status: its pieces done and left, the time a run took, and the command that runs the rest
-    (none once every piece is done)."""
-    complete = bool(choices) and all(p["done"] for p in pieces)
-    rest = (
-        ""
-        if complete
-        else f" The rest: `python -m maspo_verl.lab granularity --part {number} --update-docs --resume --pieces N` "
-        "(the next N pieces; tuning first)."
-    )
-    return (
-        f"**Status**: {status(pieces, choices)} Measured per run{'' if complete else ' so far'}: {per_run(rows)}{rest}"
-    )
-
-
-def per_run(rows: list[dict]) -> str:
-    """The mean wall and CPU time of the runs on disk, in words."""
-    wall, cpu = finite_mean(r["wall_s"] for r in rows), finite_mean(r.get("cpu_s") for r in rows)
-    return f"{wall:.0f} s wall, {cpu:.0f} CPU-s." if rows else "nothing yet (no run)."
-
-
 def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, command: str, deviations) -> str:
     d = design()
     pieces = tables["pieces.csv"]
@@ -656,7 +342,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         "part 1's): "
         f"`lab learn {' '.join(LEARN)}` per piece, arms {', '.join(ARMS)}, learning "
         f"rates {', '.join(LRS)} on tuning seeds {TUNE_SEEDS[0]}-{TUNE_SEEDS[-1]}, held-out seeds "
-        f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{g.MARGIN}.",
+        f"{HELD_SEEDS[0]}-{HELD_SEEDS[-1]}, TOST margin ±{reg.MARGIN}.",
         "",
         status_line(pieces, choices, rows, 2),
         "",
@@ -668,7 +354,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         "",
         *(f"- {x}" for x in deviations),
         "",
-        *g.verdict_section(tables["decisions.csv"]),
+        *reg.verdict_section(tables["decisions.csv"]),
         "## The registered prediction: part 1's longer-unit cell",
         "",
         markdown_table(predicted),
@@ -677,7 +363,7 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         f"**{confirmed}**. verl's trainer (`--engine trainer`) against the lab engine on the held-out seeds, paired "
         "by seed: final reward of W = 1 and of W = whole, each at its chosen learning rate, and their F1a difference "
         "(`trainer`, `lab engine`: each one's mean over the seeds); "
-        f"*equivalent*: Holm-adjusted TOST p < 0.05 (margin ±{g.MARGIN}); *different*: Holm-adjusted sign-flip p < "
+        f"*equivalent*: Holm-adjusted TOST p < 0.05 (margin ±{reg.MARGIN}); *different*: Holm-adjusted sign-flip p < "
         "0.05 (`confirmation.csv`). Where the engine is contradicted, the verdicts above are the engine's only.",
         "",
         markdown_table(
@@ -705,14 +391,14 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         "and held-out seeds.",
         "",
         markdown_table(tables["cells.csv"]),
-        *g.family_sections(tables["tests.csv"], d),
+        *reg.family_sections(tables["tests.csv"], d),
         "## The learning rates chosen on the tuning seeds",
         "",
         lr_choice_table(choices)
         if choices
         else f"Not chosen yet: {sum(p['done'] for p in tuned)} of {len(tuned)} "
         "tuning pieces done; `choice.csv` is written when all are, before any held-out piece runs.\n",
-        *([g.bracket_note(choices, d), ""] if choices else []),
+        *([reg.bracket_note(choices, d), ""] if choices else []),
         "Tuning means per arm and learning rate (`tuning.csv`):",
         "",
         markdown_table(tables["tuning.csv"]),
@@ -725,23 +411,3 @@ def readme(rows, choices, tables, predicted, confirmed: str, plotted: bool, comm
         ),
     ]
     return "\n".join(lines)
-
-
-def ending(pieces: list[dict], plotted: bool, files: str, command: str) -> list[str]:
-    """A part's README from its pieces table on: the plot, its files (``files``: those beside the pieces, the
-    choice and the design) and the commands that made it."""
-    return [
-        "## Pieces",
-        "",
-        markdown_table(pieces),
-        *(["![registered tests](tests.png)", ""] if plotted else []),
-        "Files: `pieces/<piece>/` (each piece's lab learn output: `learn_runs.csv`, `learn_steps.csv`, its command), "
-        f"`choice.csv` (written before the held-out pieces), {files}, `design.csv` (the registered design).",
-        "",
-        "## Commands",
-        "",
-        "```",
-        command.strip() or "(no piece run yet)",
-        "```",
-        "",
-    ]

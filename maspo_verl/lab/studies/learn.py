@@ -36,10 +36,8 @@ Writes ``outputs/lab/learn/`` (``--update-docs``: ``docs/results/learn/``; or ``
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
-import re
 import shutil
 import statistics
 import tempfile
@@ -48,9 +46,10 @@ from pathlib import Path
 
 from maspo_verl.lab.engine import journal, learn_engine, stats, word_grid
 from maspo_verl.lab.engine.cells import NO_MISMATCH, UNIT_MEDIAN, Cell, parse_cell
-from maspo_verl.lab.engine.common import log, markdown_table, pyplot, read_csv, write_csv
+from maspo_verl.lab.engine.common import log, markdown_table, pyplot, write_csv
 from maspo_verl.lab.engine.learn_engine import ENGINES
-from maspo_verl.lab.engine.runs import run_local
+from maspo_verl.lab.engine.presets import SHIPPED
+from maspo_verl.lab.engine.runs import VALIDATION, load_rows, run_local, slug
 from maspo_verl.lab.engine.stats import mean_interval
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.local import engine_of, speechwarm
@@ -91,7 +90,6 @@ KEYS = (
 # verl's training-inference mismatch diagnostics (decoupled mode only: verl skips them in bypass mode)
 DIAGNOSTIC_PREFIXES = ("rollout_corr/", "training/rollout_")
 IGNORE_EOS = "actor_rollout_ref.rollout.ignore_eos=true"  # the toy tasks' responses have a fixed length
-VALIDATION = "val-core/"  # verl's main validation metrics (val-core/<data source>/<metric>/...)
 # averaged over steps per run, reported per loss and cell: those and the loss's ratio metrics (the correlation too)
 REPORTED_PREFIXES = (*DIAGNOSTIC_PREFIXES, "actor/ratio/")
 MISMATCH_DTYPE = "bf16"  # the knob's one non-default dtype (maspo_verl.local.mismatch validates it in the trainer)
@@ -163,16 +161,6 @@ def add_arguments(p) -> None:
     )
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    """The arguments of one ``lab learn`` command, ``learn --out DIR [options]`` (a study that runs it in pieces)."""
-    p = argparse.ArgumentParser(prog="python -m maspo_verl.lab learn")
-    p.add_argument("--out", required=True)
-    add_arguments(p)
-    if argv[:1] != [STUDY.command]:
-        raise SystemExit(f"{journal.command_line(argv)}: not a lab {STUDY.command} command")
-    return p.parse_args(argv[1:])
-
-
 # -- cells --------------------------------------------------------------------------------------
 
 
@@ -229,15 +217,14 @@ def loss_overrides(loss: str, bands: dict[str, str] | None = None, adjust: bool 
 def preset_of(name: str):
     """A preset as the regime labs compose it (``presets.Preset``), or a variant ``PRESET@field=value[,...]`` of
     one (``presets.variant``: its fields checked as the trainer checks them, a SystemExit naming them)."""
-    from maspo_verl.lab.engine.presets import discover_presets
-    from maspo_verl.lab.studies.regimes_tuned import variant
+    from maspo_verl.lab.engine.presets import discover_presets, variant
 
     return variant(name, "--losses") if VARIANT_SEP in name else discover_presets([name])[0]
 
 
 def parse_bands(items: list[str]) -> dict[str, str]:
     """``--bands PRESET=WIDTH ...`` -> {preset: width}; WIDTH a number > 0 or ``inf``; PRESET may be a variant."""
-    from maspo_verl.lab.studies.regimes_tuned import UNCLIPPED
+    from maspo_verl.lab.engine.presets import UNCLIPPED
 
     presets, out = preset_names(), {}
     for item in items:
@@ -255,9 +242,6 @@ def parse_bands(items: list[str]) -> dict[str, str]:
     return out
 
 
-SHIPPED = "shipped"  # a run's band column where --bands did not scale its preset's
-
-
 def bands_of(runs: list[dict]) -> dict[str, str]:
     """{preset: width} of the runs whose band was scaled (their ``band`` column)."""
     return {r["loss"].partition(CREDIT_SEP)[0]: r["band"] for r in runs if r.get("band") not in (None, "", SHIPPED)}
@@ -266,7 +250,7 @@ def bands_of(runs: list[dict]) -> dict[str, str]:
 def band_overrides(preset: str, width: str) -> list[str]:
     """The overrides that scale ``preset``'s clip band by ``width`` (``presets.widen``: the log-space band
     where the preset's clip is log-space, else the ratio-space one; ``inf`` opens both)."""
-    from maspo_verl.lab.studies.regimes_tuned import widen
+    from maspo_verl.lab.engine.presets import widen
 
     shipped = preset_of(word_grid.split(preset)[0])  # the word-grid arm's band is its preset's
     wide = widen(shipped, width)
@@ -295,12 +279,6 @@ def check_losses(losses: list[str]) -> None:
                 f"--losses {loss!r}: allowed a loss preset {presets}, optionally {CREDIT_SEP}CREDIT with a credit "
                 f"preset {credits} (e.g. maspo_fixed{CREDIT_SEP}span)"
             )
-
-
-def slug(text: str) -> str:
-    """``text`` as a Hydra override value and a folder name: a variant's ``@``, ``=`` and ``,``, and the cell's
-    ``/``, become ``_``."""
-    return re.sub(r"[^\w.+-]", "_", text)
 
 
 def prompt_room(sentence: str) -> int:
@@ -751,28 +729,6 @@ def write_results(args, cells: list[Cell], out: Path, step_rows: list[dict], run
     sigma_plot = plot_sigma(args, cells, runs, out / "learn_sigma.png")
     total_s = sum(r["wall_s"] for r in runs)
     (out / "README.md").write_text(readme(args, cells, summary, comparisons, runs, total_s, sigma_plot))
-
-
-INT_COLUMNS = ("seed", "length", "updates", "step", "steps", "exit_code", "steps_to_target", "steps_to_target_c")
-TEXT_COLUMNS = ("task", "cell", "mismatch", "loss", "collapse", "band", "rollout", stats.FINGERPRINT)
-
-
-def load_rows(path: Path) -> list[dict]:
-    """Rows of a learn CSV as the run wrote them (ints, bools, None for empty, floats); [] where it is missing."""
-    rows = []
-    for raw in read_csv(path):
-        row = {}
-        for key, value in raw.items():
-            if key in TEXT_COLUMNS:
-                row[key] = value
-            elif value in ("True", "False"):
-                row[key] = value == "True"
-            elif value == "":
-                row[key] = None if key in INT_COLUMNS else float("nan")
-            else:
-                row[key] = int(value) if key in INT_COLUMNS else float(value)
-        rows.append(row)
-    return rows
 
 
 # -- plots and README -----------------------------------------------------------------------

@@ -12,9 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from maspo_verl.lab.engine import journal
+from maspo_verl.lab.engine import protocol as reg
 from maspo_verl.lab.engine.common import default_out, markdown_table, read_csv, write_tables
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.lab.studies import granularity as g
 
 STUDY = Study(
     "margins",
@@ -28,22 +28,22 @@ STUDY = Study(
 def judged(runs: list[dict], choices: list[dict], margins: list[float]) -> tuple[list[dict], list[dict]]:
     """Per margin (the registered one first), every test's outcome and every verdict (``granularity``'s rules)."""
     outcomes, verdicts = [], []
-    for margin in dict.fromkeys([g.MARGIN, *margins]):
-        rows = g.tests(runs, choices, replace(g.part1(), margin=margin))
+    for margin in dict.fromkeys([reg.MARGIN, *margins]):
+        rows = reg.tests(runs, choices, replace(reg.part1(), margin=margin))
         keys = ("family", "cell", "arm", "vs", "diff", "tost_low", "tost_high", "p_tost_holm", "outcome")
         outcomes += [{"margin": margin, **{k: r.get(k, "") for k in keys}} for r in rows]
-        verdicts += [{"margin": margin, **v} for v in g.decisions(rows, margin)]
+        verdicts += [{"margin": margin, **v} for v in reg.decisions(rows, margin)]
     return outcomes, verdicts
 
 
 def changed(rows: list[dict], key: str, ids: tuple[str, ...], word=lambda v: v) -> list[dict]:
     """The rows whose ``key`` reads otherwise (``word`` of it: what counts) than at the registered margin, beside
     the registered value."""
-    registered = {tuple(r[i] for i in ids): r[key] for r in rows if r["margin"] == g.MARGIN}
+    registered = {tuple(r[i] for i in ids): r[key] for r in rows if r["margin"] == reg.MARGIN}
     out = []
     for r in rows:
         was = registered[tuple(r[i] for i in ids)]
-        if r["margin"] != g.MARGIN and word(r[key]) != word(was):
+        if r["margin"] != reg.MARGIN and word(r[key]) != word(was):
             out.append({**{i: r[i] for i in ids}, "margin": f"±{r['margin']}", "registered": was, key: r[key]})
     return out
 
@@ -68,12 +68,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     write_tables(out, {"outcomes.csv": outcomes, "verdicts.csv": verdicts})
     moved = changed(verdicts, "verdict", ("family", "cell", "arm"), _verdict)
     tests = changed(outcomes, "outcome", ("family", "cell", "arm", "vs"), _outcome)
-    others = ", ".join(f"±{m}" for m in dict.fromkeys(args.margins) if m != g.MARGIN)
+    others = ", ".join(f"±{m}" for m in dict.fromkeys(args.margins) if m != reg.MARGIN)
     lines = [
         "# The granularity study's part 1 under other equivalence margins",
         "",
         f"Exploratory, not registered: part 1's {len({(r['family'], r['cell'], r['arm'], r['vs']) for r in outcomes})}"
-        f" registered tests judged again at margins {others} final reward instead of the registered ±{g.MARGIN}, "
+        f" registered tests judged again at margins {others} final reward instead of the registered ±{reg.MARGIN}, "
         f"from the committed runs and tuning choice in `{source.as_posix()}/` by the same code as its report, only "
         "the margin changed (made by `COMMAND.txt`). The difference tests do not read the margin; equivalence "
         "(Holm-adjusted TOST p < 0.05 within the family: the 90 % t-interval inside ± the margin) does.",
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--from",
         dest="source",
-        default=str(default_out(g.STUDY.folder, update_docs=True)),
+        default=str(default_out(reg.PART1_FOLDER, update_docs=True)),
         help="part 1's results folder (its runs.csv and choice.csv)",
     )
     p.add_argument("--margins", type=float, nargs="+", default=[0.02, 0.05], help="equivalence margins to judge at")

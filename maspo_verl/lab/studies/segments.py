@@ -212,10 +212,10 @@ def base_settings(preset: str | None) -> dict:
     from maspo_verl.config import GranularLossConfig
 
     if preset:
-        from maspo_verl.lab.studies.bench import preset_entries
+        from maspo_verl.lab.engine.presets import discover_presets
 
-        entry = preset_entries([preset])[0]
-        return {**entry.policy_loss, "loss_mode": "maspo"}
+        (p,) = discover_presets([preset])
+        return {**p.policy_loss, "loss_mode": "maspo"}
     fields = dataclasses.fields(GranularLossConfig)
     out = {}
     for f in fields:

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from maspo_verl.lab.engine import journal, stats
+from maspo_verl.lab.engine import journal, smollm2, stats
 from maspo_verl.lab.engine.common import log, markdown_table, read_csv, write_csv
 from maspo_verl.lab.engine.study import Study
-from maspo_verl.lab.studies import smollm2
 
 STUDY = Study(
     None,
@@ -51,8 +50,8 @@ POOL_SEED, POOL_SIZE, SCREEN = 5200, 512, 8
 NEAR = 0.25  # a pool problem is kept when |accuracy - 1/2| <= NEAR on its SCREEN samples
 ARITH = {"steps": 1, "max_operand": 5}  # the smollm2 model config's task (hydra_configs/model/smollm2.yaml)
 NULL_DRAWS = 16
-# arms whose whole-model gradients share one forward pass: each holds a 135M-float buffer (540 MB), all 8 at once
-# took the process to 13 GB; in pairs 3.2 GB less, for about 20 % more gradient time
+# arms whose whole-model gradients share one forward pass (each holds a buffer of the model's size): pairs bound the
+# memory for a little more gradient time than all arms at once
 ARM_GROUP = 2
 VIF_MARGIN = 0.1  # registered: no correlation if the interval of VIF - null lies inside +-0.1
 
@@ -200,8 +199,7 @@ def one_batch(model, tok, problems, seed: int, args) -> tuple[list[dict], list[d
     """The correlation rows, gradient rows and a summary of batch ``seed``."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.engine.presets import preset_config
-    from maspo_verl.lab.studies.regimes_tuned import presets_of
+    from maspo_verl.lab.engine.presets import preset_config, presets_of
 
     t0, cpu0 = time.time(), time.process_time()
     ids, attn = smollm2.prompt_batch(tok, [arith_prompt(q) for q, _ in problems], args.group)

@@ -12,12 +12,15 @@ preset, and both as a multiple of ``grpo``'s in the same invocation. Results go 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
-from maspo_verl.lab.engine import common, journal
+from maspo_verl.lab.engine import common, journal, study
+from maspo_verl.lab.engine.presets import BASELINE
 from maspo_verl.lab.engine.runs import run_local
 from maspo_verl.lab.engine.study import Study
 from maspo_verl.util import preset_names
@@ -44,10 +47,8 @@ def presets_of(text: str, baseline: str) -> list[str]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    from maspo_verl.lab.studies import bench
-
     out = args.out
-    presets = presets_of(args.presets, bench.BASELINE)
+    presets = presets_of(args.presets, BASELINE)
     os.makedirs(out, exist_ok=True)
     runs = Path(tempfile.mkdtemp(prefix="maspo_steptime_"))
     rows = []
@@ -64,9 +65,60 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         rows += [{"preset": preset, "step": s, "timing_s_step": t} for s, t in times.items()]
     shutil.rmtree(runs, ignore_errors=True)
     common.write_csv(os.path.join(out, "steptime.csv"), rows)
-    journal.start(out, argv, name=bench.STEPTIME_COMMAND)
-    bench.render_readme(out)
-    print(common.markdown_table(bench.summarise_steps(rows, bench.BASELINE)))
+    journal.start(out, argv, name=COMMAND)
+    study.add_sections(out, STUDY.folder, title="# Loss benchmark")
+    print(common.markdown_table(summarise_steps(rows, BASELINE)))
+
+
+SECTION = "## End-to-end overhead"  # of the bench folder's README
+COMMAND = "STEPTIME_COMMAND.txt"  # steptime's journal, beside bench's COMMAND.txt
+
+
+def summarise_steps(rows: list[dict], baseline: str) -> list[dict]:
+    """Step times: median and minimum of steps >= 2 per preset, and their ratios to the baseline's."""
+    by = {}
+    for r in rows:
+        if r["step"] >= 2:
+            by.setdefault(r["preset"], []).append(float(r["timing_s_step"]))
+    if baseline not in by:
+        return []
+    base_med, base_min = statistics.median(by[baseline]), min(by[baseline])
+    return [
+        {
+            "preset": p,
+            "steps": len(v),
+            "median_s": statistics.median(v),
+            "x_grpo_median": statistics.median(v) / base_med,
+            "min_s": min(v),
+            "x_grpo_min": min(v) / base_min,
+        }
+        for p, v in by.items()
+    ]
+
+
+def readme_section(out) -> str:
+    """The end-to-end table from ``steptime.csv``, if present."""
+    path = Path(out) / "steptime.csv"
+    if not path.exists():
+        return ""
+    with open(path) as f:
+        rows = [dict(r, step=int(r["step"]), timing_s_step=float(r["timing_s_step"])) for r in csv.DictReader(f)]
+    table = summarise_steps(rows, BASELINE)
+    command_file = Path(out) / COMMAND
+    command = command_file.read_text().partition("\n")[0] if command_file.exists() else ""
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            f"`{command}`: verl's real trainer in local CPU mode, one run per preset, one after the other "
+            "(same seed, same toy data and tiny model, same steps), on the same shared 2-core machine. "
+            "Each step's `timing_s/step` is verl's own metric; step 1 (trainer warm-up) is left out. "
+            "`x_grpo_*`: the preset's median / minimum step time over `grpo`'s in the same invocation "
+            "(target <= 1.02). Per-step rows: `steptime.csv`.",
+            "",
+            common.markdown_table(table, ["preset", "steps", "median_s", "x_grpo_median", "min_s", "x_grpo_min"]),
+        ]
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
