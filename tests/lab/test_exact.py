@@ -153,7 +153,7 @@ def test_lab_weights_are_the_loss_gradient(loss_mode, est, extra):
     """Without active clipping, d loss / d log_prob of the registered loss is -A * w_t (token-sum)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from maspo_verl.lab.studies.race import Contender, contender_config
+    from maspo_verl.lab.engine.race import Contender, contender_config
 
     tokens, mask = enumerate_sequences(4, 4, eos=3)
     old = E.behaviour_logits("speech")

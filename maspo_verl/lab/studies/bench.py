@@ -48,7 +48,7 @@ from maspo_verl.util import preset_names
 
 STUDY = Study("bench", "forward+backward time, peak memory and host syncs of each loss")
 
-BASELINE = "grpo"
+BASELINE = presets.BASELINE
 # The loss presets as shipped (hydra_configs/loss/*.yaml), the baseline first.
 PRESETS = (BASELINE, *(name for name in preset_names() if name != BASELINE))
 # The text of the ids ``make_inputs`` draws, for segment_rule=delimiters (``maspo_steps``): Qwen2's ids of
@@ -66,15 +66,8 @@ class Entry:
 
 
 def preset_entries(names=PRESETS) -> list[Entry]:
-    """Each preset's resolved loss section, composed from the trainer config like ``maspo_verl.main``."""
-    from maspo_verl.main import loss_section
-    from maspo_verl.reference import compose_config
-
-    entries = []
-    for name in names:
-        actor, policy_loss = presets.split(loss_section(compose_config(f"loss={name}")))
-        entries.append(Entry(name, policy_loss["loss_mode"], actor, policy_loss))
-    return entries
+    """Each preset's resolved loss section (``presets.discover_presets``), the baseline first."""
+    return [Entry(p.name, p.loss_mode, p.actor, p.policy_loss) for p in presets.discover_presets(list(names))]
 
 
 def compiled(e: Entry) -> Entry:
