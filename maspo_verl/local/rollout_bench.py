@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, rate in rates.items():
         below = "" if what == "decode limit" else f"  ({rates['decode limit'] / rate:.1f}x below the limit)"
         print(f"  {what:14}{rate:>10.1f} tokens/s{below}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.out:  # the cache's paths under ~, not this machine's home
+        Path(args.out).write_text(json.dumps(results, indent=1).replace(str(Path.home()), "~"))
     return 0
 
 
