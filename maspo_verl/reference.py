@@ -67,7 +67,8 @@ def compose_config(*overrides: str, config_name: str = "maspo_trainer"):
     """Our trainer config (``hydra_configs/``) with Hydra overrides, as the CLI composes it: a copy of the one
     composed for the same arguments and config files in this process (composing takes about a second; a copy, a
     twentieth)."""
-    files = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(config_dir().rglob("*.yaml")))
+    stats = [(str(p), p.stat()) for p in sorted(config_dir().rglob("*.yaml"))]
+    files = tuple((name, st.st_mtime_ns, st.st_size) for name, st in stats)
     return copy.deepcopy(_composed(config_name, overrides, files))
 
 

@@ -33,14 +33,19 @@ NATIVE_SLOWDOWN = 2.0
 CPUINFO = "/proc/cpuinfo"
 
 
+def read_cpuinfo() -> str | None:
+    """``/proc/cpuinfo``'s text; None where there is none to read."""
+    try:
+        with open(CPUINFO) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def cpu_name(cpuinfo: str | None = None) -> str:
-    """The CPU's model name (x86 ``model name``, else Arm's ``CPU part``/``Hardware``), else the machine type."""
+    """The CPU's model name (x86 ``model name``, Arm's ``Hardware``), else the machine type."""
     if cpuinfo is None:
-        try:
-            with open(CPUINFO) as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = read_cpuinfo() or ""
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip().lower() in ("model name", "hardware") and value.strip():
@@ -85,12 +90,8 @@ def measured_slowdown(size: int = 128, repeats: int = 5) -> float:
 @functools.lru_cache(maxsize=1)
 def native_bf16() -> tuple[bool, str]:
     """(whether this CPU computes bf16 natively, how that is known): its flags, else a measured matmul."""
-    try:
-        with open(CPUINFO) as f:
-            flags = cpu_flags(f.read())
-    except OSError:
-        flags = None
-    return judge(flags)
+    cpuinfo = read_cpuinfo()
+    return judge(None if cpuinfo is None else cpu_flags(cpuinfo))
 
 
 def judge(flags: set[str] | None, slowdown=measured_slowdown) -> tuple[bool, str]:

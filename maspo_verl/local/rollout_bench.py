@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from maspo_verl.local.cpu_dtype import cpu_name, native_bf16
+from maspo_verl.local.ray_cluster import run_cpus
 from maspo_verl.util import read_step_metrics
 
 ENGINES = ("vllm", "hf")
@@ -56,9 +57,6 @@ def run_once(engine: str, model: str, extra: list[str], folder: Path) -> dict:
     if used == "vLLM":
         result["setup"] = run_setup(out.stdout, run_dir)
     return result
-
-
-DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def parameters(model_dir: str | Path) -> int:
@@ -138,7 +136,7 @@ def pure_vllm(run: dict) -> dict:
     payload = {"model": setup["model"], "dtype": setup["dtype"], "max_model_len": length, "n": setup["n"],
                "kv_cache_bytes": kv_cache_bytes(setup["model"], setup["batch"] * setup["n"] * length),
                "temperature": setup["temperature"], "max_tokens": setup["max_tokens"], "prompts": prompts}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(run_cpus()))}
     out = subprocess.run([sys.executable, "-c", PURE, json.dumps(payload)], capture_output=True, text=True, env=env)
     found = [line for line in out.stdout.splitlines() if line.startswith("PURE ")]
     if out.returncode != 0 or not found:
@@ -165,13 +163,18 @@ def run_setup(console: str, run_dir: Path) -> dict:
             "max_prompt": int(cfg.data.max_prompt_length), "max_tokens": int(cfg.data.max_response_length)}  # fmt: skip
 
 
+def last_step(result: dict) -> dict:
+    """The timings of a run's last step (``run_once``)."""
+    return result["steps"][max(result["steps"], key=int)]
+
+
 def tokens_per_s(results: dict) -> dict:
     """Generation tokens a second: each trainer run's (response tokens of its last step over ``timing_s/gen``),
     vLLM alone's, and the decode limit for the same number of sequences."""
     setup, out = results["vllm"]["setup"], {}
     sequences = setup["batch"] * setup["n"]
     for engine in ENGINES:
-        last = results[engine]["steps"][max(results[engine]["steps"], key=int)]
+        last = last_step(results[engine])
         out[results[engine]["engine"]] = last["response_length/mean"] * sequences / last["timing_s/gen"]
     pure = results["pure_vllm"]
     out["vLLM alone"] = pure["tokens"] / pure["gen_s"]
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("extra", nargs="*", help="more overrides for both runs (after --)")
     args = parser.parse_args(argv)
     native, how = native_bf16()
-    results = {"cpu": cpu_name(), "native_bf16": native, "native_bf16_how": how, "cores": len(os.sched_getaffinity(0))}
+    results = {"cpu": cpu_name(), "native_bf16": native, "native_bf16_how": how, "cores": run_cpus()}
     with tempfile.TemporaryDirectory(prefix="rollout_bench_") as tmp:
         for engine in ENGINES:
             results[engine] = run_once(engine, args.model, args.extra, Path(tmp))
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['vllm']['load_before']}, after the last {results['hf']['load_after']}")  # fmt: skip
     header = f"{'':12}" + "".join(f"{k.removeprefix('timing_s/'):>16}" for k in TIMINGS) + f"{'run wall':>12}"
     print(header)
-    last = {e: results[e]["steps"][max(results[e]["steps"], key=int)] for e in ENGINES}
+    last = {e: last_step(results[e]) for e in ENGINES}
     for engine in ENGINES:
         cells = "".join(f"{last[engine].get(k, float('nan')):>15.1f}s" for k in TIMINGS)
         print(f"{results[engine]['engine']:12}{cells}{results[engine]['wall_s']:>11.0f}s")

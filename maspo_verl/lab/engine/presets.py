@@ -75,7 +75,7 @@ def presets_of(names: list[str]) -> list[Preset]:
     shipped = discover_presets([n for n in names if n != CONTROL and "@" not in n])
     out = list(shipped) + [variant(n) for n in names if "@" in n]
     if CONTROL in names:
-        words = next((p for p in discover_presets(["maspo_words"])), None)
+        (words,) = discover_presets(["maspo_words"])
         out.append(replace(words, name=CONTROL, control="shuffled"))
     return out
 
